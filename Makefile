@@ -1,0 +1,33 @@
+# The README's commands. Each target creates .venv and installs on first use; re-runs skip the install
+# until pyproject.toml or the constraints change.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONSTRAINTS := requirements/constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) torch torchvision
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/bench_attention.py --quick
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check linvit tests tools
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) tools/bench_attention.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

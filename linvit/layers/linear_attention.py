@@ -1,0 +1,179 @@
+"""LinearAttention: a drop-in for ``timm.layers.Attention`` with O(N) token mixing."""
+from typing import List, Optional, Tuple, Type
+
+import torch
+import torch.nn as nn
+
+from ..ops import compute_dtype, get_feature_map, linear_attention_from_features
+from .local_mix import LocalMix
+
+
+def check_tokens(x: torch.Tensor, dim: int, is_causal: bool) -> None:
+    """Raise ValueError unless x is [B, N, dim] and the call is non-causal."""
+    if is_causal:
+        raise ValueError("LinearAttention is non-causal; is_causal=True is not supported")
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"LinearAttention expects tokens of shape [B, N, {dim}], got {list(x.shape)}")
+
+
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """Cast to the attention core's dtype (float32, or float64 for float64 inputs)."""
+    return x.to(compute_dtype(x.dtype))
+
+
+def attn_mask_to_key_mask(attn_mask: Optional[torch.Tensor], batch: int, n_tokens: int) -> Optional[torch.Tensor]:
+    """Turn an SDPA-style mask that only masks keys into a key mask for the linear-attention core.
+
+    attn_mask: None, or [B, N], [B, 1, 1, N] or [B, H, 1, N]; bool (True attends) or float (added to the softmax
+    logits, so a key's weight becomes exp(mask): 0 keeps it, -inf drops it). Returns None, bool or float weights
+    of shape [B, N] or [B, H, N]. A mask with a query dimension of N cannot be applied in linear time: ValueError.
+    """
+    if attn_mask is None:
+        return None
+    shape = list(attn_mask.shape)
+    if attn_mask.dim() == 4 and shape[0] == batch and shape[2] == 1 and shape[3] == n_tokens:
+        mask = attn_mask[:, :, 0, :]
+        mask = mask[:, 0, :] if shape[1] == 1 else mask
+    elif shape == [batch, n_tokens]:
+        mask = attn_mask
+    else:
+        raise ValueError(f"LinearAttention supports key-padding masks only: attn_mask of shape [B, N], "
+                         f"[B, 1, 1, N] or [B, H, 1, N] with B={batch}, N={n_tokens}; got {shape}")
+    if mask.dtype == torch.bool:
+        return mask
+    return torch.exp(mask.to(compute_dtype(mask.dtype)))
+
+
+torch.fx.wrap('check_tokens')
+torch.fx.wrap('to_compute_dtype')
+torch.fx.wrap('attn_mask_to_key_mask')
+torch.fx.wrap('linear_attention_from_features')
+
+
+class LinearAttention(nn.Module):
+    """Multi-head linear attention with timm's ``Attention`` interface and parameter names.
+
+    The constructor takes timm's arguments (so ``VisionTransformer(attn_layer=LinearAttention)`` works) and
+    creates the same parameters (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``gate``, ``proj``), so a softmax
+    checkpoint loads unchanged. Token mixing is phi(q)^T phi(k) normalised linear attention in float32
+    (see ``linvit.ops.linear_attention``). ``attn_drop`` must be 0: there is no attention matrix to drop out.
+
+    Extra options:
+        feature_map: name in ``linvit.ops.FEATURE_MAPS``.
+        eps: added to the mean normaliser.
+        local_mix: add a zero-initialised depthwise-conv branch on V over the 2D token grid
+            (``local_mix_kernel`` x ``local_mix_kernel``). Its parameters ``local_mix.conv.*`` are the only ones a
+            softmax checkpoint lacks. The grid is found as ``linvit.layers.local_mix`` documents, using
+            ``num_prefix_tokens`` (class + register tokens before the patches) and ``grid_size``.
+
+    forward: x [B, N, dim] -> [B, N, dim_out]; attn_mask is an optional key-padding mask (see
+    ``attn_mask_to_key_mask``); feat_size (H, W) is the patch grid for the local branch.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            attn_head_dim: Optional[int] = None,
+            dim_out: Optional[int] = None,
+            qkv_bias: bool = False,
+            qk_norm: bool = False,
+            scale_norm: bool = False,
+            proj_bias: bool = True,
+            gated: bool = False,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            norm_layer: Optional[Type[nn.Module]] = None,
+            feature_map: str = 'elu1',
+            eps: float = 1e-6,
+            local_mix: bool = False,
+            local_mix_kernel: int = 3,
+            num_prefix_tokens: int = 1,
+            grid_size: Optional[Tuple[int, int]] = None,
+            device=None,
+            dtype=None,
+    ) -> None:
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        if attn_head_dim is None and dim % num_heads != 0:
+            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}; pass attn_head_dim")
+        if (qk_norm or scale_norm) and norm_layer is None:
+            raise ValueError("qk_norm and scale_norm need a norm_layer")
+        if attn_drop > 0:
+            raise ValueError(f"attn_drop={attn_drop}: linear attention forms no attention matrix to drop out; "
+                             f"use proj_drop or drop_path instead")
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        head_dim = attn_head_dim if attn_head_dim is not None else dim // num_heads
+        dim_out = dim_out or dim
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.attn_dim = num_heads * head_dim
+        self.feature_map_name = feature_map
+        self.feature_map = get_feature_map(feature_map)
+        self.eps = eps
+
+        self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
+        self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
+        self.local_mix = LocalMix(self.attn_dim, local_mix_kernel, num_prefix_tokens, grid_size, **dd) \
+            if local_mix else None
+        self.norm = norm_layer(self.attn_dim, **dd) if scale_norm else nn.Identity()
+        self.gate = nn.Linear(dim, self.attn_dim, bias=qkv_bias, **dd) if gated else None
+        self.proj = nn.Linear(self.attn_dim, dim_out, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def extra_repr(self) -> str:
+        return f"feature_map={self.feature_map_name!r}, eps={self.eps}"
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+            feat_size: Optional[List[int]] = None,
+    ) -> torch.Tensor:
+        check_tokens(x, self.dim, is_causal)
+        B, N, _ = x.shape
+        key_mask = attn_mask_to_key_mask(attn_mask, B, N)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+
+        phi_q = self.feature_map(to_compute_dtype(q))
+        phi_k = self.feature_map(to_compute_dtype(k))
+        mixed = linear_attention_from_features(phi_q, phi_k, to_compute_dtype(v), self.eps, key_mask)
+        out = mixed.to(v.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
+        if self.local_mix is not None:
+            out = out + self.local_mix(v, feat_size)
+        out = self.norm(out)
+        if self.gate is not None:
+            out = out * self.gate(x).sigmoid()
+        out = self.proj(out)
+        return self.proj_drop(out)
+
+
+_LINEAR_ONLY_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size')
+
+
+def linear_attention_layer(**options) -> Type[LinearAttention]:
+    """A LinearAttention subclass whose linear-attention options default to ``options``.
+
+    timm's blocks accept ``attn_layer`` as a class (not a partial), so use this to choose the options:
+    ``VisionTransformer(attn_layer=linear_attention_layer(feature_map='relu', local_mix=True), ...)``.
+    Options are validated here: unknown names and unknown feature maps raise ValueError.
+    """
+    unknown = sorted(set(options) - set(_LINEAR_ONLY_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown LinearAttention options {unknown}; known: {list(_LINEAR_ONLY_OPTIONS)}")
+    if 'feature_map' in options:
+        get_feature_map(options['feature_map'])
+    defaults = dict(options)
+
+    class ConfiguredLinearAttention(LinearAttention):
+        def __init__(self, dim: int, **kwargs) -> None:
+            super().__init__(dim, **{**defaults, **kwargs})
+
+    ConfiguredLinearAttention.__qualname__ = f"LinearAttention[{', '.join(f'{k}={v!r}' for k, v in options.items())}]"
+    return ConfiguredLinearAttention

@@ -1,0 +1,77 @@
+"""Local mixing on the 2D token grid: a depthwise convolution over V, added to the attention output.
+
+Linear attention's kv summary has rank <= D per head, which blurs fine spatial detail; a depthwise convolution on
+the values of neighbouring patches restores it (EfficientViT, FLatten). The branch needs the token grid, which a
+flat [B, N, C] sequence does not carry. It is resolved per call, from the first of:
+
+1. ``feat_size=(H, W)`` passed to ``forward`` (linvit models pass the grid of the current image, so non-square and
+   dynamic sizes work);
+2. ``grid_size=(H, W)`` given at construction, when it matches the token count;
+3. a square grid, when N - num_prefix_tokens is a perfect square;
+
+otherwise a ValueError says what to pass. ``num_prefix_tokens`` leading tokens (class / register tokens) are not
+on the grid and receive no local term. Resolution reads only shapes, so it costs nothing under torch.compile and
+is a leaf (wrapped) call under torch.fx.
+"""
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def resolve_token_grid(n_tokens: int, num_prefix_tokens: int, grid_size: Optional[Tuple[int, int]],
+                       feat_size: Optional[List[int]]) -> Tuple[int, int]:
+    """(H, W) of the patch tokens in a sequence of ``n_tokens`` = num_prefix_tokens + H * W tokens."""
+    n_patches = n_tokens - num_prefix_tokens
+    if feat_size is not None:
+        if len(feat_size) != 2 or feat_size[0] * feat_size[1] != n_patches:
+            raise ValueError(f"feat_size={feat_size} does not match {n_tokens} tokens with {num_prefix_tokens} "
+                             f"prefix tokens: expected (H, W) with H * W = {n_patches}")
+        return feat_size[0], feat_size[1]
+    if grid_size is not None and grid_size[0] * grid_size[1] == n_patches:
+        return grid_size[0], grid_size[1]
+    side = int(math.sqrt(float(max(n_patches, 0))) + 0.5)
+    if n_patches > 0 and side * side == n_patches:
+        return side, side
+    raise ValueError(f"local mixing cannot infer the token grid of {n_tokens} tokens ({num_prefix_tokens} prefix + "
+                     f"{n_patches} patch tokens) with grid_size={grid_size}: pass feat_size=(H, W) to forward() or "
+                     f"grid_size=(H, W) / num_prefix_tokens at construction")
+
+
+torch.fx.wrap('resolve_token_grid')
+
+
+class LocalMix(nn.Module):
+    """Depthwise k x k convolution over the values of patch tokens, zero-initialised (starts as a no-op).
+
+    forward: v [B, H, N, Dv] -> [B, N, H * Dv], channels ordered head-major like the attention output; the
+    ``num_prefix_tokens`` leading tokens get zeros.
+    """
+    grid_size: Optional[Tuple[int, int]]
+
+    def __init__(self, channels: int, kernel_size: int = 3, num_prefix_tokens: int = 1,
+                 grid_size: Optional[Tuple[int, int]] = None, device=None, dtype=None) -> None:
+        super().__init__()
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"local mixing kernel_size must be a positive odd number, got {kernel_size}")
+        if num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        self.num_prefix_tokens = num_prefix_tokens
+        self.grid_size = None if grid_size is None else (int(grid_size[0]), int(grid_size[1]))
+        self.conv = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, groups=channels,
+                              device=device, dtype=dtype)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Zero weights and bias: a model that gains this branch computes exactly what it did before."""
+        nn.init.zeros_(self.conv.weight)
+        nn.init.zeros_(self.conv.bias)
+
+    def forward(self, v: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        B, H, N, Dv = v.shape
+        gh, gw = resolve_token_grid(N, self.num_prefix_tokens, self.grid_size, feat_size)
+        patches = v[:, :, self.num_prefix_tokens:, :].transpose(-2, -1).reshape(B, H * Dv, gh, gw)
+        mixed = self.conv(patches).reshape(B, H * Dv, gh * gw).transpose(1, 2)  # [B, HW, C]
+        return F.pad(mixed, (0, 0, self.num_prefix_tokens, 0))

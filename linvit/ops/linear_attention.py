@@ -1,0 +1,107 @@
+"""Non-causal linear attention (Katharopoulos et al. 2020) with a float32 core.
+
+    out_i = sum_j sim(q_i, k_j) v_j / (sum_j sim(q_i, k_j) + eps),   sim(q, k) = phi(q)^T phi(k)
+
+computed as phi(Q) (phi(K)^T [V, 1]) in O(N D Dv): padding V with a column of ones makes one matmul give the
+numerator (first Dv columns) and the normaliser (last column). Both sums are taken as means over the keys
+(divided by the number of kept keys), so ``eps`` is relative to the mean similarity and the output does not
+depend on how many padded tokens a batch carries.
+
+Numerics: half-precision inputs are cast to float32 and the matmuls run with autocast disabled, because
+kv = sum_j phi(k_j) v_j^T grows with N and overflows float16 at image-scale token counts. float64 inputs stay
+float64 (for gradcheck). The result is cast back to the dtype of ``v``.
+"""
+from typing import Callable, Optional, Union
+
+import torch
+
+from .feature_maps import FeatureMap, get_feature_map
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the attention core runs in: float64 stays float64, everything else runs in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           key_mask: Optional[torch.Tensor] = None) -> None:
+    """Raise ValueError unless q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], key_mask [B, N] or [B, H, N]."""
+    for name, t in (('q', q), ('k', k), ('v', v)):
+        if t.dim() != 4:
+            raise ValueError(f"linear attention expects {name} of shape [B, H, N, D], got {list(t.shape)}")
+    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k, v must share [B, H]: got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"q and k must share the feature width D: got q {list(q.shape)}, k {list(k.shape)}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"k and v must hold the same number of tokens N: got k {list(k.shape)}, v {list(v.shape)}")
+    if key_mask is not None:
+        b, h, n = k.shape[0], k.shape[1], k.shape[2]
+        shape = list(key_mask.shape)
+        if shape != [b, n] and shape != [b, h, n]:
+            raise ValueError(f"key_mask must have shape [B, N] = {[b, n]} or [B, H, N] = {[b, h, n]}, got {shape}")
+
+
+def _key_weights(key_mask: torch.Tensor, n_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """key_mask [B, N] or [B, H, N] (bool: True keeps the key; float: a weight >= 0) -> weights [B, H|1, N]."""
+    w = key_mask.to(dtype)
+    if w.dim() == 2:
+        w = w.unsqueeze(1)
+    return w
+
+
+def linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float = 1e-6,
+                                   key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The attention core on mapped features, all in one dtype (float32 or float64) with autocast disabled.
+
+    phi_q: [B, H, Nq, D], phi_k: [B, H, N, D] (non-negative), v: [B, H, N, Dv], key_mask: [B, N] or [B, H, N]
+    -> [B, H, Nq, Dv] in the dtype of the inputs. Masked keys (False or weight 0) contribute nothing, even when
+    their values are not finite.
+    """
+    if torch.jit.is_scripting():
+        # TorchScript only accepts a constant autocast device; scripted models run the core as traced dtypes say
+        return _core(phi_q, phi_k, v, eps, key_mask)
+    with torch.autocast(device_type=v.device.type, enabled=False):
+        return _core(phi_q, phi_k, v, eps, key_mask)
+
+
+def _core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,
+          key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    ones = torch.ones(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device)
+    v1 = torch.cat([v, ones], dim=-1)  # [B, H, N, Dv + 1]
+    if key_mask is None:
+        kv = phi_k.transpose(-2, -1) @ v1 * (1.0 / phi_k.shape[-2])  # [B, H, D, Dv + 1]
+    else:
+        w = _key_weights(key_mask, phi_k.shape[1], phi_k.dtype)  # [B, H|1, N]
+        keep = (w > 0).unsqueeze(-1)
+        phi_k = torch.where(keep, phi_k * w.unsqueeze(-1), 0.0)
+        v1 = torch.where(keep, v1, 0.0)
+        count = w.sum(dim=-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)  # [B, H|1, 1, 1]
+        kv = phi_k.transpose(-2, -1) @ v1 / count
+    out1 = phi_q @ kv  # [B, H, Nq, Dv + 1]: numerator | normaliser
+    dv = v.shape[-1]
+    return out1[..., :dv] / (out1[..., dv:] + eps)
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor]] = 'elu1', eps: float = 1e-6,
+                     key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Non-causal linear attention.
+
+    Args:
+        q: [B, H, Nq, D] queries.
+        k: [B, H, N, D] keys.
+        v: [B, H, N, Dv] values; Dv may differ from D.
+        feature_map: a name from ``FEATURE_MAPS`` or a function [..., D] -> non-negative [..., D].
+        eps: added to the (mean) normaliser; keeps rows whose similarities are all 0 finite (they output 0).
+        key_mask: optional [B, N] or [B, H, N]; bool True keeps a key, a float is a per-key weight >= 0.
+            Masked keys are dropped exactly: the output equals that of the unpadded sequence.
+
+    Returns:
+        [B, H, Nq, Dv] in the dtype of ``v``; computed in float32 (float64 for float64 inputs).
+    """
+    check_attention_inputs(q, k, v, key_mask)
+    phi: FeatureMap = get_feature_map(feature_map) if isinstance(feature_map, str) else feature_map
+    dtype = compute_dtype(v.dtype)
+    out = linear_attention_from_features(phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype), eps, key_mask)
+    return out.to(v.dtype)
