@@ -1,0 +1,241 @@
+"""LinearAttention as a drop-in for timm's Attention: math, options, masks, errors, timm integration."""
+import pytest
+import torch
+import torch.nn as nn
+from timm.layers import Attention
+from timm.models.vision_transformer import VisionTransformer
+
+from linvit import LinearAttention, linear_attention_layer, load_softmax_state_dict
+from linvit.ops import FEATURE_MAPS, quadratic_linear_attention
+
+DIM, HEADS = 48, 4
+
+
+def _tokens(b=2, n=17, dim=DIM, seed=0) -> torch.Tensor:
+    return torch.randn(b, n, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _randomise(module: nn.Module, seed=0) -> nn.Module:
+    """Give every parameter (incl. zero-initialised branches) random values so that no branch is a no-op."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module
+
+
+def _reference_layer_forward(layer: LinearAttention, x: torch.Tensor, key_mask=None) -> torch.Tensor:
+    """The layer's math written out in float64 with the quadratic attention formula."""
+    x = x.double()
+    b, n, _ = x.shape
+    w_qkv, b_qkv = layer.qkv.weight.double(), layer.qkv.bias.double()
+    qkv = (x @ w_qkv.T + b_qkv).reshape(b, n, 3, layer.num_heads, layer.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    out = quadratic_linear_attention(q, k, v, feature_map=layer.feature_map_name, eps=layer.eps, key_mask=key_mask)
+    out = out.transpose(1, 2).reshape(b, n, layer.attn_dim)
+    return out @ layer.proj.weight.double().T + layer.proj.bias.double()
+
+
+@pytest.mark.parametrize('feature_map', sorted(FEATURE_MAPS))
+def test_layer_matches_float64_reference(feature_map):
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, feature_map=feature_map))
+    x = _tokens()
+    ref = _reference_layer_forward(layer, x)
+    err = ((layer(x).double() - ref).norm() / ref.norm()).item()
+    assert err <= 1e-5, f"rel err {err:.2e}"
+
+
+def test_layer_key_padding_mask_matches_unpadded():
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True))
+    x = _tokens(b=1, n=12)
+    padded = torch.cat([x, torch.randn(1, 5, DIM)], dim=1)
+    keep = torch.cat([torch.ones(1, 12, dtype=torch.bool), torch.zeros(1, 5, dtype=torch.bool)], dim=1)
+    expected = layer(x)
+    for mask in (keep, keep[:, None, None, :], torch.zeros(1, 1, 1, 17).masked_fill(~keep[:, None, None], -torch.inf)):
+        torch.testing.assert_close(layer(padded, attn_mask=mask)[:, :12], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_rejects_full_attention_mask_and_causal():
+    layer = LinearAttention(DIM, HEADS)
+    x = _tokens(n=6)
+    with pytest.raises(ValueError, match=r'key-padding masks only.*got \[2, 1, 6, 6\]'):
+        layer(x, attn_mask=torch.ones(2, 1, 6, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match='non-causal'):
+        layer(x, is_causal=True)
+
+
+def test_layer_rejects_bad_token_shapes():
+    layer = LinearAttention(DIM, HEADS)
+    with pytest.raises(ValueError, match=r'\[B, N, 48\], got \[2, 17, 40\]'):
+        layer(torch.zeros(2, 17, 40))
+    with pytest.raises(ValueError, match=r'got \[17, 48\]'):
+        layer(torch.zeros(17, DIM))
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match='known feature maps'):
+        LinearAttention(DIM, HEADS, feature_map='nope')
+    with pytest.raises(ValueError, match='attn_drop'):
+        LinearAttention(DIM, HEADS, attn_drop=0.1)
+    with pytest.raises(ValueError, match='divisible'):
+        LinearAttention(50, HEADS)
+    with pytest.raises(ValueError, match="unknown LinearAttention options \\['kernel'\\]"):
+        linear_attention_layer(kernel='relu')
+    with pytest.raises(ValueError, match='known feature maps'):
+        linear_attention_layer(feature_map='nope')
+
+
+def test_timm_options_carry_over():
+    """qk_norm, scale_norm, gated, attn_head_dim and dim_out build the same parameters as timm's Attention."""
+    kwargs = dict(qkv_bias=True, qk_norm=True, scale_norm=True, gated=True, attn_head_dim=16, dim_out=32,
+                  norm_layer=nn.LayerNorm)
+    ours, theirs = LinearAttention(DIM, HEADS, **kwargs), Attention(DIM, HEADS, **kwargs)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    out = _randomise(ours)(_tokens())
+    assert out.shape == (2, 17, 32) and torch.isfinite(out).all()
+
+
+def test_meta_device_construction():
+    layer = LinearAttention(DIM, HEADS, local_mix=True, device='meta', dtype=torch.bfloat16)
+    assert all(p.device.type == 'meta' and p.dtype == torch.bfloat16 for p in layer.parameters())
+
+
+# ---- local mixing ----
+
+def _local_mix_reference(layer: LinearAttention, x: torch.Tensor, grid, prefix) -> torch.Tensor:
+    """Per-token neighbourhood sum in float64, written without convolution: what the branch adds before proj."""
+    b, n, _ = x.shape
+    qkv = (x.double() @ layer.qkv.weight.double().T + layer.qkv.bias.double())
+    v = qkv[..., 2 * layer.attn_dim:]  # [B, N, C], channel = head * head_dim + d
+    weight = layer.local_mix.conv.weight.double()[:, 0]  # [C, k, k]
+    bias = layer.local_mix.conv.bias.double()
+    r = weight.shape[-1] // 2
+    gh, gw = grid
+    out = torch.zeros(b, n, layer.attn_dim, dtype=torch.float64)
+    for i in range(gh):
+        for j in range(gw):
+            acc = bias.expand(b, -1).clone()
+            for di in range(-r, r + 1):
+                for dj in range(-r, r + 1):
+                    ii, jj = i + di, j + dj
+                    if 0 <= ii < gh and 0 <= jj < gw:
+                        acc = acc + weight[:, di + r, dj + r] * v[:, prefix + ii * gw + jj]
+            out[:, prefix + i * gw + j] = acc
+    return out
+
+
+@pytest.mark.parametrize('prefix, grid', [(1, (3, 5)), (5, (4, 4)), (0, (2, 7))])
+def test_local_mix_adds_depthwise_neighbourhood(prefix, grid):
+    base = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, local_mix=True, num_prefix_tokens=prefix))
+    no_mix = LinearAttention(DIM, HEADS, qkv_bias=True, num_prefix_tokens=prefix)
+    no_mix.load_state_dict(base.state_dict(), strict=False)
+    x = _tokens(n=prefix + grid[0] * grid[1])
+    # undo the output projection to compare the pre-projection sum
+    w_proj = base.proj.weight.double()
+    got = (base(x, feat_size=list(grid)).double() - no_mix(x).double()) @ torch.linalg.pinv(w_proj.T)
+    expected = _local_mix_reference(base, x, grid, prefix)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_local_mix_starts_as_identity():
+    with_mix = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True))
+    mixed = LinearAttention(DIM, HEADS, qkv_bias=True, local_mix=True)
+    kept = load_softmax_state_dict(mixed, with_mix.state_dict())
+    assert kept == ['local_mix.conv.bias', 'local_mix.conv.weight']
+    x = _tokens(n=1 + 16)
+    torch.testing.assert_close(mixed(x), with_mix(x), rtol=0, atol=0)
+
+
+def test_local_mix_grid_resolution():
+    layer = LinearAttention(DIM, HEADS, local_mix=True, num_prefix_tokens=1, grid_size=(3, 5))
+    assert layer(_tokens(n=1 + 15)).shape == (2, 16, DIM)  # construction grid
+    assert layer(_tokens(n=1 + 36)).shape == (2, 37, DIM)  # square fallback
+    assert layer(_tokens(n=1 + 6 * 10), feat_size=[6, 10]).shape == (2, 61, DIM)  # explicit, non-square
+    with pytest.raises(ValueError, match=r'cannot infer the token grid of 61 tokens .*feat_size'):
+        layer(_tokens(n=61))
+    with pytest.raises(ValueError, match=r'feat_size=\[5, 10\] does not match 61 tokens'):
+        layer(_tokens(n=61), feat_size=[5, 10])
+    with pytest.raises(ValueError, match='odd'):
+        LinearAttention(DIM, HEADS, local_mix=True, local_mix_kernel=4)
+
+
+# ---- inside timm's VisionTransformer ----
+
+def _vit(attn_layer, **kwargs) -> VisionTransformer:
+    cfg = dict(img_size=64, patch_size=16, embed_dim=DIM, depth=2, num_heads=HEADS, num_classes=10, qkv_bias=True)
+    cfg.update(kwargs)
+    return VisionTransformer(attn_layer=attn_layer, **cfg)
+
+
+@pytest.mark.parametrize('options', [dict(), dict(feature_map='focused', local_mix=True)], ids=['plain', 'focused-mix'])
+def test_vit_with_linear_attention_forward_backward(options):
+    # average pooling: with a class-token head the last block's patch tokens (and its local branch) are unused
+    model = _vit(linear_attention_layer(**options), global_pool='avg')
+    _randomise(model)
+    out = model(torch.randn(2, 3, 64, 64))
+    assert out.shape == (2, 10)
+    out.square().sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, f"{name} got a zero gradient"
+
+
+def test_vit_torchscript_and_fx_match_eager():
+    model = _randomise(_vit(linear_attention_layer(local_mix=True))).eval()
+    x = torch.randn(2, 3, 64, 64)
+    expected = model(x)
+    torch.testing.assert_close(torch.jit.script(model)(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.fx.symbolic_trace(model)(x), expected, rtol=0, atol=0)
+
+
+def test_vit_compiles_without_graph_breaks():
+    model = _randomise(_vit(linear_attention_layer(local_mix=True))).eval()
+    x = torch.randn(2, 3, 64, 64)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch.testing.assert_close(torch.compile(model, fullgraph=True)(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('local_mix', [False, True], ids=['plain', 'local-mix'])
+def test_vit_loads_softmax_state_dict(local_mix):
+    softmax = _randomise(_vit(Attention, reg_tokens=2, qk_norm=True, init_values=1e-2))
+    linear = _vit(linear_attention_layer(local_mix=local_mix, num_prefix_tokens=3), reg_tokens=2, qk_norm=True,
+                  init_values=1e-2)
+    kept = load_softmax_state_dict(linear, softmax.state_dict())
+    expected_kept = sorted(f'blocks.{i}.attn.local_mix.conv.{p}' for i in range(2) for p in ('weight', 'bias'))
+    assert kept == (expected_kept if local_mix else [])
+    linear_sd = linear.state_dict()
+    for key, tensor in softmax.state_dict().items():
+        assert torch.equal(linear_sd[key], tensor), key
+    # the attention-free parts are shared, so the patch embedding sees identical features
+    x = torch.randn(1, 3, 64, 64)
+    torch.testing.assert_close(linear.patch_embed(x), softmax.patch_embed(x), rtol=0, atol=0)
+
+
+def test_softmax_state_dict_with_wrong_keys_is_rejected():
+    linear = _vit(LinearAttention)
+    sd = _vit(Attention).state_dict()
+    sd['blocks.0.attn.extra'] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r"unexpected keys \['blocks.0.attn.extra'\]"):
+        load_softmax_state_dict(linear, sd)
+
+
+def test_autocast_bf16_layer_is_finite_and_close():
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True)).eval()
+    x = torch.randn(1, 4096, DIM) * 3
+    ref = layer(x)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 3e-2, err  # bf16 projections (8-bit mantissa) dominate; the core itself runs in float32
+
+
+def test_prefix_tokens_get_no_local_term():
+    """Prefix tokens get attention output but no local term: compare against the branch-free layer."""
+    base = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, local_mix=True, num_prefix_tokens=2))
+    no_mix = LinearAttention(DIM, HEADS, qkv_bias=True, num_prefix_tokens=2)
+    no_mix.load_state_dict(base.state_dict(), strict=False)
+    x = _tokens(n=2 + 9)
+    torch.testing.assert_close(base(x)[:, :2], no_mix(x)[:, :2], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(base(x)[:, 2:], no_mix(x)[:, 2:])
