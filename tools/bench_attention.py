@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""One attention layer at growing token counts: timm's softmax Attention (SDPA), LinearAttention, and the floor.
+
+The floor is the same layer with token mixing removed (qkv + proj only): what any attention must pay at least.
+All layers run in one process, interleaved per repeat so that machine noise hits them alike; the table reports
+median milliseconds and ratios, and the crossover N from which linear attention beats softmax.
+
+    python tools/bench_attention.py                  # N = 49 .. 16384, width 384, 6 heads, fp32, batch 1
+    python tools/bench_attention.py --quick          # fewer sizes and repeats (the `make demo` run)
+    python tools/bench_attention.py --tokens 256 1024 4096 --feature-map relu --csv bench.csv
+"""
+import argparse
+import csv
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from timm.layers import Attention
+
+from linvit.layers import LinearAttention, NoMixingAttention
+from linvit.ops import list_feature_maps
+
+FULL_TOKENS = [49, 196, 256, 576, 1024, 2304, 4096, 9216, 16384]
+QUICK_TOKENS = [49, 196, 256, 576, 1024, 4096]
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--tokens', type=int, nargs='+', help=f'token counts (default {FULL_TOKENS})')
+    parser.add_argument('--dim', type=int, default=384)
+    parser.add_argument('--heads', type=int, default=6)
+    parser.add_argument('--batch', type=int, default=1)
+    parser.add_argument('--dtype', choices=sorted(DTYPES), default='fp32')
+    parser.add_argument('--feature-map', default='elu1', choices=list_feature_maps())
+    parser.add_argument('--local-mix', action='store_true', help='add the depthwise-conv branch (square grids)')
+    parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--repeats', type=int, default=7)
+    parser.add_argument('--quick', action='store_true', help=f'tokens {QUICK_TOKENS}, 1 warm-up, 3 repeats')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--csv', help='also write the table to this CSV file')
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens = args.tokens or QUICK_TOKENS
+        args.warmup, args.repeats = 1, 3
+    args.tokens = args.tokens or FULL_TOKENS
+    if args.local_mix:
+        bad = [n for n in args.tokens if int(round(n ** 0.5)) ** 2 != n]
+        if bad:
+            parser.error(f'--local-mix needs square token counts (no prefix tokens), got {bad}')
+    return args
+
+
+def build_layers(args: argparse.Namespace) -> Dict[str, nn.Module]:
+    """The three layers with identical projection weights, in eval mode on the target device and dtype."""
+    common = dict(dim=args.dim, num_heads=args.heads, qkv_bias=True)
+    layers = {
+        'softmax': Attention(**common),
+        'linear': LinearAttention(**common, feature_map=args.feature_map, local_mix=args.local_mix,
+                                  num_prefix_tokens=0),
+        'floor': NoMixingAttention(**common),
+    }
+    state = layers['softmax'].state_dict()
+    for layer in layers.values():
+        layer.load_state_dict(state, strict=False)
+    return {name: layer.to(args.device, DTYPES[args.dtype]).eval() for name, layer in layers.items()}
+
+
+def synchronize(device: str) -> None:
+    if device.startswith('cuda'):
+        torch.cuda.synchronize()
+
+
+def time_interleaved(fns: Dict[str, Callable[[], torch.Tensor]], warmup: int, repeats: int,
+                     device: str) -> Dict[str, float]:
+    """Median milliseconds per call of each function; one call of each per round so drift hits all alike."""
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for round_idx in range(warmup + repeats):
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            if round_idx >= warmup:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def crossover(rows: List[Dict[str, float]]) -> Optional[int]:
+    """Smallest N from which linear attention is faster than softmax at that and every larger N."""
+    result = None
+    for row in reversed(rows):
+        if row['linear_ms'] >= row['softmax_ms']:
+            break
+        result = int(row['tokens'])
+    return result
+
+
+def run(args: argparse.Namespace) -> List[Dict[str, float]]:
+    torch.manual_seed(0)
+    layers = build_layers(args)
+    rows = []
+    print(f"# one attention layer: width {args.dim}, {args.heads} heads, batch {args.batch}, {args.dtype}, "
+          f"feature map {args.feature_map}{', local mix' if args.local_mix else ''}, device {args.device}, "
+          f"{torch.get_num_threads()} threads; median of {args.repeats} after {args.warmup} warm-up")
+    print(f"{'N':>7} {'softmax ms':>11} {'linear ms':>10} {'floor ms':>9} {'linear/floor':>13} "
+          f"{'softmax/linear':>15}")
+    with torch.inference_mode():
+        for n in args.tokens:
+            x = torch.randn(args.batch, n, args.dim, device=args.device, dtype=DTYPES[args.dtype])
+            fns = {name: (lambda layer=layer, x=x: layer(x)) for name, layer in layers.items()}
+            ms = time_interleaved(fns, args.warmup, args.repeats, args.device)
+            row = {'tokens': n, 'softmax_ms': ms['softmax'], 'linear_ms': ms['linear'], 'floor_ms': ms['floor'],
+                   'linear_over_floor': ms['linear'] / ms['floor'], 'softmax_over_linear': ms['softmax'] / ms['linear']}
+            rows.append(row)
+            print(f"{n:>7} {row['softmax_ms']:>11.3f} {row['linear_ms']:>10.3f} {row['floor_ms']:>9.3f} "
+                  f"{row['linear_over_floor']:>12.2f}x {row['softmax_over_linear']:>14.2f}x", flush=True)
+    n_cross = crossover(rows)
+    if n_cross is None:
+        print("linear attention does not beat softmax at the largest N measured")
+    else:
+        print(f"linear attention beats softmax from N = {n_cross} tokens on (every larger N measured)")
+    return rows
+
+
+def write_csv(path: str, rows: List[Dict[str, float]]) -> None:
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    rows = run(args)
+    if args.csv:
+        write_csv(args.csv, rows)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
