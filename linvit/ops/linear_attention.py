@@ -2,10 +2,10 @@
 
     out_i = sum_j sim(q_i, k_j) v_j / (sum_j sim(q_i, k_j) + eps),   sim(q, k) = phi(q)^T phi(k)
 
-computed as phi(Q) (phi(K)^T [V, 1]) in O(N D Dv): padding V with a column of ones makes one matmul give the
-numerator (first Dv columns) and the normaliser (last column). Both sums are taken as means over the keys
-(divided by the number of kept keys), so ``eps`` is relative to the mean similarity and the output does not
-depend on how many padded tokens a batch carries.
+computed as phi(Q) [phi(K)^T V | phi(K)^T 1] in O(N D Dv): the key sum is appended to kv as one more column, so
+one query-side matmul gives the numerator (first Dv columns) and the normaliser (last column). Both sums are taken
+as means over the keys (divided by the number of kept keys), so ``eps`` is relative to the mean similarity and the
+output does not depend on how many padded tokens a batch carries.
 
 Numerics: half-precision inputs are cast to float32 and the matmuls run with autocast disabled, because
 kv = sum_j phi(k_j) v_j^T grows with N and overflows float16 at image-scale token counts. float64 inputs stay
@@ -67,18 +67,19 @@ def linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: 
 
 def _core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,
           key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    ones = torch.ones(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device)
-    v1 = torch.cat([v, ones], dim=-1)  # [B, H, N, Dv + 1]
     if key_mask is None:
-        kv = phi_k.transpose(-2, -1) @ v1 * (1.0 / phi_k.shape[-2])  # [B, H, D, Dv + 1]
+        scale = torch.full((), 1.0 / phi_k.shape[-2], dtype=phi_k.dtype, device=phi_k.device)
     else:
         w = _key_weights(key_mask, phi_k.shape[1], phi_k.dtype)  # [B, H|1, N]
         keep = (w > 0).unsqueeze(-1)
         phi_k = torch.where(keep, phi_k * w.unsqueeze(-1), 0.0)
-        v1 = torch.where(keep, v1, 0.0)
-        count = w.sum(dim=-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)  # [B, H|1, 1, 1]
-        kv = phi_k.transpose(-2, -1) @ v1 / count
-    out1 = phi_q @ kv  # [B, H, Nq, Dv + 1]: numerator | normaliser
+        v = torch.where(keep, v, 0.0)
+        scale = 1.0 / w.sum(dim=-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)  # [B, H|1, 1, 1]
+    # [phi(K)^T V | phi(K)^T 1] is [B, H, D, Dv + 1]: appending the key sum to the small kv matrix (rather than a
+    # ones column to the large V) gives the same single query-side matmul for numerator and normaliser
+    kv = phi_k.transpose(-2, -1) @ v
+    kv1 = torch.cat([kv, phi_k.sum(dim=-2).unsqueeze(-1)], dim=-1) * scale
+    out1 = phi_q @ kv1  # [B, H, Nq, Dv + 1]: numerator | normaliser
     dv = v.shape[-1]
     return out1[..., :dv] / (out1[..., dv:] + eps)
 
