@@ -4,13 +4,17 @@ Public API:
     linvit.ops.linear_attention(q, k, v, feature_map='elu1', eps=1e-6, key_mask=None)   # [B, H, N, D] tensors
     linvit.LinearAttention(dim, num_heads, ...)   # drop-in for timm.layers.Attention
     linvit.load_softmax_state_dict(model, state_dict)   # softmax checkpoint -> linear model, reports new keys
+    timm.create_model('linvit_small_patch16_224', ...)   # registered by importing linvit (timm.list_models('linvit_*'))
+    linvit.convert_to_linear(model, attn_kernel='elu1', local_mix=False, softmax_blocks=())   # timm ViT, in place
 """
-from . import ops
+from . import models, ops
 from .layers import LinearAttention, LocalMix, linear_attention_layer, load_softmax_state_dict
+from .models import LinearVisionTransformer, convert_to_linear
 from .ops import FEATURE_MAPS, linear_attention, list_feature_maps
 
 __version__ = '0.1.0'
 
-__all__ = ['ops', 'LinearAttention', 'linear_attention_layer', 'LocalMix', 'load_softmax_state_dict',
+__all__ = ['models', 'ops', 'LinearAttention', 'linear_attention_layer', 'LocalMix', 'load_softmax_state_dict',
            'FEATURE_MAPS', 'linear_attention',
+           'LinearVisionTransformer', 'convert_to_linear',
            'list_feature_maps', '__version__']

@@ -1,0 +1,164 @@
+"""Turn a timm softmax model built on ``timm.layers.Attention`` into linear attention, in place.
+
+Works on every model whose token mixing is timm's ``Attention`` (``VisionTransformer`` and its subclasses:
+vit_*, deit_*, deit3_*, with class / register / distillation tokens, qk_norm, layer scale, gating). Each
+``Attention`` becomes a ``LinearAttention`` that holds the very same submodules (qkv, q_norm, k_norm, norm, gate,
+proj), so every pretrained tensor is kept bit for bit and the state_dict keys do not change; only the optional
+local-mix branch adds tensors (``<path>.local_mix.conv.weight/bias``, zero-initialised).
+
+Limitation: the host model's forward does not pass the patch grid to its blocks, so a converted model's local-mix
+branch finds the grid from the model's construction grid (``patch_embed.grid_size``) or a square token count.
+Non-square inputs of another size (``dynamic_img_size=True``) then raise a ValueError; for those, load the
+converted (or the original) weights into the ``linvit_*`` model of the same width, which passes the grid.
+"""
+import logging
+from typing import List, Optional, Sequence, Tuple
+
+import torch.nn as nn
+from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr
+
+from ..layers import LinearAttention, LocalMix
+from ..ops import get_feature_map
+from .linvit import resolve_softmax_blocks
+
+__all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites']
+
+_logger = logging.getLogger(__name__)
+
+# Attention-like modules left as they are: already linear, or pooling through a few learned queries (O(N) already)
+_KEPT_AS_IS = (LinearAttention, AttentionPoolLatent, AttentionPoolPrr)
+# LinearAttention has timm Attention's submodules under the same names; these are moved over, not copied
+_SHARED_SUBMODULES = ('qkv', 'q_norm', 'k_norm', 'norm', 'gate', 'proj', 'proj_drop')
+
+
+def _qualified_name(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _is_other_attention(path: str, module: nn.Module) -> bool:
+    """True for attention that conversion does not support: a block's ``attn`` child or an *Attention / *Attn /
+    Attention* class that is neither timm's exact ``Attention`` nor in _KEPT_AS_IS."""
+    if type(module) is Attention or isinstance(module, _KEPT_AS_IS):
+        return False
+    name = type(module).__name__
+    return path.rsplit('.', 1)[-1] == 'attn' or name.endswith(('Attention', 'Attn')) or name.startswith('Attention')
+
+
+def attention_sites(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(path, module) of every timm ``Attention`` and ``LinearAttention`` in ``model``, in module order.
+
+    Raises ValueError naming the first other attention module (e.g. AttentionRope, DiffAttention, Swin's
+    WindowAttention, EVA's EvaAttention): converting only some of a model's attention would hide softmax cost.
+    """
+    sites = []
+    for path, module in model.named_modules():
+        if type(module) is Attention or isinstance(module, LinearAttention):
+            sites.append((path, module))
+        elif _is_other_attention(path, module):
+            raise ValueError(f"convert_to_linear cannot convert {path or '<model>'} ({_qualified_name(module)}): "
+                             f"only timm.layers.Attention, as in timm's VisionTransformer blocks, is supported")
+    return sites
+
+
+def linear_attention_from_softmax(
+        attn: Attention,
+        feature_map: str = 'elu1',
+        local_mix: bool = False,
+        local_mix_kernel: int = 3,
+        num_prefix_tokens: int = 1,
+        grid_size: Optional[Tuple[int, int]] = None,
+) -> LinearAttention:
+    """A LinearAttention that holds ``attn``'s own submodules (same tensors, device, dtype, requires_grad).
+
+    ``attn`` must be exactly ``timm.layers.Attention`` with attention dropout 0. The optional local-mix branch is
+    new: zero-initialised, on ``attn``'s device and dtype, with the given token layout (see ``LocalMix``).
+    """
+    if type(attn) is not Attention:
+        raise ValueError(f"expected timm.layers.Attention, got {_qualified_name(attn)}")
+    if attn.attn_drop.p > 0:
+        raise ValueError(f"attention dropout p={attn.attn_drop.p}: linear attention forms no attention matrix to "
+                         f"drop out; create the model with attn_drop_rate=0")
+    # the shell is built on the meta device: all its tensors are replaced by attn's own submodules below
+    linear = LinearAttention(
+        attn.qkv.in_features,
+        num_heads=attn.num_heads,
+        attn_head_dim=attn.head_dim,
+        dim_out=attn.proj.out_features,
+        qkv_bias=attn.qkv.bias is not None,
+        proj_bias=attn.proj.bias is not None,
+        gated=attn.gate is not None,
+        proj_drop=attn.proj_drop.p,
+        feature_map=feature_map,
+        device='meta',
+    )
+    for name in _SHARED_SUBMODULES:
+        setattr(linear, name, getattr(attn, name))
+    if local_mix:
+        weight = attn.qkv.weight
+        linear.local_mix = LocalMix(linear.attn_dim, local_mix_kernel, num_prefix_tokens, grid_size,
+                                    device=weight.device, dtype=weight.dtype)
+    return linear.train(attn.training)
+
+
+def _token_layout(model: nn.Module) -> Tuple[int, Tuple[int, int]]:
+    """(num_prefix_tokens, patch grid) of a ViT-like model, which local mixing needs; ValueError if it has none."""
+    num_prefix_tokens = getattr(model, 'num_prefix_tokens', None)
+    grid_size = getattr(getattr(model, 'patch_embed', None), 'grid_size', None)
+    if num_prefix_tokens is None or grid_size is None:
+        raise ValueError(f"local_mix needs the token layout, but {type(model).__name__} has no num_prefix_tokens "
+                         f"and patch_embed.grid_size; convert with local_mix=False")
+    if getattr(model, 'dynamic_img_size', False):
+        _logger.warning("local_mix on a converted %s finds the patch grid from grid_size %s or a square token count; "
+                        "other non-square sizes raise. Load the weights into a linvit_* model for those.",
+                        type(model).__name__, tuple(grid_size))
+    return int(num_prefix_tokens), (int(grid_size[0]), int(grid_size[1]))
+
+
+def convert_to_linear(
+        model: nn.Module,
+        attn_kernel: str = 'elu1',
+        local_mix: bool = False,
+        local_mix_kernel: int = 3,
+        softmax_blocks: Sequence[int] = (),
+) -> nn.Module:
+    """Replace the softmax attention of a timm model by linear attention, in place; returns ``model``.
+
+    Args:
+        model: a timm model whose attention is ``timm.layers.Attention`` (vit_*, deit_*, deit3_*, ...).
+        attn_kernel: feature map name from ``linvit.ops.FEATURE_MAPS``.
+        local_mix: add the zero-initialised depthwise-conv branch (see the module docstring for its grid).
+        local_mix_kernel: its odd kernel size.
+        softmax_blocks: indices of attention modules, counted in module order (the block index for
+            VisionTransformer), that keep softmax attention. Out-of-range or repeated indices: ValueError.
+
+    Every existing tensor stays the same object; the converted model's state_dict has the original keys plus
+    ``*.local_mix.conv.*`` when local_mix. Modules that are already LinearAttention are left as they are.
+    Raises ValueError naming the module for models with other attention (or none at all).
+    """
+    get_feature_map(attn_kernel)
+    if not isinstance(local_mix, bool):
+        raise ValueError(f"local_mix must be True or False, got {local_mix!r}")
+    sites = attention_sites(model)
+    if not sites:
+        raise ValueError(f"convert_to_linear found no timm.layers.Attention in {_qualified_name(model)}: "
+                         f"nothing to convert")
+    keep_softmax = set(resolve_softmax_blocks(softmax_blocks, len(sites)))
+    num_prefix_tokens, grid_size = _token_layout(model) if local_mix else (0, None)
+    for index, (path, attn) in enumerate(sites):
+        if isinstance(attn, LinearAttention):
+            if index in keep_softmax:
+                raise ValueError(f"softmax_blocks index {index} ({path}) is already linear attention; "
+                                 f"conversion cannot restore softmax attention")
+            continue
+        if index in keep_softmax:
+            continue
+        if not path:
+            raise ValueError("convert_to_linear converts attention inside a model; the model itself is an "
+                             "Attention, use linear_attention_from_softmax")
+        try:
+            linear = linear_attention_from_softmax(attn, attn_kernel, local_mix, local_mix_kernel,
+                                                   num_prefix_tokens, grid_size)
+        except ValueError as error:
+            raise ValueError(f"convert_to_linear cannot convert {path}: {error}") from error
+        model.set_submodule(path, linear)
+    return model

@@ -1,0 +1,412 @@
+"""linvit models: timm's VisionTransformer with linear attention, registered as the timm family ``linvit_*``.
+
+After ``import linvit``, ``timm.create_model(name, **kwargs)`` builds any of ``timm.list_models('linvit_*')``.
+Beyond VisionTransformer's arguments (img_size, dynamic_img_size, dynamic_img_pad, reg_tokens, class_token,
+qk_norm, init_values, ...), the attention is chosen by:
+
+    attn_kernel:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1').
+    local_mix:        add the zero-initialised depthwise-conv branch on V over the patch grid (default True).
+    local_mix_kernel: its (odd) kernel size (default 3).
+    softmax_blocks:   indices of blocks that keep timm's softmax ``Attention`` (a hybrid); default none.
+
+The model hands the patch grid (H, W) of the current image to every block, so local mixing works at any size,
+square or not, with ``dynamic_img_size=True``. Parameter names equal timm's ViT, so a softmax ViT checkpoint of the
+same width and depth loads strictly apart from the ``local_mix`` tensors (see ``checkpoint_filter_fn``).
+"""
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from timm.layers import Attention, register_notrace_function
+from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model, resolve_pretrained_cfg
+from timm.models._features import feature_take_indices
+from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
+
+from ..layers import LocalMix, linear_attention_layer
+from ..layers.weights import linear_only_parameter_names
+
+__all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'ATTENTION_KINDS',
+           'resolve_softmax_blocks', 'attention_kinds', 'patch_grid', 'checkpoint_filter_fn']
+
+_logger = logging.getLogger(__name__)
+
+
+def patch_grid(x: torch.Tensor, patch_size: Tuple[int, int], img_size: Tuple[int, int], fixed_size: bool,
+               pad: bool) -> List[int]:
+    """Patch grid [H', W'] for images x [B, C, H, W]; ValueError for a size the model cannot take.
+
+    fixed_size: the model takes only ``img_size`` (created without dynamic_img_size).
+    pad: sizes that the patch does not divide are padded up (dynamic_img_pad=True); otherwise they are rejected.
+    """
+    height = x.shape[-2]
+    width = x.shape[-1]
+    ph = patch_size[0]
+    pw = patch_size[1]
+    if fixed_size and (height != img_size[0] or width != img_size[1]):
+        expected_h = img_size[0]
+        expected_w = img_size[1]
+        raise ValueError(f"image size {height}x{width} does not match the model's img_size {expected_h}x{expected_w}; "
+                         f"create the model with img_size=({height}, {width}) or dynamic_img_size=True")
+    if not pad and (height % ph != 0 or width % pw != 0):
+        raise ValueError(f"image size {height}x{width} is not divisible by the patch size {ph}x{pw}; "
+                         f"resize it or create the model with dynamic_img_pad=True to pad it")
+    if height < 1 or width < 1:
+        raise ValueError(f"image size {height}x{width} is empty")
+    # ceil division keeps integer arithmetic, so the grid stays symbolic under fx and torch.compile
+    return [(height + ph - 1) // ph, (width + pw - 1) // pw]
+
+
+# a leaf for torch.fx (plain symbolic_trace and timm's feature extraction): it branches on sizes
+torch.fx.wrap('patch_grid')
+register_notrace_function(patch_grid)
+
+
+class LinearAttentionBlock(Block):
+    """timm's pre-norm ``Block`` whose attention also receives the patch grid.
+
+    forward: x [B, N, C] -> [B, N, C]; feat_size (H, W) with N = prefix tokens + H * W.
+    """
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+            feat_size: Optional[List[int]] = None,
+    ) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(
+            self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+class SoftmaxAttentionBlock(Block):
+    """timm's ``Block`` with softmax ``Attention``; takes (and ignores) feat_size so every block has one signature.
+
+    forward: x [B, N, C] -> [B, N, C].
+    """
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+            feat_size: Optional[List[int]] = None,
+    ) -> torch.Tensor:
+        # written out rather than super().forward(): TorchScript does not compile super() calls
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """A kind of token mixing a block can use: its block class, and its attention layer for given options."""
+    block: Type[Block]
+    layer: Callable[[Dict[str, Any]], Type[nn.Module]]
+
+
+ATTENTION_KINDS: Dict[str, AttentionKind] = {
+    'linear': AttentionKind(LinearAttentionBlock, lambda options: linear_attention_layer(**options)),
+    'softmax': AttentionKind(SoftmaxAttentionBlock, lambda options: Attention),
+}
+
+
+def resolve_softmax_blocks(softmax_blocks: Iterable[int], num_blocks: int) -> Tuple[int, ...]:
+    """Validate block indices: ints in [0, num_blocks), each once. Returns them sorted; ValueError otherwise."""
+    if isinstance(softmax_blocks, (str, bytes)) or not isinstance(softmax_blocks, Iterable):
+        raise ValueError(f"softmax_blocks must be a sequence of block indices, got {softmax_blocks!r}")
+    indices = list(softmax_blocks)
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"softmax_blocks must hold int block indices, got {index!r} in {indices}")
+        if not 0 <= index < num_blocks:
+            raise ValueError(f"softmax_blocks index {index} is out of range: expected 0 <= index < {num_blocks} "
+                             f"(the model has {num_blocks} blocks)")
+    duplicates = sorted({index for index in indices if indices.count(index) > 1})
+    if duplicates:
+        raise ValueError(f"softmax_blocks lists block indices {duplicates} more than once: {indices}")
+    return tuple(sorted(indices))
+
+
+def attention_kinds(num_blocks: int, softmax_blocks: Iterable[int] = ()) -> Tuple[str, ...]:
+    """Kind name (a key of ATTENTION_KINDS) of each block: 'softmax' for softmax_blocks, 'linear' for the rest."""
+    softmax = set(resolve_softmax_blocks(softmax_blocks, num_blocks))
+    return tuple('softmax' if index in softmax else 'linear' for index in range(num_blocks))
+
+
+class BlockPlan:
+    """``block_fn`` for VisionTransformer: block ``depth`` is built as ``ATTENTION_KINDS[kinds[depth]]`` says.
+
+    VisionTransformer passes every block the same ``attn_layer``; the plan replaces it by the layer of that
+    block's kind, resolved once here from the linear-attention options.
+    """
+
+    def __init__(self, kinds: Sequence[str], linear_options: Dict[str, Any]) -> None:
+        self.kinds = tuple(kinds)
+        self.layers = {kind: ATTENTION_KINDS[kind].layer(linear_options) for kind in set(self.kinds)}
+
+    def __call__(self, *, depth: int, attn_layer: Any = None, **block_kwargs) -> Block:
+        kind = self.kinds[depth]
+        return ATTENTION_KINDS[kind].block(depth=depth, attn_layer=self.layers[kind], **block_kwargs)
+
+
+class LinearVisionTransformer(VisionTransformer):
+    """timm's VisionTransformer with linear attention (optionally hybrid with softmax blocks).
+
+    Everything of VisionTransformer's API is kept (forward_features, forward_head, forward_intermediates,
+    prune_intermediate_layers, set_input_size, reset_classifier, ...); the forward paths also compute the patch
+    grid of the image and pass it to each block, and reject image sizes the model cannot take with a ValueError.
+
+    Args:
+        attn_kernel: feature map of the linear attention (a name in ``linvit.ops.FEATURE_MAPS``).
+        local_mix: add the zero-initialised depthwise-conv branch on V over the patch grid.
+        local_mix_kernel: odd kernel size of that branch.
+        softmax_blocks: indices of blocks that keep timm's softmax Attention.
+        **kwargs: VisionTransformer's arguments, except block_fn and attn_layer (chosen by the above).
+    """
+
+    def __init__(
+            self,
+            attn_kernel: str = 'elu1',
+            local_mix: bool = True,
+            local_mix_kernel: int = 3,
+            softmax_blocks: Sequence[int] = (),
+            **kwargs,
+    ) -> None:
+        for name in ('block_fn', 'attn_layer'):
+            if name in kwargs:
+                raise ValueError(f"{name}={kwargs[name]!r}: linvit chooses blocks and attention from attn_kernel, "
+                                 f"local_mix and softmax_blocks")
+        if not isinstance(local_mix, bool):
+            raise ValueError(f"local_mix must be True or False, got {local_mix!r}")
+        if local_mix and kwargs.get('patch_drop_rate', 0.) > 0:
+            raise ValueError(f"patch_drop_rate={kwargs['patch_drop_rate']} drops patches from the grid that "
+                             f"local_mix convolves over; use local_mix=False with patch dropout")
+        kinds = attention_kinds(kwargs.get('depth', 12), softmax_blocks)
+        linear_options = dict(feature_map=attn_kernel, local_mix=local_mix, local_mix_kernel=local_mix_kernel)
+        super().__init__(block_fn=BlockPlan(kinds, linear_options), **kwargs)
+        self.attn_kernel = attn_kernel
+        self.local_mix = local_mix
+        self.softmax_blocks = [index for index, kind in enumerate(kinds) if kind == 'softmax']
+        self._set_token_layout()
+
+    def _set_token_layout(self) -> None:
+        """Give each local-mix branch the prefix-token count and the construction grid (its no-feat_size fallback)."""
+        grid_size = self.patch_embed.grid_size
+        for module in self.modules():
+            if isinstance(module, LocalMix):
+                module.num_prefix_tokens = self.num_prefix_tokens
+                module.grid_size = None if grid_size is None else (int(grid_size[0]), int(grid_size[1]))
+
+    def set_input_size(
+            self,
+            img_size: Optional[Tuple[int, int]] = None,
+            patch_size: Optional[Tuple[int, int]] = None,
+    ) -> None:
+        """Change the construction image size / patch size (position embeddings are resampled by timm)."""
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
+        self._set_token_layout()
+
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
+        """Images [B, C, H, W] -> tokens [B, prefix + H' * W', C'] and the patch grid [H', W']."""
+        feat_size = patch_grid(x, self.patch_embed.patch_size, self.patch_embed.img_size,
+                               self.patch_embed.strict_img_size, self.patch_embed.dynamic_img_pad)
+        x = self.patch_embed(x)
+        x = self._pos_embed(x)
+        x = self.patch_drop(x)
+        x = self.norm_pre(x)
+        return x, feat_size
+
+    def forward_features(
+            self,
+            x: torch.Tensor,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+    ) -> torch.Tensor:
+        """Images [B, C, H, W] -> normalised tokens [B, prefix + H' * W', C'] (H' = H / patch, rounded up if padded)."""
+        x, feat_size = self._embed(x)
+        for blk in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, attn_mask, is_causal, feat_size)
+            else:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
+        return self.norm(x)
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            return_prefix_tokens: bool = False,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+            output_dict: bool = False,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]], Dict[str, Any]]:
+        """Forward that also returns the outputs of the blocks selected by ``indices`` (timm's semantics).
+
+        indices: the last n blocks if int, all if None, else these block indices. Intermediates are
+        [B, C', H', W'] for output_fmt='NCHW' or [B, H' * W', C'] for 'NLC' (prefix tokens split off; with
+        return_prefix_tokens each is paired with its [B, prefix, C'] tokens). Returns (final normalised tokens,
+        intermediates), the intermediates only, or a dict with 'image_intermediates' (+ '_prefix') and
+        'image_features'.
+        """
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        x, feat_size = self._embed(x)
+        blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[:max_index + 1]
+        intermediates = []
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, attn_mask, is_causal, feat_size)
+            else:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+
+        npt = self.num_prefix_tokens
+        prefix_tokens = [y[:, :npt] for y in intermediates] if npt else None
+        intermediates = [y[:, npt:] for y in intermediates]
+        if output_fmt == 'NCHW':
+            batch = x.shape[0]
+            intermediates = [y.reshape(batch, feat_size[0], feat_size[1], -1).permute(0, 3, 1, 2).contiguous()
+                             for y in intermediates]
+
+        if output_dict:
+            result: Dict[str, Any] = {'image_intermediates': intermediates}
+            if prefix_tokens is not None and return_prefix_tokens:
+                result['image_intermediates_prefix'] = prefix_tokens
+            if not intermediates_only:
+                result['image_features'] = self.norm(x)
+            return result
+        if return_prefix_tokens and prefix_tokens is not None:
+            intermediates = list(zip(intermediates, prefix_tokens))
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor],
+                         model: LinearVisionTransformer) -> Dict[str, torch.Tensor]:
+    """Adapt a linvit or timm softmax-ViT checkpoint to ``model`` (used for pretrained=True loading).
+
+    timm's ViT filter runs first (unwraps 'model' / 'state_dict', resamples position embeddings to the model's
+    grid and patch embeddings to its patch size, maps deit3 layer-scale names). A checkpoint without any
+    linear-only tensor is a softmax checkpoint: the model keeps its initial (zero) local-mix tensors, which are
+    logged by name, so the strict load still checks every other key. A linvit checkpoint must be complete.
+    """
+    out = vit_checkpoint_filter_fn(state_dict, model, adapt_layer_scale=True)
+    linear_only = linear_only_parameter_names(model)
+    if linear_only and not any(name in out for name in linear_only):
+        own = model.state_dict()
+        out.update({name: own[name] for name in linear_only})
+        _logger.info("softmax checkpoint: kept the initial values of linear-only tensors %s", ', '.join(linear_only))
+    return out
+
+
+_WEIGHT_SOURCES = ('file', 'state_dict', 'url', 'hf_hub_id')
+
+
+def _check_pretrained_source(variant: str, kwargs: Dict[str, Any]) -> None:
+    """RuntimeError unless pretrained=True has weights to load: linvit publishes none, a local file must be given."""
+    cfg = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get('pretrained_cfg'),
+                                 pretrained_cfg_overlay=kwargs.get('pretrained_cfg_overlay'))
+    if not any(getattr(cfg, key, None) for key in _WEIGHT_SOURCES):
+        raise RuntimeError(
+            f"no pretrained weights are published for {variant}: use pretrained=False, or load local weights with "
+            f"pretrained_cfg_overlay=dict(file='weights.pth') (a linvit or timm softmax-ViT checkpoint; position "
+            f"embeddings are resampled) or checkpoint_path='weights.pth' (a linvit checkpoint of this exact model)")
+
+
+def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
+    if pretrained:
+        _check_pretrained_source(variant, kwargs)
+    out_indices = kwargs.pop('out_indices', 3)
+    return build_model_with_cfg(
+        LinearVisionTransformer,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+        **kwargs,
+    )
+
+
+def _cfg(**kwargs) -> Dict[str, Any]:
+    # no url / hf_hub_id: there are no published weights (pretrained=True needs a local file)
+    return {
+        'num_classes': 1000,
+        'input_size': (3, 224, 224),
+        'pool_size': None,
+        'crop_pct': 0.9,
+        'interpolation': 'bicubic',
+        'fixed_input_size': True,
+        'mean': IMAGENET_INCEPTION_MEAN,
+        'std': IMAGENET_INCEPTION_STD,
+        'first_conv': 'patch_embed.proj',
+        'classifier': 'head',
+        'license': 'apache-2.0',
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    'linvit_tiny_patch16_224': _cfg(),
+    'linvit_small_patch16_224': _cfg(),
+    'linvit_base_patch16_224': _cfg(),
+    # high-resolution defaults: dynamic_img_size=True, so any size (non-square too) is accepted
+    'linvit_small_patch16_512': _cfg(input_size=(3, 512, 512), crop_pct=1.0, fixed_input_size=False),
+    'linvit_base_patch16_1024': _cfg(input_size=(3, 1024, 1024), crop_pct=1.0, fixed_input_size=False),
+})
+
+
+def _tiny(**kwargs) -> Dict[str, Any]:
+    return dict(patch_size=16, embed_dim=192, depth=12, num_heads=3, **kwargs)
+
+
+def _small(**kwargs) -> Dict[str, Any]:
+    return dict(patch_size=16, embed_dim=384, depth=12, num_heads=6, **kwargs)
+
+
+def _base(**kwargs) -> Dict[str, Any]:
+    return dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, **kwargs)
+
+
+@register_model
+def linvit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
+    """linvit-Tiny/16 at 224 px: ViT-Ti/16 widths (192 wide, 12 blocks, 3 heads) with linear attention."""
+    return _create_linvit('linvit_tiny_patch16_224', pretrained, **dict(_tiny(), **kwargs))
+
+
+@register_model
+def linvit_small_patch16_224(pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
+    """linvit-Small/16 at 224 px: ViT-S/16 widths (384 wide, 12 blocks, 6 heads) with linear attention."""
+    return _create_linvit('linvit_small_patch16_224', pretrained, **dict(_small(), **kwargs))
+
+
+@register_model
+def linvit_base_patch16_224(pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
+    """linvit-Base/16 at 224 px: ViT-B/16 widths (768 wide, 12 blocks, 12 heads) with linear attention."""
+    return _create_linvit('linvit_base_patch16_224', pretrained, **dict(_base(), **kwargs))
+
+
+@register_model
+def linvit_small_patch16_512(pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
+    """linvit-Small/16 for large images: 512 px default (32x32 grid), dynamic_img_size=True."""
+    return _create_linvit('linvit_small_patch16_512', pretrained,
+                          **dict(_small(img_size=512, dynamic_img_size=True), **kwargs))
+
+
+@register_model
+def linvit_base_patch16_1024(pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
+    """linvit-Base/16 for large images: 1024 px default (64x64 grid), dynamic_img_size=True."""
+    return _create_linvit('linvit_base_patch16_1024', pretrained,
+                          **dict(_base(img_size=1024, dynamic_img_size=True), **kwargs))

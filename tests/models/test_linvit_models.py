@@ -1,0 +1,410 @@
+"""linvit_* timm models: registry, every model at its default and a non-square size, attention options, sizes,
+the timm model API, checkpoints, torchscript / fx / compile. References are timm's own softmax ViT, the quadratic
+attention formula, and timm's position-embedding resampler; never the model's own output."""
+import logging
+
+import pytest
+import timm
+import torch
+from timm.layers import Attention, resample_abs_pos_embed
+from timm.models import create_feature_extractor
+
+import linvit
+from linvit import LinearAttention, load_softmax_state_dict
+from linvit.models import LinearAttentionBlock, LinearVisionTransformer, SoftmaxAttentionBlock
+from linvit.ops import FEATURE_MAPS
+
+MODEL_NAMES = timm.list_models('linvit_*')
+EXPECTED = {  # name: (embed_dim, num_heads, default size); depth 12 for all
+    'linvit_tiny_patch16_224': (192, 3, 224),
+    'linvit_small_patch16_224': (384, 6, 224),
+    'linvit_base_patch16_224': (768, 12, 224),
+    'linvit_small_patch16_512': (384, 6, 512),
+    'linvit_base_patch16_1024': (768, 12, 1024),
+}
+NON_SQUARE = (384, 640)
+TINY = 'linvit_tiny_patch16_224'
+
+
+def _images(b, h, w, seed=0):
+    return torch.randn(b, 3, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def _tiny(**kwargs) -> LinearVisionTransformer:
+    torch.manual_seed(0)
+    return timm.create_model(TINY, **kwargs)
+
+
+def _check_backward(model, x):
+    """Backward of the mean logit: every parameter gets a finite gradient, the output is finite."""
+    out = model(x)
+    assert torch.isfinite(out).all()
+    out.mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"no gradient for {missing}"
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
+    assert not bad, f"non-finite gradient for {bad}"
+    # the zero-initialised local-mix branch is wired in: its weights get a gradient signal
+    assert any(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith('local_mix.conv.weight'))
+    return out
+
+
+# ---------------------------------------------------------------- registry and every registered model
+
+def test_registry_lists_the_family():
+    assert sorted(MODEL_NAMES) == sorted(EXPECTED)
+    assert timm.list_models('linvit_*', pretrained=True) == []
+
+
+@pytest.mark.parametrize('name', MODEL_NAMES)
+def test_default_cfg_has_no_weight_source(name):
+    cfg = timm.models.get_pretrained_cfg(name)
+    assert cfg.url is None and cfg.hf_hub_id is None and cfg.file is None
+    size = EXPECTED[name][2]
+    assert cfg.input_size == (3, size, size)
+
+
+@pytest.mark.parametrize('name', MODEL_NAMES)
+def test_model_default_size_forward_backward(name):
+    embed_dim, heads, size = EXPECTED[name]
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=7)
+    assert isinstance(model, LinearVisionTransformer)
+    assert (model.embed_dim, len(model.blocks), model.blocks[0].attn.num_heads) == (embed_dim, 12, heads)
+    assert all(isinstance(b.attn, LinearAttention) for b in model.blocks)
+    out = _check_backward(model.train(), _images(1, size, size))
+    assert out.shape == (1, 7)
+
+
+@pytest.mark.parametrize('name', MODEL_NAMES)
+def test_model_non_square_forward_backward(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5, dynamic_img_size=True)
+    out = _check_backward(model.train(), _images(1, *NON_SQUARE))
+    assert out.shape == (1, 5)
+
+
+@pytest.mark.parametrize('name', MODEL_NAMES)
+def test_model_builds_on_meta_device(name):
+    model = timm.create_model(name, device='meta')
+    assert {p.device.type for p in model.parameters()} == {'meta'}
+
+
+def test_dtype_argument():
+    model = _tiny(dtype=torch.bfloat16, depth=2).eval()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        out = model(_images(1, 224, 224).to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------- attention options
+
+@pytest.mark.parametrize('tokens_kwargs, prefix', [
+    (dict(reg_tokens=2), 3),
+    (dict(class_token=False, global_pool='avg'), 0),
+])
+def test_blocks_match_the_quadratic_reference_on_a_non_square_grid(tokens_kwargs, prefix, attention_reference,
+                                                                   attention_io, local_mix_randomiser):
+    """Each block's attention equals the float64 formula with the conv laid out on the image's true 6x10 grid."""
+    model = _tiny(dynamic_img_size=True, depth=3, **tokens_kwargs).eval()
+    assert model.num_prefix_tokens == prefix
+    local_mix_randomiser(model)
+    x = _images(2, 96, 160)
+    io = attention_io(model, lambda: model(x))
+    assert sorted(io) == [f'blocks.{i}.attn' for i in range(3)]
+    for name, (tokens, output) in io.items():
+        attn = model.get_submodule(name)
+        expected = attention_reference(attn, tokens, grid=(6, 10), num_prefix_tokens=prefix)
+        torch.testing.assert_close(output.double(), expected, rtol=1e-4, atol=1e-5)
+        transposed = attention_reference(attn, tokens, grid=(10, 6), num_prefix_tokens=prefix)
+        assert not torch.allclose(output.double(), transposed, rtol=1e-4, atol=1e-5), "grid layout not checked"
+
+
+@pytest.mark.parametrize('kernel', sorted(FEATURE_MAPS))
+def test_attn_kernel_selects_the_feature_map(kernel, attention_reference, attention_io):
+    model = _tiny(attn_kernel=kernel, depth=1).eval()
+    assert model.blocks[0].attn.feature_map_name == kernel
+    io = attention_io(model, lambda: model(_images(1, 224, 224)))
+    tokens, output = io['blocks.0.attn']
+    expected = attention_reference(model.blocks[0].attn, tokens, grid=(14, 14), num_prefix_tokens=1)
+    torch.testing.assert_close(output.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_attn_kernel_is_rejected():
+    with pytest.raises(ValueError, match="'cosine'"):
+        _tiny(attn_kernel='cosine')
+
+
+def test_local_mix_option():
+    without = _tiny(local_mix=False, depth=2)
+    assert not [n for n, _ in without.named_parameters() if 'local_mix' in n]
+    with_mix = _tiny(local_mix=True, depth=2, local_mix_kernel=5)
+    names = sorted(n for n, _ in with_mix.named_parameters() if 'local_mix' in n)
+    assert names == [f'blocks.{i}.attn.local_mix.conv.{p}' for i in range(2) for p in ('bias', 'weight')]
+    assert with_mix.blocks[0].attn.local_mix.conv.kernel_size == (5, 5)
+    assert all(torch.count_nonzero(p) == 0 for n, p in with_mix.named_parameters() if 'local_mix' in n)
+    with pytest.raises(ValueError, match='local_mix'):
+        _tiny(local_mix=1)
+    with pytest.raises(ValueError, match='patch_drop_rate'):
+        _tiny(patch_drop_rate=0.5)
+
+
+def test_softmax_blocks_make_a_hybrid():
+    model = _tiny(softmax_blocks=(0, 5), depth=6)
+    kinds = [type(b.attn) for b in model.blocks]
+    assert kinds[0] is Attention and kinds[5] is Attention
+    assert all(issubclass(k, LinearAttention) for k in kinds[1:5])
+    assert [type(b) for b in model.blocks][:2] == [SoftmaxAttentionBlock, LinearAttentionBlock]
+    assert model.softmax_blocks == [0, 5]
+    assert torch.isfinite(model(_images(1, 224, 224))).all()
+
+
+@pytest.mark.parametrize('blocks, message', [
+    ((12,), 'index 12 is out of range'),
+    ((-1,), 'index -1 is out of range'),
+    ((1, 3, 1), r'\[1\] more than once'),
+    (('0',), "'0'"),
+    ((1.0,), '1.0'),
+    ((True,), 'True'),
+    ('01', "'01'"),
+])
+def test_invalid_softmax_blocks_are_rejected(blocks, message):
+    with pytest.raises(ValueError, match=message):
+        _tiny(softmax_blocks=blocks)
+
+
+def test_all_softmax_blocks_reproduce_timm_vit_exactly():
+    """A linvit model with every block softmax and timm's ViT weights computes timm's logits bit for bit."""
+    torch.manual_seed(0)
+    vit = timm.create_model('vit_tiny_patch16_224', reg_tokens=4).eval()
+    model = _tiny(softmax_blocks=range(12), local_mix=False, reg_tokens=4).eval()
+    model.load_state_dict(vit.state_dict(), strict=True)
+    x = _images(2, 224, 224)
+    with torch.no_grad():
+        assert torch.equal(model(x), vit(x))
+
+
+def test_block_fn_and_attn_layer_are_chosen_by_linvit():
+    for key in ('block_fn', 'attn_layer'):
+        with pytest.raises(ValueError, match=key):
+            _tiny(**{key: Attention})
+
+
+# ---------------------------------------------------------------- image sizes
+
+def test_img_size_at_creation_and_size_errors():
+    model = _tiny(img_size=(192, 320), depth=2).eval()
+    assert model.patch_embed.grid_size == (12, 20) and model.pos_embed.shape[1] == 1 + 12 * 20
+    assert model.blocks[0].attn.local_mix.grid_size == (12, 20)
+    assert torch.isfinite(model(_images(1, 192, 320))).all()
+    with pytest.raises(ValueError, match=r'image size 320x192 .* img_size 192x320'):
+        model(_images(1, 320, 192))
+
+
+def test_dynamic_size_rejects_sizes_the_patch_does_not_divide():
+    model = _tiny(dynamic_img_size=True, depth=2)
+    with pytest.raises(ValueError, match=r'100x160 is not divisible by the patch size 16x16'):
+        model(_images(1, 100, 160))
+
+
+def test_dynamic_pad_takes_any_size():
+    model = _tiny(dynamic_img_size=True, dynamic_img_pad=True, depth=2).eval()
+    final, inter = model.forward_intermediates(_images(1, 100, 150))
+    assert inter[-1].shape == (1, 192, 7, 10)  # ceil(100 / 16), ceil(150 / 16)
+    assert final.shape == (1, 1 + 70, 192)
+
+
+def test_dynamic_size_resamples_the_position_embedding():
+    """At another size the model uses timm's resampled pos_embed: same output as a model built at that size."""
+    dynamic = _tiny(dynamic_img_size=True, depth=2).eval()
+    fixed = _tiny(img_size=(96, 160), depth=2).eval()
+    state = dict(dynamic.state_dict())
+    state['pos_embed'] = resample_abs_pos_embed(dynamic.pos_embed, new_size=(6, 10), old_size=(14, 14),
+                                                num_prefix_tokens=1)
+    fixed.load_state_dict(state)
+    x = _images(1, 96, 160)
+    with torch.no_grad():
+        torch.testing.assert_close(dynamic(x), fixed(x))
+
+
+def test_set_input_size_updates_grid_and_position_embedding():
+    model = _tiny(depth=2).eval()
+    model.set_input_size(img_size=(256, 320))
+    assert model.pos_embed.shape[1] == 1 + 16 * 20
+    assert {b.attn.local_mix.grid_size for b in model.blocks} == {(16, 20)}
+    assert torch.isfinite(model(_images(1, 256, 320))).all()
+
+
+# ---------------------------------------------------------------- timm model API
+
+def test_forward_features_head_and_classifier():
+    model = _tiny(dynamic_img_size=True, depth=2, reg_tokens=4).eval()
+    x = _images(2, 96, 160)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert feats.shape == (2, 5 + 60, 192)
+        pre = model.forward_head(feats, pre_logits=True)
+        assert pre.shape == (2, 192)
+        torch.testing.assert_close(model(x), model.head(pre))
+        model.reset_classifier(10)
+        assert model(x).shape == (2, 10)
+        model.reset_classifier(0, 'avg')
+        torch.testing.assert_close(model(x), feats[:, 5:].mean(1))
+        model.reset_classifier(0, '')
+        assert model(x).shape == (2, 65, 192)
+    assert {'pos_embed', 'cls_token', 'reg_token'} <= model.no_weight_decay()
+    groups = model.group_matcher()
+    assert 'stem' in groups and 'blocks' in groups
+
+
+def test_forward_intermediates():
+    model = _tiny(dynamic_img_size=True, depth=4, reg_tokens=2).eval()
+    x = _images(1, 96, 160)
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(x)
+        torch.testing.assert_close(final, model.forward_features(x))
+        assert [t.shape for t in inter] == [(1, 192, 6, 10)] * 4
+        nlc = model.forward_intermediates(x, indices=[1, 3], output_fmt='NLC', intermediates_only=True)
+        assert [t.shape for t in nlc] == [(1, 60, 192)] * 2
+        torch.testing.assert_close(nlc[1], inter[3].flatten(2).transpose(1, 2))
+        # NCHW is the row-major token grid
+        torch.testing.assert_close(inter[1][0, :, 2, 7], nlc[0][0, 2 * 10 + 7])
+        with_prefix = model.forward_intermediates(x, indices=1, return_prefix_tokens=True, intermediates_only=True)
+        assert with_prefix[0][1].shape == (1, 3, 192)
+        as_dict = model.forward_intermediates(x, indices=2, output_dict=True, return_prefix_tokens=True)
+        assert set(as_dict) == {'image_intermediates', 'image_intermediates_prefix', 'image_features'}
+        early = model.forward_intermediates(x, indices=[0], stop_early=True, intermediates_only=True)
+        torch.testing.assert_close(early[0], inter[0])
+        layers = model.get_intermediate_layers(x, n=2, reshape=True)
+        torch.testing.assert_close(layers[1], inter[3])
+    with pytest.raises(ValueError, match='output_fmt'):
+        model.forward_intermediates(x, output_fmt='NHWC')
+
+
+def test_prune_intermediate_layers():
+    model = _tiny(depth=6).eval()
+    kept = model.prune_intermediate_layers([1, 3])
+    assert kept == [1, 3] and len(model.blocks) == 4 and model.num_classes == 0
+    inter = model.forward_intermediates(_images(1, 224, 224), indices=kept, intermediates_only=True)
+    assert [t.shape for t in inter] == [(1, 192, 14, 14)] * 2
+
+
+@pytest.mark.parametrize('name', MODEL_NAMES)
+def test_features_only_returns_stride_16_maps(name):
+    embed_dim = EXPECTED[name][0]
+    model = timm.create_model(name, features_only=True, dynamic_img_size=True, out_indices=(2, 5, 11)).eval()
+    assert model.feature_info.reduction() == [16, 16, 16]
+    assert model.feature_info.channels() == [embed_dim] * 3
+    with torch.no_grad():
+        outputs = model(_images(1, 64, 96))
+    assert [o.shape for o in outputs] == [(1, embed_dim, 4, 6)] * 3
+
+
+def test_grad_checkpointing_keeps_outputs_and_gradients():
+    model = _tiny(dynamic_img_size=True, depth=3, drop_path_rate=0.0).train()
+    x = _images(2, 64, 96)
+    reference = model(x)
+    reference.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    out = model(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, reference)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], msg=n)
+
+
+# ---------------------------------------------------------------- torchscript, fx, compile
+
+def test_torchscript_at_a_non_square_size():
+    model = _tiny(dynamic_img_size=True, softmax_blocks=(1,), reg_tokens=2).eval()
+    scripted = torch.jit.script(model)
+    x = _images(1, 96, 160)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x))
+
+
+def test_fx_traces_static_and_dynamic_models():
+    static = _tiny(depth=2, softmax_blocks=(0,)).eval()
+    traced = torch.fx.symbolic_trace(static)
+    x = _images(1, 224, 224)
+    with torch.no_grad():
+        assert torch.equal(traced(x), static(x))
+    # dynamic sizes trace with timm's tracer (resample_abs_pos_embed is a leaf there, as for timm's own ViT)
+    dynamic = _tiny(dynamic_img_size=True, depth=2).eval()
+    extractor = create_feature_extractor(dynamic, return_nodes=['blocks.1', 'head'])
+    y = _images(1, 96, 160)
+    with torch.no_grad():
+        features = extractor(y)
+        assert torch.equal(features['head'], dynamic(y))
+        assert features['blocks.1'].shape == (1, 1 + 60, 192)
+
+
+def test_torch_compile_fullgraph():
+    model = _tiny(dynamic_img_size=True, depth=2, softmax_blocks=(1,)).eval()
+    compiled = torch.compile(model, backend='eager', fullgraph=True)
+    x = _images(1, 96, 160)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def test_pretrained_without_weights_fails_clearly():
+    with pytest.raises(RuntimeError, match='no pretrained weights are published for linvit_tiny_patch16_224'):
+        timm.create_model(TINY, pretrained=True)
+
+
+def test_softmax_vit_small_state_dict_loads_strictly_except_local_mix():
+    torch.manual_seed(0)
+    vit = timm.create_model('vit_small_patch16_224')
+    model = timm.create_model('linvit_small_patch16_224')
+    source = vit.state_dict()
+    kept = load_softmax_state_dict(model, source)
+    assert kept == sorted(f'blocks.{i}.attn.local_mix.conv.{p}' for i in range(12) for p in ('bias', 'weight'))
+    state = model.state_dict()
+    assert set(state) == set(source) | set(kept)
+    assert all(torch.equal(state[k], v) for k, v in source.items())
+
+
+def test_softmax_checkpoint_file_loads_with_resampled_pos_embed(tmp_path, caplog):
+    """pretrained=True with a timm softmax-ViT file: strict apart from local_mix (logged by name), pos_embed
+    resampled from the checkpoint's 14x14 grid to the 512 model's 32x32 grid."""
+    torch.manual_seed(0)
+    source = timm.create_model('vit_small_patch16_224').state_dict()
+    path = tmp_path / 'vit_small.pth'
+    torch.save(source, path)
+    with caplog.at_level(logging.INFO, logger='linvit.models.linvit'):
+        model = timm.create_model('linvit_small_patch16_512', pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=str(path)))
+    assert 'blocks.11.attn.local_mix.conv.weight' in caplog.text
+    state = model.state_dict()
+    expected_pos = resample_abs_pos_embed(source['pos_embed'], new_size=(32, 32), old_size=(14, 14),
+                                          num_prefix_tokens=1, antialias=True)
+    torch.testing.assert_close(state['pos_embed'], expected_pos)
+    assert all(torch.equal(state[k], v) for k, v in source.items() if k != 'pos_embed')
+    assert all(torch.count_nonzero(v) == 0 for k, v in state.items() if 'local_mix' in k)
+
+
+def test_linvit_checkpoint_loads_by_file_and_checkpoint_path(tmp_path, local_mix_randomiser):
+    original = _tiny(depth=2, reg_tokens=1)
+    local_mix_randomiser(original)
+    path = tmp_path / 'linvit_tiny.pth'
+    torch.save(original.state_dict(), path)
+    by_file = timm.create_model(TINY, depth=2, reg_tokens=1, pretrained=True,
+                                pretrained_cfg_overlay=dict(file=str(path)))
+    by_path = timm.create_model(TINY, depth=2, reg_tokens=1, checkpoint_path=str(path))
+    for model in (by_file, by_path):
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in original.state_dict().items())
+    # a linvit checkpoint that lacks part of its local-mix tensors is not mistaken for a softmax one
+    partial = {k: v for k, v in original.state_dict().items() if k != 'blocks.1.attn.local_mix.conv.bias'}
+    torch.save(partial, path)
+    with pytest.raises(RuntimeError, match='blocks.1.attn.local_mix.conv.bias'):
+        timm.create_model(TINY, depth=2, reg_tokens=1, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+
+
+def test_public_api_names():
+    assert linvit.convert_to_linear is linvit.models.convert_to_linear
+    assert linvit.LinearVisionTransformer is LinearVisionTransformer
