@@ -24,21 +24,31 @@ def _randomise(module: nn.Module, seed=0) -> nn.Module:
     return module
 
 
+def _layer_norm64(t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    if isinstance(norm, nn.Identity):
+        return t
+    centred = t - t.mean(-1, keepdim=True)
+    normed = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + norm.eps)
+    return normed * norm.weight.double() + norm.bias.double()
+
+
 def _reference_layer_forward(layer: LinearAttention, x: torch.Tensor, key_mask=None) -> torch.Tensor:
     """The layer's math written out in float64 with the quadratic attention formula."""
     x = x.double()
     b, n, _ = x.shape
     w_qkv, b_qkv = layer.qkv.weight.double(), layer.qkv.bias.double()
     qkv = (x @ w_qkv.T + b_qkv).reshape(b, n, 3, layer.num_heads, layer.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv[0], qkv[1], qkv[2]
+    q, k, v = _layer_norm64(qkv[0], layer.q_norm), _layer_norm64(qkv[1], layer.k_norm), qkv[2]
     out = quadratic_linear_attention(q, k, v, feature_map=layer.feature_map_name, eps=layer.eps, key_mask=key_mask)
     out = out.transpose(1, 2).reshape(b, n, layer.attn_dim)
     return out @ layer.proj.weight.double().T + layer.proj.bias.double()
 
 
+@pytest.mark.parametrize('qk_norm', [False, True], ids=['plain', 'qk-norm'])
 @pytest.mark.parametrize('feature_map', sorted(FEATURE_MAPS))
-def test_layer_matches_float64_reference(feature_map):
-    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, feature_map=feature_map))
+def test_layer_matches_float64_reference(feature_map, qk_norm):
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, feature_map=feature_map, qk_norm=qk_norm,
+                                       norm_layer=nn.LayerNorm))
     x = _tokens()
     ref = _reference_layer_forward(layer, x)
     err = ((layer(x).double() - ref).norm() / ref.norm()).item()
