@@ -7,6 +7,7 @@ Public API:
     timm.create_model('linvit_small_patch16_224', ...)   # registered by importing linvit (timm.list_models('linvit_*'))
     linvit.convert_to_linear(model, attn_kernel='elu1', local_mix=False, softmax_blocks=())   # timm ViT, in place
 """
+from . import fast as fast  # the compiled fast path (linvit.fast)
 from . import models, ops
 from .layers import LinearAttention, LocalMix, linear_attention_layer, load_softmax_state_dict
 from .models import LinearVisionTransformer, convert_to_linear

@@ -1,0 +1,187 @@
+"""tools/profile_resolution.py: argument parsing, the comparison logic on hand-made rows, failure rows, and one tiny
+end-to-end sweep in subprocesses that writes the CSV and the PNG."""
+import argparse
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'profile_resolution.py'
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+@pytest.fixture(scope='module')
+def prof():
+    spec = importlib.util.spec_from_file_location('profile_resolution', TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sizes_accept_square_and_height_by_width(prof):
+    assert prof.parse_size('224') == (224, 224)
+    assert prof.parse_size('384x640') == (384, 640)
+    for bad in ('', 'x', '0', '224x', '1x2x3', 'abc'):
+        with pytest.raises(argparse.ArgumentTypeError):
+            prof.parse_size(bad)
+    assert prof.parse_args(['--sizes', '2048', '384x640']).sizes == [(2048, 2048), (384, 640)]
+
+
+def test_model_specs_parse_kwargs_as_literals(prof):
+    spec = prof.parse_model_spec("linvit_small_patch16_224:local_mix=False,softmax_blocks=(0, 6),attn_kernel=relu")
+    assert spec.name == 'linvit_small_patch16_224' and spec.kind == 'linear'
+    assert dict(spec.kwargs) == {'local_mix': False, 'softmax_blocks': (0, 6), 'attn_kernel': 'relu'}
+    assert spec.as_floor().label == f"floor({spec.spec})" and spec.as_floor().kind == 'floor'
+    assert prof.parse_model_spec('vit_small_patch16_224').kind == 'softmax'
+    with pytest.raises(ValueError):
+        prof.parse_model_spec('vit_small_patch16_224:depth')
+    # tuples survive the trip to the child process as tuples
+    config = prof.Config(spec, 384, 640, 2, 'bf16', 'compiled', 'train', 'cpu', 1, 3)
+    assert prof.Config.from_json(config.to_json()) == config
+
+
+def test_sweep_is_size_major_with_floors(prof):
+    args = prof.parse_args(['--models', 'linvit_tiny_patch16_224', 'vit_tiny_patch16_224', '--sizes', '512', '224',
+                            '--mode', 'eager', '--floors', 'linear'])
+    configs = prof.build_configs(args)
+    assert [(c.height, c.model.label) for c in configs] == [
+        (224, 'linvit_tiny_patch16_224'), (224, 'vit_tiny_patch16_224'), (224, 'floor(linvit_tiny_patch16_224)'),
+        (512, 'linvit_tiny_patch16_224'), (512, 'vit_tiny_patch16_224'), (512, 'floor(linvit_tiny_patch16_224)')]
+    assert len(prof.build_configs(prof.parse_args(['--floors', 'all']))) == 4 * 4 * 2
+    for bad in (['--rounds', '0'], ['--warmup', '0'], ['--models', 'vit_small_patch16_224:depth']):
+        with pytest.raises(SystemExit):
+            prof.parse_args(bad)
+
+
+def test_counterpart_pairs_linvit_with_its_softmax_model(prof):
+    softmax = ['vit_base_patch16_224', 'vit_small_patch16_224']
+    assert prof.counterpart('linvit_small_patch16_224', softmax) == 'vit_small_patch16_224'
+    assert prof.counterpart('linvit_small_patch16_512', softmax) == 'vit_small_patch16_224'
+    assert prof.counterpart('linvit_tiny_patch16_224', ['deit_tiny_patch16_224']) == 'deit_tiny_patch16_224'
+    assert prof.counterpart('linvit_tiny_patch16_224', softmax) is None
+    assert prof.counterpart('linvit_tiny_patch16_224', []) is None
+
+
+def test_crossover_is_the_start_of_the_final_winning_run(prof):
+    assert prof.crossover([(224, 1, 2), (512, 3, 2), (768, 1, 2), (1024, 5, 2), (2048, 9, 1)]) == 1024
+    assert prof.crossover([(224, 2, 1), (512, 3, 2)]) == 224
+    assert prof.crossover([(224, 1, 2), (512, 2, 2)]) is None  # a tie is no win
+    assert prof.crossover([(224, 1, 2), (512, 3, None)]) == 512  # softmax out of memory: linvit wins
+    assert prof.crossover([(224, 3, 2), (512, None, 1)]) is None
+
+
+def test_percentile_is_nearest_rank(prof):
+    assert prof.percentile([5.0], 90) == 5.0
+    assert prof.percentile(list(range(1, 11)), 90) == 9
+    assert prof.percentile([3, 1, 2], 50) == 2
+
+
+def _row(model, kind, size, img_per_s, mode='eager', status='ok', name=None):
+    ok = status == 'ok'
+    return {'model': model, 'name': name or model.replace('floor(', '').rstrip(')'), 'kind': kind, 'height': size,
+            'width': size, 'tokens': (size // 16) ** 2 + 1, 'batch': 1, 'dtype': 'fp32', 'mode': mode,
+            'task': 'infer', 'device': 'cpu', 'status': status, 'img_per_s': img_per_s if ok else None,
+            'median_ms': 1e3 / img_per_s if ok else None, 'peak_mem_mb': 100.0 + size if ok else None,
+            'threads': 2}
+
+
+def hand_rows():
+    """linvit / its floor / softmax img/s at 4 sizes; softmax runs out of memory at 2048 in compiled mode."""
+    lin, fl, sm = 'linvit_small_patch16_224', 'floor(linvit_small_patch16_224)', 'vit_small_patch16_224'
+    table = {224: (40., 44., 50.), 512: (10., 11., 8.), 1024: (2.5, 2.6, 1.), 2048: (0.5, 0.55, 0.05)}
+    rows = []
+    for size, (a, b, c) in table.items():
+        rows += [_row(lin, 'linear', size, a), _row(fl, 'floor', size, b), _row(sm, 'softmax', size, c)]
+        rows += [_row(lin, 'linear', size, 2 * a, 'compiled'), _row(fl, 'floor', size, 2 * b, 'compiled'),
+                 _row(sm, 'softmax', size, c, 'compiled', status='oom' if size == 2048 else 'ok')]
+    return rows
+
+
+def test_summary_ratios_crossover_growth_and_modes(prof):
+    text = '\n'.join(prof.summarize(hand_rows()))
+    assert '## linvit_small_patch16_224 vs vit_small_patch16_224' in text
+    eager = text.split('# infer, fp32, batch 1, eager')[1].split('# infer, fp32, batch 1, compiled')[0]
+    lines = {line.split()[0]: line.split() for line in eager.splitlines() if line.strip()[:1].isdigit()}
+    # size tokens linvit floor softmax linvit/floor linvit/softmax MiB MiB
+    assert lines['224'][1] == '197' and lines['224'][5:7] == ['0.91x', '0.80x']
+    assert lines['2048'][5:7] == ['0.91x', '10.00x']
+    assert 'crossover: linvit_small_patch16_224 beats vit_small_patch16_224 from 512 px (1025 tokens) on' in eager
+    assert 'speedup linvit_small_patch16_224 / vit_small_patch16_224 (img/s): 224: 0.80x, 512: 1.25x' in eager
+    assert 'time growth 512 -> 1024 px (4x tokens): linvit 4.00x, floor 4.23x, softmax 8.00x' in eager
+    assert 'time growth 1024 -> 2048 px (4x tokens): linvit 5.00x, floor 4.73x, softmax 20.00x' in eager
+    compiled = text.split('# infer, fp32, batch 1, compiled')[1].split('compiled / eager')[0]
+    lines = {line.split()[0]: line.split() for line in compiled.splitlines() if line.strip()[:1].isdigit()}
+    assert lines['2048'][2:] == ['1.00', '1.10', 'oom', '0.91x', '-', '2148', 'oom']
+    # softmax out of memory at the largest size counts as a win for linvit
+    assert 'beats vit_small_patch16_224 from 224 px (197 tokens) on' in compiled
+    assert '1024: 5.00x, 2048: linvit ok, softmax oom' in compiled
+    modes = text.split('compiled / eager img/s')[1].splitlines()
+    assert modes[1].split() == ['compiled/eager', '224', '512', '1024', '2048']
+    assert modes[2].split() == ['linvit_small_patch16_224', '2.00x', '2.00x', '2.00x', '2.00x']
+    assert modes[4].split() == ['vit_small_patch16_224', '1.00x', '1.00x', '1.00x', '-']
+
+
+def test_rounds_merge_into_medians_and_failed_rounds_drop_out(prof):
+    rounds = []
+    for r, (a, b, status) in enumerate([(10., 8., 'ok'), (20., 4., 'ok'), (12., 5., 'timeout')]):
+        for row in (_row('linvit_small_patch16_224', 'linear', 512, a),
+                    _row('vit_small_patch16_224', 'softmax', 512, b, status=status)):
+            ok = row['status'] == 'ok'
+            rounds.append({**row, 'round': r, 'first_call_s': float(r) if ok else None,
+                           'p90_ms': 2e3 / row['img_per_s'] if ok else None})
+    merged = {row['model']: row for row in prof.aggregate_rounds(rounds)}
+    lin, soft = merged['linvit_small_patch16_224'], merged['vit_small_patch16_224']
+    assert lin['rounds'] == 3 and lin['img_per_s'] == pytest.approx(12.) and lin['median_ms'] == pytest.approx(1e3 / 12)
+    assert lin['p90_ms'] == pytest.approx(2e3 / 12) and lin['first_call_s'] == 1.0 and lin['peak_mem_mb'] == 612.
+    assert soft['rounds'] == 2 and soft['median_ms'] == pytest.approx((125. + 250.) / 2)  # the timeout is dropped
+    assert soft['img_per_s'] == pytest.approx(1e3 / 187.5)
+    assert 'median over 3 rounds' in '\n'.join(prof.summarize(rounds))
+    only_failures = [{**_row('vit_small_patch16_224', 'softmax', 512, 1., status='oom'), 'round': r} for r in (0, 1)]
+    assert [(r['status'], r['rounds']) for r in prof.aggregate_rounds(only_failures)] == [('oom', 0)]
+
+
+def test_training_step_is_measured_in_process(prof):
+    spec = prof.parse_model_spec('linvit_tiny_patch16_224:depth=1')
+    config = prof.Config(spec, 32, 48, 2, 'bf16', 'eager', 'train', 'cpu', 1, 2)
+    result = prof.measure(config)
+    assert result['tokens'] == 7 and result['img_per_s'] == pytest.approx(2e3 / result['median_ms'])
+    assert result['p90_ms'] >= result['median_ms'] > 0
+
+
+def test_plot_writes_one_png_per_task_dtype_batch(prof, tmp_path):
+    paths = prof.plot(hand_rows(), str(tmp_path))
+    assert [Path(p).name for p in paths] == ['profile_infer_fp32_b1.png']
+    assert Path(paths[0]).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_failures_become_rows(prof, capsys):
+    spec = prof.parse_model_spec('no_such_model_anywhere')
+    config = prof.Config(spec, 32, 32, 1, 'fp32', 'eager', 'infer', 'cpu', 1, 1)
+    row = prof.run_config(config, timeout=0.01)
+    assert row['status'] == 'timeout' and row['model'] == 'no_such_model_anywhere'
+    assert prof.child_main(config.to_json()) == 0  # in this process: an unknown model is an error row
+    result = json.loads(capsys.readouterr().out.strip().split(prof.RESULT_MARK)[1])
+    assert result['status'] == 'error' and 'no_such_model_anywhere' in result['error']
+
+
+def test_profile_runs_end_to_end(prof, tmp_path, capsys):
+    out = tmp_path / 'prof'
+    models = ['linvit_tiny_patch16_224:depth=1,local_mix=False', 'vit_tiny_patch16_224:depth=1']
+    assert prof.main(['--models', *models, '--sizes', '32', '32x48', '--mode', 'eager', '--floors', 'linear',
+                      '--warmup', '1', '--repeats', '1', '--out', str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert 'linvit/floor' in printed and 'crossover: ' in printed and 'time growth' not in printed
+    rows = list(csv.DictReader((out / 'profile.csv').open()))
+    assert [(r['model'], r['height'], r['width'], r['status']) for r in rows] == [
+        (models[0], '32', '32', 'ok'), (models[1], '32', '32', 'ok'), (f"floor({models[0]})", '32', '32', 'ok'),
+        (models[0], '32', '48', 'ok'), (models[1], '32', '48', 'ok'), (f"floor({models[0]})", '32', '48', 'ok')]
+    assert [r['tokens'] for r in rows] == ['5'] * 3 + ['7'] * 3  # class token + 2x2 / 2x3 patches
+    for r in rows:
+        assert float(r['img_per_s']) == pytest.approx(1e3 / float(r['median_ms']))
+        assert float(r['p90_ms']) >= float(r['median_ms']) > 0 and float(r['peak_mem_mb']) > 50
+    assert (out / 'profile_infer_fp32_b1.png').read_bytes()[:8] == PNG_MAGIC
+    # the summary of a finished run can be re-printed from its CSV
+    assert prof.main(['--summarize', str(out / 'profile.csv'), '--out', str(tmp_path / 'again')]) == 0
+    assert 'linvit/floor' in capsys.readouterr().out
