@@ -4,7 +4,7 @@ from typing import List, Optional, Tuple, Type
 import torch
 import torch.nn as nn
 
-from ..ops import compute_dtype, get_feature_map, linear_attention_from_features
+from ..ops import compute_dtype, get_feature_map, linear_attention_from_features, split_feature_map
 from .local_mix import LocalMix
 
 
@@ -111,7 +111,12 @@ class LinearAttention(nn.Module):
         self.head_dim = head_dim
         self.attn_dim = num_heads * head_dim
         self.feature_map_name = feature_map
-        self.feature_map = get_feature_map(feature_map)
+        # phi = feature_map + feature_offset: the core adds the constant without a pass over q and k; without
+        # autograd the map is written into the fresh qkv projection output rather than a new tensor
+        parts = split_feature_map(feature_map)
+        self.feature_map = parts.psi
+        self.feature_map_inplace = parts.psi_inplace
+        self.feature_offset = parts.offset
         self.eps = eps
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
@@ -142,10 +147,14 @@ class LinearAttention(nn.Module):
         if not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)):
             phi_q = self.feature_map(to_compute_dtype(self.q_norm(qkv[0])))
             phi_k = self.feature_map(to_compute_dtype(self.k_norm(qkv[1])))
-        else:
+        elif torch.is_grad_enabled():
             # one feature-map call on the q|k view: half the kernel launches, which dominate at 224 px
             phi_q, phi_k = self.feature_map(to_compute_dtype(qkv[:2])).unbind(0)
-        mixed = linear_attention_from_features(phi_q, phi_k, to_compute_dtype(v), self.eps, key_mask)
+        else:
+            # nothing keeps q and k for a backward pass, so map them in place inside the qkv output (v untouched)
+            phi_q, phi_k = self.feature_map_inplace(to_compute_dtype(qkv[:2])).unbind(0)
+        mixed = linear_attention_from_features(phi_q, phi_k, to_compute_dtype(v), self.eps, key_mask,
+                                               self.feature_offset)
         out = mixed.to(v.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
         if self.local_mix is not None:
             out = out + self.local_mix(v, feat_size)

@@ -5,6 +5,7 @@ phi(q)^T phi(k) >= 0 and the normaliser phi(q)^T sum_k phi(k) is a sum of non-ne
 functions with the signature ``phi(x: Tensor) -> Tensor`` so that TorchScript can compile them when a layer holds
 one as an attribute. They are called by the attention core on float32 (or float64) tensors.
 """
+from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 import torch
@@ -20,9 +21,16 @@ def elu1(x: torch.Tensor) -> torch.Tensor:
 
     x: [..., D] -> [..., D], values in (0, inf).
     """
-    # exp(min(x, 0)) + max(x, 0) is elu(x) + 1 exactly; written so because ATen's CPU elu (built on expm1) takes
-    # about as long as these three vectorised passes together, and torch.compile fuses them into one
-    return torch.exp(x.clamp(max=0.0)) + x.clamp(min=0.0)
+    # in place on elu's fresh output saves a pass; elu's backward reads its input, not its output
+    return F.elu(x).add_(1.0)
+
+
+def elu(x: torch.Tensor) -> torch.Tensor:
+    """elu(x), the shape of ``elu1`` without its constant offset (see ``split_feature_map``).
+
+    x: [..., D] -> [..., D], values in (-1, inf).
+    """
+    return F.elu(x)
 
 
 def relu(x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +65,37 @@ FEATURE_MAPS: Dict[str, FeatureMap] = {
 }
 
 
+def elu_inplace(x: torch.Tensor) -> torch.Tensor:
+    """``elu`` written into x (which must be a fresh intermediate, e.g. a projection output); returns x."""
+    return F.elu_(x)
+
+
+def relu_inplace(x: torch.Tensor) -> torch.Tensor:
+    """``relu`` written into x (which must be a fresh intermediate); returns x."""
+    return F.relu_(x)
+
+
+@dataclass(frozen=True)
+class FeatureMapParts:
+    """phi(x) = psi(x) + offset, with an in-place psi for inference.
+
+    The attention core adds ``offset`` analytically (a rank-one correction on the small kv matrix), which saves a
+    full pass over q and k; ``psi_inplace`` overwrites the projection output instead of allocating a new tensor.
+    Both matter because at image-scale token counts the feature map is pure memory traffic: one pass over q|k at
+    16k tokens costs as much as the feature-map arithmetic itself.
+    """
+    psi: FeatureMap
+    psi_inplace: FeatureMap
+    offset: float = 0.0
+
+
+# maps without an entry are used whole: psi = psi_inplace = phi, offset 0
+FEATURE_MAP_PARTS: Dict[str, FeatureMapParts] = {
+    'elu1': FeatureMapParts(elu, elu_inplace, 1.0),
+    'relu': FeatureMapParts(relu, relu_inplace, 0.0),
+}
+
+
 def list_feature_maps() -> List[str]:
     """Names accepted wherever a feature map is chosen by name."""
     return sorted(FEATURE_MAPS)
@@ -67,6 +106,12 @@ def get_feature_map(name: str) -> FeatureMap:
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; known feature maps: {', '.join(list_feature_maps())}")
     return FEATURE_MAPS[name]
+
+
+def split_feature_map(name: str) -> FeatureMapParts:
+    """The parts of feature map ``name``: phi(x) = psi(x) + offset, and psi's in-place form."""
+    phi = get_feature_map(name)
+    return FEATURE_MAP_PARTS.get(name, FeatureMapParts(phi, phi, 0.0))
 
 
 def register_feature_map(name: str, fn: FeatureMap) -> FeatureMap:

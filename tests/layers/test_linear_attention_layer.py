@@ -53,6 +53,14 @@ def test_layer_matches_float64_reference(feature_map, qk_norm):
     ref = _reference_layer_forward(layer, x)
     err = ((layer(x).double() - ref).norm() / ref.norm()).item()
     assert err <= 1e-5, f"rel err {err:.2e}"
+    # without autograd the feature map is written in place into the qkv output: same result
+    with torch.inference_mode():
+        err = ((layer(x).double() - ref).norm() / ref.norm()).item()
+    assert err <= 1e-5, f"inference-mode rel err {err:.2e}"
+    with torch.no_grad():
+        scripted = torch.jit.script(layer)
+        err = ((scripted(x).double() - ref).norm() / ref.norm()).item()
+    assert err <= 1e-5, f"torchscript no-grad rel err {err:.2e}"
 
 
 def test_layer_key_padding_mask_matches_unpadded():
