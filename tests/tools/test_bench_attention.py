@@ -1,23 +1,11 @@
 """tools/bench_attention.py: the crossover rule, the floor layer and an end-to-end run."""
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 from timm.layers import Attention
 
 from linvit.layers import NoMixingAttention
-
-TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'bench_attention.py'
-
-
-@pytest.fixture(scope='module')
-def bench():
-    spec = importlib.util.spec_from_file_location('bench_attention', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rows(pairs):

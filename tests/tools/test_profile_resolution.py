@@ -2,22 +2,12 @@
 end-to-end sweep in subprocesses that writes the CSV and the PNG."""
 import argparse
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'profile_resolution.py'
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
-
-
-@pytest.fixture(scope='module')
-def prof():
-    spec = importlib.util.spec_from_file_location('profile_resolution', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_sizes_accept_square_and_height_by_width(prof):

@@ -1,0 +1,26 @@
+"""Tools are scripts, not modules of the package: load them from tools/ by file name."""
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOLS_DIR = Path(__file__).resolve().parents[2] / 'tools'
+
+
+def load_tool(name: str) -> ModuleType:
+    """Import tools/<name>.py as a module named ``name``."""
+    spec = importlib.util.spec_from_file_location(name, TOOLS_DIR / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope='module')
+def bench() -> ModuleType:
+    return load_tool('bench_attention')
+
+
+@pytest.fixture(scope='module')
+def prof() -> ModuleType:
+    return load_tool('profile_resolution')
