@@ -42,7 +42,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             raise ValueError(f"key_mask must have shape [B, N] = {[b, n]} or [B, H, N] = {[b, h, n]}, got {shape}")
 
 
-def _key_weights(key_mask: torch.Tensor, n_heads: int, dtype: torch.dtype) -> torch.Tensor:
+def _key_weights(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """key_mask [B, N] or [B, H, N] (bool: True keeps the key; float: a weight >= 0) -> weights [B, H|1, N]."""
     w = key_mask.to(dtype)
     if w.dim() == 2:
@@ -77,7 +77,7 @@ def _core(psi_q: torch.Tensor, psi_k: torch.Tensor, v: torch.Tensor, eps: float,
         count = torch.full((), float(psi_k.shape[-2]), dtype=psi_k.dtype, device=psi_k.device)
         weighted_v = v
     else:
-        w = _key_weights(key_mask, psi_k.shape[1], psi_k.dtype)  # [B, H|1, N]
+        w = _key_weights(key_mask, psi_k.dtype)  # [B, H|1, N]
         keep = (w > 0).unsqueeze(-1)
         psi_k = torch.where(keep, psi_k * w.unsqueeze(-1), 0.0)
         v = torch.where(keep, v, 0.0)
