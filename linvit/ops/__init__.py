@@ -1,24 +1,21 @@
 """Pure tensor functions for linear attention. Shapes are [B, H, N, D]; nothing here holds parameters."""
 from .feature_maps import (
-    FEATURE_MAP_PARTS,
     FEATURE_MAPS,
+    INPLACE_FEATURE_MAPS,
     FeatureMap,
-    FeatureMapParts,
-    elu,
     elu1,
     focused,
     get_feature_map,
+    get_inplace_feature_map,
     list_feature_maps,
     register_feature_map,
     relu,
-    split_feature_map,
 )
 from .linear_attention import check_attention_inputs, compute_dtype, linear_attention, linear_attention_from_features
 from .reference import quadratic_linear_attention
 
 __all__ = [
-    'FEATURE_MAPS', 'FEATURE_MAP_PARTS', 'FeatureMap', 'FeatureMapParts', 'elu', 'elu1',
-    'split_feature_map', 'relu', 'focused', 'get_feature_map', 'list_feature_maps',
-    'register_feature_map', 'check_attention_inputs', 'compute_dtype', 'linear_attention',
-    'linear_attention_from_features', 'quadratic_linear_attention',
+    'FEATURE_MAPS', 'INPLACE_FEATURE_MAPS', 'FeatureMap', 'elu1', 'relu', 'focused', 'get_feature_map',
+    'get_inplace_feature_map', 'list_feature_maps', 'register_feature_map', 'check_attention_inputs', 'compute_dtype',
+    'linear_attention', 'linear_attention_from_features', 'quadratic_linear_attention',
 ]

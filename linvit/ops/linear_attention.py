@@ -15,7 +15,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .feature_maps import FeatureMapParts, split_feature_map
+from .feature_maps import get_feature_map
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,53 +51,45 @@ def _key_weights(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float = 1e-6,
-                                   key_mask: Optional[torch.Tensor] = None, offset: float = 0.0) -> torch.Tensor:
+                                   key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention core on mapped features, all in one dtype (float32 or float64) with autocast disabled.
 
-    phi_q: [B, H, Nq, D], phi_k: [B, H, N, D], v: [B, H, N, Dv], key_mask: [B, N] or [B, H, N]
-    -> [B, H, Nq, Dv] in the dtype of the inputs. The features used are phi + offset (non-negative): a constant
-    part of the map is passed as ``offset`` instead of being added to every entry of q and k. Masked keys (False or
-    weight 0) contribute nothing, even when their values are not finite.
+    phi_q: [B, H, Nq, D], phi_k: [B, H, N, D] (non-negative), v: [B, H, N, Dv], key_mask: [B, N] or [B, H, N]
+    -> [B, H, Nq, Dv] in the dtype of the inputs. Masked keys (False or weight 0) contribute nothing, even when
+    their values are not finite.
     """
     if torch.jit.is_scripting():
         # TorchScript only accepts a constant autocast device; scripted models run the core as traced dtypes say
-        return _core(phi_q, phi_k, v, eps, key_mask, offset)
+        return _core(phi_q, phi_k, v, eps, key_mask)
     with torch.autocast(device_type=v.device.type, enabled=False):
-        return _core(phi_q, phi_k, v, eps, key_mask, offset)
+        return _core(phi_q, phi_k, v, eps, key_mask)
 
 
-def _core(psi_q: torch.Tensor, psi_k: torch.Tensor, v: torch.Tensor, eps: float,
-          key_mask: Optional[torch.Tensor], offset: float) -> torch.Tensor:
-    """phi = psi + offset; out = phi(Q) kv1 with kv1 = [phi(K)^T V | phi(K)^T 1] / count of shape [B, H, D, Dv + 1].
+def _core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,
+          key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """num / (den + eps * count), where [num | den] = phi(Q) [phi(K)^T V | phi(K)^T 1] is [B, H, Nq, Dv + 1].
 
     Appending the key sum to the small kv matrix (rather than a ones column to the large V) gives one query-side
-    matmul for numerator (first Dv columns) and normaliser (last column).
+    matmul for numerator and normaliser. The means of the module docstring are
+    (sum / count) / (sum / count + eps) = sum / (sum + eps * count): scaling eps instead of kv saves an op.
     """
-    if key_mask is None:
-        count = torch.full((), float(psi_k.shape[-2]), dtype=psi_k.dtype, device=psi_k.device)
-        weighted_v = v
-    else:
-        w = _key_weights(key_mask, psi_k.dtype)  # [B, H|1, N]
-        keep = (w > 0).unsqueeze(-1)
-        psi_k = torch.where(keep, psi_k * w.unsqueeze(-1), 0.0)
-        v = torch.where(keep, v, 0.0)
-        weighted_v = v if key_mask.dtype == torch.bool else v * w.unsqueeze(-1)
-        count = w.sum(dim=-1, keepdim=True).unsqueeze(-1)  # [B, H|1, 1, 1]
-    kv1 = torch.cat([psi_k.transpose(-2, -1) @ v, psi_k.sum(dim=-2).unsqueeze(-1)], dim=-1)
-    if offset != 0.0:
-        # phi_k = psi_k + c adds c * [sum_n w_n v_n | sum_n w_n] to every row of kv1
-        value_sum = weighted_v.sum(dim=-2, keepdim=True)  # [B, H, 1, Dv]
-        kv1 = kv1 + offset * torch.cat([value_sum, count + torch.zeros_like(value_sum[..., :1])], dim=-1)
-    kv1 = kv1 / count.clamp_min(1e-30)
-    if offset != 0.0:
-        # phi_q = psi_q + c adds c * (column sums of kv1) to every output row: the bias of one baddbmm
-        bias = offset * kv1.sum(dim=-2, keepdim=True)
-        out1 = torch.baddbmm(bias.flatten(0, 1), psi_q.flatten(0, 1), kv1.flatten(0, 1))
-        out1 = out1.view(psi_q.shape[0], psi_q.shape[1], psi_q.shape[2], kv1.shape[-1])
-    else:
-        out1 = psi_q @ kv1  # [B, H, Nq, Dv + 1]
     dv = v.shape[-1]
-    return out1[..., :dv] / (out1[..., dv:] + eps)
+    if key_mask is None:
+        out1 = phi_q @ _kv_and_key_sum(phi_k, v)
+        return out1[..., :dv] / (out1[..., dv:] + eps * phi_k.shape[-2])
+    w = _key_weights(key_mask, phi_k.dtype)  # [B, H|1, N]
+    keep = (w > 0).unsqueeze(-1)
+    phi_k = torch.where(keep, phi_k * w.unsqueeze(-1), 0.0)
+    v = torch.where(keep, v, 0.0)
+    # with every key masked, num and den are exactly 0: a tiny count keeps 0 / (0 + eps * count) at 0
+    count = w.sum(dim=-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)  # [B, H|1, 1, 1]
+    out1 = phi_q @ _kv_and_key_sum(phi_k, v)
+    return out1[..., :dv] / (out1[..., dv:] + eps * count)
+
+
+def _kv_and_key_sum(phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """phi_k [B, H, N, D], v [B, H, N, Dv] -> [phi_k^T v | phi_k^T 1] of shape [B, H, D, Dv + 1]."""
+    return torch.cat([phi_k.transpose(-2, -1) @ v, phi_k.sum(dim=-2).unsqueeze(-1)], dim=-1)
 
 
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -118,10 +110,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         [B, H, Nq, Dv] in the dtype of ``v``; computed in float32 (float64 for float64 inputs).
     """
     check_attention_inputs(q, k, v, key_mask)
-    parts = split_feature_map(feature_map) if isinstance(feature_map, str) else FeatureMapParts(feature_map,
-                                                                                                 feature_map)
+    phi = get_feature_map(feature_map) if isinstance(feature_map, str) else feature_map
     dtype = compute_dtype(v.dtype)
-    psi = parts.psi
-    out = linear_attention_from_features(psi(q.to(dtype)), psi(k.to(dtype)), v.to(dtype), eps, key_mask,
-                                         parts.offset)
+    out = linear_attention_from_features(phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype), eps, key_mask)
     return out.to(v.dtype)

@@ -2,7 +2,17 @@
 import pytest
 import torch
 
-from linvit.ops import FEATURE_MAPS, elu1, focused, get_feature_map, list_feature_maps, register_feature_map, relu
+from linvit.ops import (
+    FEATURE_MAPS,
+    INPLACE_FEATURE_MAPS,
+    elu1,
+    focused,
+    get_feature_map,
+    get_inplace_feature_map,
+    list_feature_maps,
+    register_feature_map,
+    relu,
+)
 
 
 def _sample(shape=(4, 7, 16), scale=3.0, seed=0) -> torch.Tensor:
@@ -68,3 +78,26 @@ def test_unknown_feature_map_lists_known_ones():
 def test_register_feature_map_rejects_duplicates():
     with pytest.raises(ValueError, match='elu1'):
         register_feature_map('elu1', elu1)
+
+
+def test_elu1_gradient_matches_elu_including_zero():
+    x = torch.cat([_sample().flatten(), torch.zeros(3, dtype=torch.float64)]).requires_grad_()
+    elu1(x).sum().backward()
+    expected = torch.where(x.detach() > 0, torch.ones_like(x), torch.exp(x.detach()))  # elu's derivative, 1 at 0
+    torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('name', sorted(INPLACE_FEATURE_MAPS))
+def test_inplace_maps_write_the_map_into_their_input(name):
+    x = torch.cat([_sample(), torch.zeros(1, 7, 16, dtype=torch.float64)])
+    expected = get_feature_map(name)(x)
+    target = x.clone()
+    out = get_inplace_feature_map(name)(target)
+    assert out.data_ptr() == target.data_ptr()
+    torch.testing.assert_close(target, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_maps_without_inplace_form_report_none():
+    assert get_inplace_feature_map('focused') is None
+    with pytest.raises(ValueError, match='softmaxish'):
+        get_inplace_feature_map('softmaxish')
