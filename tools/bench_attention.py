@@ -8,6 +8,10 @@ median milliseconds and ratios, and the crossover N from which linear attention 
     python tools/bench_attention.py                  # N = 49 .. 16384, width 384, 6 heads, fp32, batch 1
     python tools/bench_attention.py --quick          # fewer sizes and repeats (the `make demo` run)
     python tools/bench_attention.py --tokens 256 1024 4096 --feature-map relu --csv bench.csv
+    python tools/bench_attention.py --compile         # all three layers through linvit.fast.compile_model
+
+With ``--compile`` each layer is compiled (inductor, static shapes, one graph per N; the first warm-up call of each
+N compiles and is not timed), so the comparison is compiled linear attention against compiled SDPA attention.
 """
 import argparse
 import csv
@@ -20,6 +24,7 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention
 
+from linvit.fast import compile_model
 from linvit.layers import LinearAttention, NoMixingAttention
 from linvit.ops import list_feature_maps
 
@@ -41,11 +46,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument('--repeats', type=int, default=7)
     parser.add_argument('--quick', action='store_true', help=f'tokens {QUICK_TOKENS}, 1 warm-up, 3 repeats')
     parser.add_argument('--device', default='cpu')
+    parser.add_argument('--compile', action='store_true',
+                        help='time the layers compiled by linvit.fast.compile_model (torch.compile, inductor)')
     parser.add_argument('--csv', help='also write the table to this CSV file')
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens = args.tokens or QUICK_TOKENS
         args.warmup, args.repeats = 1, 3
+    if args.compile:
+        args.warmup = max(args.warmup, 1)  # the first call of each N compiles
     args.tokens = args.tokens or FULL_TOKENS
     if args.local_mix:
         bad = [n for n in args.tokens if int(round(n ** 0.5)) ** 2 != n]
@@ -55,7 +64,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def build_layers(args: argparse.Namespace) -> Dict[str, nn.Module]:
-    """The three layers with identical projection weights, in eval mode on the target device and dtype."""
+    """The three layers with identical projection weights, in eval mode on the target device and dtype (compiled
+    by ``linvit.fast.compile_model`` with ``--compile``)."""
     common = dict(dim=args.dim, num_heads=args.heads, qkv_bias=True)
     layers = {
         'softmax': Attention(**common),
@@ -66,7 +76,10 @@ def build_layers(args: argparse.Namespace) -> Dict[str, nn.Module]:
     state = layers['softmax'].state_dict()
     for layer in layers.values():
         layer.load_state_dict(state, strict=False)
-    return {name: layer.to(args.device, DTYPES[args.dtype]).eval() for name, layer in layers.items()}
+    layers = {name: layer.to(args.device, DTYPES[args.dtype]).eval() for name, layer in layers.items()}
+    if args.compile:
+        return {name: compile_model(layer) for name, layer in layers.items()}
+    return layers
 
 
 def synchronize(device: str) -> None:
@@ -105,6 +118,7 @@ def run(args: argparse.Namespace) -> List[Dict[str, float]]:
     rows = []
     print(f"# one attention layer: width {args.dim}, {args.heads} heads, batch {args.batch}, {args.dtype}, "
           f"feature map {args.feature_map}{', local mix' if args.local_mix else ''}, device {args.device}, "
+          f"{'compiled (inductor)' if args.compile else 'eager'}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} after {args.warmup} warm-up")
     print(f"{'N':>7} {'softmax ms':>11} {'linear ms':>10} {'floor ms':>9} {'linear/floor':>13} "
           f"{'softmax/linear':>15}")

@@ -5,6 +5,7 @@ import pytest
 import torch
 from timm.layers import Attention
 
+from linvit.fast import CompiledModel
 from linvit.layers import NoMixingAttention
 
 
@@ -44,3 +45,12 @@ def test_bench_runs_end_to_end(bench, tmp_path, capsys):
 def test_bench_rejects_non_square_tokens_with_local_mix(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(['--tokens', '50', '--local-mix'])
+
+
+def test_bench_compiled_layers_end_to_end(bench, capsys):
+    assert bench.main(['--tokens', '16', '--dim', '32', '--heads', '2', '--warmup', '0', '--repeats', '1',
+                       '--compile']) == 0
+    printed = capsys.readouterr().out
+    assert 'compiled (inductor)' in printed and '1 warm-up' in printed  # a compiling call is never timed
+    layers = bench.build_layers(bench.parse_args(['--dim', '32', '--heads', '2', '--compile']))
+    assert all(isinstance(layer, CompiledModel) for layer in layers.values())
