@@ -11,6 +11,9 @@ go through ``linvit.fast`` (static shapes: each configuration compiles its own g
 A configuration that runs out of memory or time is recorded as such and the sweep goes on. ``--rounds R`` runs
 the sweep R times (round after round) and reports each configuration's median over rounds: processes differ (memory
 placement, the machine's other load), so one process per configuration needs rounds to give steady ratios.
+``--retain-freed-memory`` runs every configuration with glibc keeping freed memory (``RETAIN_FREED_MEMORY_ENV``):
+by default it hands large freed buffers back to the system and faults fresh pages in when the next call allocates
+them again, a per-process cost that moves CPU figures by 10-20% (the ``allocator`` column records the setting).
 
 Rows go to ``OUT/profile.csv`` as they complete; then, per (task, precision, batch, mode), a table per linvit model
 (its floor and its softmax counterpart side by side: img/s, ratios linvit/floor and linvit/softmax), the crossover
@@ -51,7 +54,7 @@ DEFAULT_SIZES = ['224', '512', '1024', '2048']
 RESULT_MARK = 'PROFILE_RESULT '
 CSV_FIELDS = ['round', 'model', 'name', 'kwargs', 'kind', 'height', 'width', 'tokens', 'batch', 'dtype', 'mode',
               'task', 'device', 'compile_mode', 'status', 'median_ms', 'p90_ms', 'img_per_s', 'peak_mem_mb',
-              'base_mem_mb', 'first_call_s', 'warmup', 'repeats', 'threads', 'error']
+              'base_mem_mb', 'first_call_s', 'warmup', 'repeats', 'threads', 'allocator', 'error']
 SIZE_WORDS = ('tiny', 'small', 'base', 'large', 'huge', 'giant')
 
 
@@ -271,7 +274,20 @@ def measure(config: Config) -> Dict[str, Any]:
         'base_mem_mb': base_mem,
         'first_call_s': first_call,
         'threads': torch.get_num_threads(),
+        'allocator': allocator_setting(),
     }
+
+
+# glibc returns large freed blocks to the system and faults fresh pages in when they are allocated again; these
+# thresholds (bytes) keep freed memory in the process, as jemalloc or tcmalloc would
+RETAIN_FREED_MEMORY_ENV = {'MALLOC_MMAP_THRESHOLD_': str(2 ** 34), 'MALLOC_TRIM_THRESHOLD_': str(2 ** 34)}
+
+
+def allocator_setting() -> str:
+    """'retain' under ``RETAIN_FREED_MEMORY_ENV``, 'system' without those variables, 'custom' for other values."""
+    if all(os.environ.get(k) == v for k, v in RETAIN_FREED_MEMORY_ENV.items()):
+        return 'retain'
+    return 'custom' if any(k in os.environ for k in RETAIN_FREED_MEMORY_ENV) else 'system'
 
 
 def child_main(config_json: str) -> int:
@@ -300,12 +316,13 @@ def base_row(config: Config) -> Dict[str, Any]:
     }
 
 
-def run_config(config: Config, timeout: float) -> Dict[str, Any]:
+def run_config(config: Config, timeout: float, retain_freed_memory: bool = False) -> Dict[str, Any]:
     """Measure ``config`` in a fresh interpreter; a timeout, a kill (OOM killer) or an error gives a marked row."""
     row = base_row(config)
     cmd = [sys.executable, os.path.abspath(__file__), '--child', config.to_json()]
+    env = {**os.environ, **RETAIN_FREED_MEMORY_ENV} if retain_freed_memory else None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         row.update(status='timeout', error=f"no result within {timeout:g} s")
         return row
@@ -536,8 +553,10 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
             table = Table([r for r in group if r['mode'] == mode])
             device = table.rows[0].get('device', '')
             threads = next((r['threads'] for r in table.rows if r.get('threads')), None)
+            allocator = next((r['allocator'] for r in table.rows if r.get('allocator')), None)
             lines.append(f"\n# {task}, {dtype}, batch {batch}, {mode}, {device}"
-                         + (f", {threads} threads" if threads else '') + "; img/s = batch / median latency"
+                         + (f", {threads} threads" if threads else '')
+                         + (f", allocator {allocator}" if allocator else '') + "; img/s = batch / median latency"
                          + (f" (median over {rounds} rounds)" if rounds > 1 else ''))
             linear = table.labels('linear')
             for label in linear:
@@ -627,6 +646,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              'configuration, the median over rounds: steadier ratios on a noisy machine')
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--threads', type=int, help='torch.set_num_threads in each configuration (default: torch\'s)')
+    parser.add_argument('--retain-freed-memory', action='store_true',
+                        help='run each configuration with glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_ and '
+                             'MALLOC_TRIM_THRESHOLD_ = 2**34), as jemalloc/tcmalloc would: no page faults for '
+                             'buffers re-allocated every call (default: the system allocator settings)')
     parser.add_argument('--timeout', type=float, default=1800., help='seconds per configuration before it is marked')
     parser.add_argument('--out', default=os.path.join(tempfile.gettempdir(), 'linvit_profile_resolution'),
                         help='directory for profile.csv and the PNGs')
@@ -673,7 +696,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         progress = tqdm(runs, unit='config', dynamic_ncols=True)
         for round_index, config in progress:
             progress.set_description(config.describe())
-            row = {'round': round_index, **run_config(config, args.timeout)}
+            row = {'round': round_index, **run_config(config, args.timeout, args.retain_freed_memory)}
             rows.append(row)
             writer.writerow(row)
             f.flush()  # rows survive an interrupted sweep

@@ -175,3 +175,13 @@ def test_profile_runs_end_to_end(prof, tmp_path, capsys):
     # the summary of a finished run can be re-printed from its CSV
     assert prof.main(['--summarize', str(out / 'profile.csv'), '--out', str(tmp_path / 'again')]) == 0
     assert 'linvit/floor' in capsys.readouterr().out
+
+
+def test_retain_freed_memory_reaches_the_child_and_the_csv(prof):
+    spec = prof.parse_model_spec('linvit_tiny_patch16_224:depth=1')
+    config = prof.Config(spec, 32, 32, 1, 'fp32', 'eager', 'infer', 'cpu', 1, 1)
+    retained = prof.run_config(config, timeout=300, retain_freed_memory=True)
+    inherited = prof.run_config(config, timeout=300)
+    assert (retained['status'], retained['allocator']) == ('ok', 'retain')
+    assert (inherited['status'], inherited['allocator']) == ('ok', prof.allocator_setting())  # the parent's own
+    assert 'allocator' in prof.CSV_FIELDS
