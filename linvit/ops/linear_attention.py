@@ -73,18 +73,22 @@ def _core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,
     matmul for numerator and normaliser. The means of the module docstring are
     (sum / count) / (sum / count + eps) = sum / (sum + eps * count): scaling eps instead of kv saves an op.
     """
+    count: Optional[torch.Tensor] = None  # without a mask every key counts 1: the count is N
+    if key_mask is not None:
+        w = _key_weights(key_mask, phi_k.dtype)  # [B, H|1, N]
+        keep = (w > 0).unsqueeze(-1)
+        phi_k = torch.where(keep, phi_k * w.unsqueeze(-1), 0.0)
+        v = torch.where(keep, v, 0.0)
+        # with every key masked, num and den are exactly 0: a tiny count keeps 0 / (0 + eps * count) at 0
+        count = w.sum(dim=-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)  # [B, H|1, 1, 1]
     dv = v.shape[-1]
-    if key_mask is None:
-        out1 = phi_q @ _kv_and_key_sum(phi_k, v)
-        return out1[..., :dv] / (out1[..., dv:] + eps * phi_k.shape[-2])
-    w = _key_weights(key_mask, phi_k.dtype)  # [B, H|1, N]
-    keep = (w > 0).unsqueeze(-1)
-    phi_k = torch.where(keep, phi_k * w.unsqueeze(-1), 0.0)
-    v = torch.where(keep, v, 0.0)
-    # with every key masked, num and den are exactly 0: a tiny count keeps 0 / (0 + eps * count) at 0
-    count = w.sum(dim=-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)  # [B, H|1, 1, 1]
     out1 = phi_q @ _kv_and_key_sum(phi_k, v)
-    return out1[..., :dv] / (out1[..., dv:] + eps * count)
+    den = out1[..., dv:]
+    if count is None:
+        den = den + eps * phi_k.shape[-2]
+    else:
+        den = den + eps * count
+    return out1[..., :dv] / den
 
 
 def _kv_and_key_sum(phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
