@@ -159,7 +159,7 @@ class LinearAttention(nn.Module):
         mixed = linear_attention_from_features(phi_q, phi_k, to_compute_dtype(v), self.eps, key_mask)
         out = mixed.to(v.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
         if self.local_mix is not None:
-            out = out + self.local_mix(v, feat_size)
+            out = self.local_mix.add_to(out, v, feat_size)
         out = self.norm(out)
         if self.gate is not None:
             out = out * self.gate(x).sigmoid()

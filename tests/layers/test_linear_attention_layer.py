@@ -142,15 +142,19 @@ def _local_mix_reference(layer: LinearAttention, x: torch.Tensor, grid, prefix) 
     return out
 
 
+@pytest.mark.parametrize('grad', [True, False], ids=['autograd', 'no-grad'])  # no-grad adds the term in place
+@pytest.mark.parametrize('heads', [HEADS, 1], ids=['heads4', 'heads1'])  # one head: the output is a view
 @pytest.mark.parametrize('prefix, grid', [(1, (3, 5)), (5, (4, 4)), (0, (2, 7))])
-def test_local_mix_adds_depthwise_neighbourhood(prefix, grid):
-    base = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, local_mix=True, num_prefix_tokens=prefix))
-    no_mix = LinearAttention(DIM, HEADS, qkv_bias=True, num_prefix_tokens=prefix)
+def test_local_mix_adds_depthwise_neighbourhood(prefix, grid, heads, grad):
+    base = _randomise(LinearAttention(DIM, heads, qkv_bias=True, local_mix=True, num_prefix_tokens=prefix))
+    no_mix = LinearAttention(DIM, heads, qkv_bias=True, num_prefix_tokens=prefix)
     no_mix.load_state_dict(base.state_dict(), strict=False)
     x = _tokens(n=prefix + grid[0] * grid[1])
     # undo the output projection to compare the pre-projection sum
     w_proj = base.proj.weight.double()
-    got = (base(x, feat_size=list(grid)).double() - no_mix(x).double()) @ torch.linalg.pinv(w_proj.T)
+    with torch.set_grad_enabled(grad):
+        difference = base(x, feat_size=list(grid)).double() - no_mix(x).double()
+    got = difference.detach() @ torch.linalg.pinv(w_proj.T)
     expected = _local_mix_reference(base, x, grid, prefix)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
@@ -257,3 +261,10 @@ def test_prefix_tokens_get_no_local_term():
     x = _tokens(n=2 + 9)
     torch.testing.assert_close(base(x)[:, :2], no_mix(x)[:, :2], rtol=1e-6, atol=1e-6)
     assert not torch.allclose(base(x)[:, 2:], no_mix(x)[:, 2:])
+
+
+def test_local_mix_gradients_match_finite_differences():
+    """Gradients through the channels-last grid copy and the in-grid slice, checked by finite differences."""
+    layer = _randomise(LinearAttention(8, 2, qkv_bias=True, local_mix=True, num_prefix_tokens=1)).double()
+    x = torch.randn(1, 1 + 2 * 3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: layer(t, feat_size=[2, 3]), (x,))
