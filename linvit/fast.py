@@ -30,6 +30,9 @@ Resolution policy (shapes of the image batch [B, C, H, W]):
   antialiased bicubic position-embedding resampling has no meta kernel for symbolic sizes, so a dynamic training
   step of a ViT with a learned position embedding fails to compile; train with static shapes (the default).
 
+CPU code generation: unless a ``mode`` is given, every compile adds ``UnfuseCpuBiasAdd``, a post-grad pass that
+splits a linear layer's bias add off the CPU addmm into the pointwise kernel that follows it (see its docstring).
+
 Mixed precision: ``amp_dtype`` turns on ``torch.autocast(device_type=<the input's device type>, dtype=amp_dtype)``
 inside the compiled region; the linear-attention core disables autocast itself and runs in float32.
 """
@@ -41,11 +44,14 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 from timm.layers import Attention
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import is_pointwise_use
 
 from .layers import LinearAttention, NoMixingAttention
 
-__all__ = ['RECOMPILE_LIMIT', 'CompiledModel', 'TrainStep', 'GraphReport', 'compile_model', 'compile_train_step',
-           'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects', 'make_floor']
+__all__ = ['RECOMPILE_LIMIT', 'CompiledModel', 'TrainStep', 'GraphReport', 'UnfuseCpuBiasAdd', 'compile_model',
+           'compile_train_step', 'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects', 'make_floor']
 
 #: how many static shapes (graphs) one compiled model or train step may hold; dynamo's default is 8
 RECOMPILE_LIMIT = 64
@@ -83,10 +89,63 @@ def _uses_cudagraphs(mode: Optional[str]) -> bool:
     return mode is not None and mode.startswith(_CUDAGRAPH_MODES)
 
 
+class UnfuseCpuBiasAdd(CustomGraphPass):
+    """Inductor post-grad pass: on CPU, ``addmm(bias, a, b)`` whose users are all pointwise becomes ``mm(a, b) + bias``.
+
+    The CPU addmm first broadcasts the bias into its whole output and then accumulates the product onto it (beta=1):
+    one extra write and read of an [N, out] buffer. Split off, the bias add fuses into the pointwise kernel that
+    follows anyway (GELU after fc1, the residual add after proj and fc2), so the pass removes a full memory pass per
+    linear layer; inductor already does this on GPUs. On a 2-core CPU, ViT-S fc1's bias broadcast alone took 19 ms
+    per block at 16k tokens, and whole compiled ViT-S models (linvit, floor, timm softmax) ran 1-8% faster with the
+    pass from 224 to 2048 px. Only float32/float64 addmm with alpha = beta = 1 and a 1-D bias is rewritten: in half
+    precision the fused form rounds once instead of twice.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.find_nodes(op='call_function', target=torch.ops.aten.addmm.default)):
+            if self._rewritable(node):
+                bias, mat1, mat2 = node.args[:3]
+                with graph.inserting_before(node):
+                    product = graph.call_function(torch.ops.aten.mm.default, (mat1, mat2))
+                    product.meta.update(node.meta)
+                    biased = graph.call_function(torch.ops.aten.add.Tensor, (product, bias))
+                    biased.meta.update(node.meta)
+                node.replace_all_uses_with(biased)
+                graph.erase_node(node)
+
+    @staticmethod
+    def _rewritable(node: torch.fx.Node) -> bool:
+        if node.kwargs.get('alpha', 1) != 1 or node.kwargs.get('beta', 1) != 1 or len(node.args) != 3:
+            return False
+        out, bias = node.meta.get('val'), getattr(node.args[0], 'meta', {}).get('val')
+        if not isinstance(out, torch.Tensor) or not isinstance(bias, torch.Tensor):
+            return False
+        if out.device.type != 'cpu' or out.dtype not in (torch.float32, torch.float64) or bias.dtype != out.dtype:
+            return False
+        if bias.dim() != 1 or out.dim() != 2 or bias.shape[0] != out.shape[1]:
+            return False
+        return bool(node.users) and all(is_pointwise_use(user) for user in node.users)
+
+    def uuid(self) -> str:
+        return 'linvit-unfuse-cpu-bias-add-v1'
+
+
+_UNFUSE_CPU_BIAS_ADD = UnfuseCpuBiasAdd()
+
+
+def _inductor_options(mode: Optional[str], backend: Any) -> Optional[Dict[str, Any]]:
+    """Per-compile inductor options: the CPU bias pass, unless a mode is given (torch.compile takes a mode or
+    options, not both) or the user set a global post-grad pass of their own."""
+    if backend != 'inductor' or mode is not None or inductor_config.post_grad_custom_post_pass is not None:
+        return None
+    return {'post_grad_custom_post_pass': _UNFUSE_CPU_BIAS_ADD}
+
+
 def _compile(fn: Callable, mode: Optional[str], dynamic: bool, fullgraph: bool, backend: Any) -> Callable:
     # dynamic=False compiles fully static graphs; dynamic=True leaves the choice to dynamo (None) so that only the
     # dims marked dynamic (H, W) are symbolic, rather than every dim (dynamic=True would make the batch symbolic)
-    kwargs: Dict[str, Any] = dict(mode=mode, dynamic=None if dynamic else False, fullgraph=fullgraph, backend=backend)
+    kwargs: Dict[str, Any] = dict(mode=mode, dynamic=None if dynamic else False, fullgraph=fullgraph, backend=backend,
+                                  options=_inductor_options(mode, backend))
     if 'recompile_limit' in inspect.signature(torch.compile).parameters:
         kwargs['recompile_limit'] = RECOMPILE_LIMIT  # for this compiled function only (torch >= 2.10)
     else:
@@ -128,7 +187,8 @@ def compile_model(model: nn.Module, mode: Optional[str] = None, dynamic: bool = 
                   backend: Any = 'inductor') -> CompiledModel:
     """Compile ``model``'s forward for inference (or any forward-only use): images [B, C, H, W] -> model output.
 
-    mode: torch.compile's mode (None, 'reduce-overhead' for CUDA graphs on CUDA, 'max-autotune', ...).
+    mode: torch.compile's mode (None, 'reduce-overhead' for CUDA graphs on CUDA, 'max-autotune', ...). With None
+        the compile also gets linvit's CPU bias pass (``UnfuseCpuBiasAdd``); torch.compile takes a mode or options.
     dynamic: False = one static graph per (B, H, W); True = H and W symbolic (see the module's resolution policy).
     fullgraph: True makes any graph break an error instead of a silent split.
     backend: torch.compile's backend ('inductor'; 'eager' / 'aot_eager' to debug tracing only).

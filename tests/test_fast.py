@@ -215,6 +215,40 @@ def test_compiled_train_step_matches_eager():
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+class _LinearGeluLinear(nn.Module):
+    """[N, 8] -> [N, 8]: fc1 feeds a pointwise GELU, fc2's output is returned (a non-pointwise use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_cpu_bias_add_is_split_off_into_the_following_pointwise_kernel():
+    from torch._inductor.utils import run_and_get_code
+    model = _LinearGeluLinear().eval()
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    compiled = fast.compile_model(model)
+    with torch.inference_mode():
+        out, (code, *_) = run_and_get_code(compiled, x)
+        expected = (F.gelu(x.double() @ model.fc1.weight.double().T + model.fc1.bias.double())
+                    @ model.fc2.weight.double().T + model.fc2.bias.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    # fc1 (GELU follows) becomes mm + a fused bias add; fc2 (its output is the graph's output) stays addmm
+    assert code.count('extern_kernels.mm(') == 1 and code.count('extern_kernels.addmm(') == 1, code
+
+
+def test_cpu_bias_pass_respects_a_mode_and_the_users_own_pass():
+    assert fast._inductor_options(None, 'inductor') is not None
+    assert fast._inductor_options('max-autotune', 'inductor') is None  # torch.compile takes mode or options
+    assert fast._inductor_options(None, 'aot_eager') is None
+    sentinel = fast.UnfuseCpuBiasAdd()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=sentinel):
+        assert fast._inductor_options(None, 'inductor') is None
+
+
 def test_train_step_autocast_follows_the_input_device():
     seen = []
 
