@@ -5,6 +5,7 @@ Graph checks use dynamo alone (torch._dynamo.explain / a capturing backend: no i
 registered linvit model and every attention option; inductor compiles (slow on CPU) run on depth-2, width-48 models.
 """
 import copy
+import re
 from typing import Any, Callable, Dict, List
 
 import pytest
@@ -240,13 +241,27 @@ def test_cpu_bias_add_is_split_off_into_the_following_pointwise_kernel():
     assert code.count('extern_kernels.mm(') == 1 and code.count('extern_kernels.addmm(') == 1, code
 
 
-def test_cpu_bias_pass_respects_a_mode_and_the_users_own_pass():
-    assert fast._inductor_options(None, 'inductor') is not None
+def test_inductor_options_respect_a_mode_and_the_users_own_pass():
+    assert fast._inductor_options(None, 'inductor') == {'layout_optimization': False,
+                                                        'post_grad_custom_post_pass': fast._UNFUSE_CPU_BIAS_ADD}
     assert fast._inductor_options('max-autotune', 'inductor') is None  # torch.compile takes mode or options
     assert fast._inductor_options(None, 'aot_eager') is None
-    sentinel = fast.UnfuseCpuBiasAdd()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=sentinel):
-        assert fast._inductor_options(None, 'inductor') is None
+    with torch._inductor.config.patch(post_grad_custom_post_pass=fast.UnfuseCpuBiasAdd()):
+        assert fast._inductor_options(None, 'inductor') == {'layout_optimization': False}
+
+
+def test_compiled_attention_features_stay_head_major_next_to_convolutions():
+    """With local mixing the graph holds depthwise convolutions; the bmm operands must not become channels-last."""
+    from torch._inductor.utils import run_and_get_code
+    model = tiny_linvit(local_mix=True).eval()
+    x = images(batch=1)  # batch 1 is where inductor made the features channels-last
+    with torch.inference_mode():
+        out, (code, *_) = run_and_get_code(fast.compile_model(model), x)
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+    bmm_calls = [line for line in code.splitlines() if 'extern_kernels.bmm(' in line]
+    assert bmm_calls, code
+    for line in bmm_calls:  # a head-major operand [B*H, N, D] has stride 1 on D, never on the head dimension
+        assert not re.search(r'reinterpret_tensor\(buf\d+, \(\d+, \d+, \d+\), \(1, ', line), line
 
 
 def test_train_step_autocast_follows_the_input_device():
