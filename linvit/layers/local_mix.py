@@ -90,8 +90,7 @@ class LocalMix(nn.Module):
         Without autograd (and outside torch.compile, which fuses the out-of-place sum) the term is added in place
         into out's patch rows: ``out`` must then be a tensor the caller owns.
         """
-        term = self.patch_term(v, feat_size)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return out + F.pad(term, (0, 0, self.num_prefix_tokens, 0))
-        out[:, self.num_prefix_tokens:].add_(term)
+            return out + self.forward(v, feat_size)
+        out[:, self.num_prefix_tokens:].add_(self.patch_term(v, feat_size))
         return out
