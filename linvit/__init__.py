@@ -5,7 +5,7 @@ Public API:
     linvit.LinearAttention(dim, num_heads, ...)   # drop-in for timm.layers.Attention
     linvit.load_softmax_state_dict(model, state_dict)   # softmax checkpoint -> linear model, reports new keys
     timm.create_model('linvit_small_patch16_224', ...)   # registered by importing linvit (timm.list_models('linvit_*'))
-    linvit.convert_to_linear(model, attn_kernel='elu1', local_mix=False, softmax_blocks=())   # timm ViT, in place
+    linvit.convert_to_linear(model, feature_map='elu1', local_mix=False, softmax_blocks=())   # timm ViT, in place
 """
 from . import fast as fast  # the compiled fast path (linvit.fast)
 from . import models, ops

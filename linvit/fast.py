@@ -50,6 +50,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import is_pointwise_use
 
 from .layers import LinearAttention, NoMixingAttention
+from .models.linvit import check_image_size
 
 __all__ = ['RECOMPILE_LIMIT', 'CompiledModel', 'TrainStep', 'GraphReport', 'UnfuseCpuBiasAdd', 'compile_model',
            'compile_train_step', 'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects', 'make_floor']
@@ -186,6 +187,8 @@ class CompiledModel(nn.Module):
         object.__setattr__(self, 'compiled', _compile(model, mode, dynamic, fullgraph, backend))
 
     def forward(self, images: torch.Tensor, *args, **kwargs) -> Any:
+        # sizes the model rejects raise its own ValueError here; inside the graph dynamo would bury it
+        check_image_size(self.module, images)
         if self.dynamic:
             _mark_hw_dynamic(images)
         if _uses_cudagraphs(self.mode):
@@ -246,6 +249,7 @@ class TrainStep:
             return self.loss_fn(self.model(images), targets)
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        check_image_size(self.model, images)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         else:

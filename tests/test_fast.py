@@ -25,9 +25,9 @@ LINVIT_MODELS = timm.list_models('linvit_*')
 TINY = dict(img_size=IMG, depth=2, embed_dim=48, num_heads=3, num_classes=10)
 
 # every attention variant: each feature map with and without local mixing, and hybrids with softmax blocks
-OPTIONS: List[Dict[str, Any]] = [dict(attn_kernel=fm, local_mix=lm)
+OPTIONS: List[Dict[str, Any]] = [dict(feature_map=fm, local_mix=lm)
                                  for fm in list_feature_maps() for lm in (False, True)]
-OPTIONS += [dict(local_mix=True, softmax_blocks=(1,)), dict(attn_kernel='relu', local_mix=False, softmax_blocks=(0,))]
+OPTIONS += [dict(local_mix=True, softmax_blocks=(1,)), dict(feature_map='relu', local_mix=False, softmax_blocks=(0,))]
 
 
 def option_id(options: Dict[str, Any]) -> str:
@@ -186,8 +186,24 @@ def test_side_effect_check_finds_writes_counters_and_rng():
 # ---------------------------------------------------------------------------------------------------------------
 # compiled (inductor) == eager in fp32
 
+@pytest.mark.parametrize('kwargs, size', [(dict(), (200, 200)), (dict(dynamic_img_size=True), (100, 160))],
+                         ids=['fixed-size', 'dynamic-not-divisible'])
+def test_compiled_model_and_step_raise_the_eager_value_error_for_a_bad_size(kwargs, size, fresh_dynamo):
+    model = tiny_linvit(**kwargs)
+    x = images(1, *size)
+    with pytest.raises(ValueError) as eager_error:
+        model(x)
+    with pytest.raises(ValueError) as compiled_error:
+        fast.compile_model(model, backend='eager')(x)
+    assert str(compiled_error.value) == str(eager_error.value)
+    step = fast.compile_train_step(model, F.cross_entropy, backend='eager')
+    with pytest.raises(ValueError) as step_error:
+        step(x, targets(1))
+    assert str(step_error.value) == str(eager_error.value)
+
+
 def test_compiled_inference_matches_eager():
-    model = tiny_linvit(attn_kernel='focused', local_mix=True, softmax_blocks=(1,)).eval()
+    model = tiny_linvit(feature_map='focused', local_mix=True, softmax_blocks=(1,)).eval()
     compiled = fast.compile_model(model)
     assert compiled.module is model
     assert [p.data_ptr() for p in compiled.parameters()] == [p.data_ptr() for p in model.parameters()]
@@ -200,7 +216,7 @@ def test_compiled_inference_matches_eager():
 
 
 def test_compiled_train_step_matches_eager():
-    model = tiny_linvit(attn_kernel='relu', local_mix=True).train()
+    model = tiny_linvit(feature_map='relu', local_mix=True).train()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)

@@ -127,7 +127,10 @@ class LinearAttention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def extra_repr(self) -> str:
-        return f"feature_map={self.feature_map_name!r}, eps={self.eps}"
+        # print(model) should say what each block computes: the map, eps and whether the local branch is on
+        local = 'off' if self.local_mix is None else f"{self.local_mix.kernel_size}x{self.local_mix.kernel_size}"
+        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}")
 
     def forward(
             self,
@@ -188,5 +191,7 @@ def linear_attention_layer(**options) -> Type[LinearAttention]:
         def __init__(self, dim: int, **kwargs) -> None:
             super().__init__(dim, **{**defaults, **kwargs})
 
+    # printed models show LinearAttention(...) with its options in extra_repr, not the subclass's internal name
+    ConfiguredLinearAttention.__name__ = LinearAttention.__name__
     ConfiguredLinearAttention.__qualname__ = f"LinearAttention[{', '.join(f'{k}={v!r}' for k, v in options.items())}]"
     return ConfiguredLinearAttention

@@ -59,10 +59,14 @@ class LocalMix(nn.Module):
         if num_prefix_tokens < 0:
             raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
         self.num_prefix_tokens = num_prefix_tokens
+        self.kernel_size = kernel_size
         self.grid_size = None if grid_size is None else (int(grid_size[0]), int(grid_size[1]))
         self.conv = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, groups=channels,
                               device=device, dtype=dtype)
         self.init_weights()
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, num_prefix_tokens={self.num_prefix_tokens}, grid_size={self.grid_size}"
 
     def init_weights(self) -> None:
         """Zero weights and bias: a model that gains this branch computes exactly what it did before."""

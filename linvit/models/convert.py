@@ -19,7 +19,7 @@ from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr
 
 from ..layers import LinearAttention, LocalMix
 from ..ops import get_feature_map
-from .linvit import resolve_softmax_blocks
+from .linvit import resolve_feature_map, resolve_softmax_blocks
 
 __all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites']
 
@@ -116,17 +116,21 @@ def _token_layout(model: nn.Module) -> Tuple[int, Tuple[int, int]]:
 
 def convert_to_linear(
         model: nn.Module,
-        attn_kernel: str = 'elu1',
+        feature_map: Optional[str] = None,
         local_mix: bool = False,
         local_mix_kernel: int = 3,
         softmax_blocks: Sequence[int] = (),
+        attn_kernel: Optional[str] = None,
 ) -> nn.Module:
     """Replace the softmax attention of a timm model by linear attention, in place; returns ``model``.
 
     Args:
         model: a timm model whose attention is ``timm.layers.Attention`` (vit_*, deit_*, deit3_*, ...).
-        attn_kernel: feature map name from ``linvit.ops.FEATURE_MAPS``.
-        local_mix: add the zero-initialised depthwise-conv branch (see the module docstring for its grid).
+        feature_map: feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1'; ``attn_kernel`` is its
+            deprecated spelling).
+        local_mix: add the zero-initialised depthwise-conv branch (see the module docstring for its grid). Off by
+            default, unlike the ``linvit_*`` models: a converted model's forward does not pass the patch grid, so
+            the branch only works at the construction grid or square grids.
         local_mix_kernel: its odd kernel size.
         softmax_blocks: indices of attention modules, counted in module order (the block index for
             VisionTransformer), that keep softmax attention. Out-of-range or repeated indices: ValueError.
@@ -135,7 +139,8 @@ def convert_to_linear(
     ``*.local_mix.conv.*`` when local_mix. Modules that are already LinearAttention are left as they are.
     Raises ValueError naming the module for models with other attention (or none at all).
     """
-    get_feature_map(attn_kernel)
+    feature_map = resolve_feature_map(feature_map, attn_kernel)
+    get_feature_map(feature_map)
     if not isinstance(local_mix, bool):
         raise ValueError(f"local_mix must be True or False, got {local_mix!r}")
     sites = attention_sites(model)
@@ -156,7 +161,7 @@ def convert_to_linear(
             raise ValueError("convert_to_linear converts attention inside a model; the model itself is an "
                              "Attention, use linear_attention_from_softmax")
         try:
-            linear = linear_attention_from_softmax(attn, attn_kernel, local_mix, local_mix_kernel,
+            linear = linear_attention_from_softmax(attn, feature_map, local_mix, local_mix_kernel,
                                                    num_prefix_tokens, grid_size)
         except ValueError as error:
             raise ValueError(f"convert_to_linear cannot convert {path}: {error}") from error

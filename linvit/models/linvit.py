@@ -4,8 +4,10 @@ After ``import linvit``, ``timm.create_model(name, **kwargs)`` builds any of ``t
 Beyond VisionTransformer's arguments (img_size, dynamic_img_size, dynamic_img_pad, reg_tokens, class_token,
 qk_norm, init_values, ...), the attention is chosen by:
 
-    attn_kernel:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1').
-    local_mix:        add the zero-initialised depthwise-conv branch on V over the patch grid (default True).
+    feature_map:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1'); ``attn_kernel`` is its
+                      deprecated spelling.
+    local_mix:        add the zero-initialised depthwise-conv branch on V over the patch grid (default True: unlike
+                      a drop-in layer or a converted model, these models always know their patch grid).
     local_mix_kernel: its (odd) kernel size (default 3).
     softmax_blocks:   indices of blocks that keep timm's softmax ``Attention`` (a hybrid); default none.
 
@@ -14,6 +16,8 @@ square or not, with ``dynamic_img_size=True``. Parameter names equal timm's ViT,
 same width and depth loads strictly apart from the ``local_mix`` tensors (see ``checkpoint_filter_fn``).
 """
 import logging
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
@@ -30,34 +34,78 @@ from ..layers import LocalMix, linear_attention_layer
 from ..layers.weights import linear_only_parameter_names
 
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'ATTENTION_KINDS',
-           'resolve_softmax_blocks', 'attention_kinds', 'patch_grid', 'checkpoint_filter_fn']
+           'resolve_softmax_blocks', 'attention_kinds', 'patch_grid', 'check_image_size', 'checkpoint_filter_fn',
+           'resolve_feature_map']
 
 _logger = logging.getLogger(__name__)
+
+
+def resolve_feature_map(feature_map: Optional[str], attn_kernel: Optional[str], default: str = 'elu1') -> str:
+    """The feature-map name from ``feature_map`` or its deprecated spelling ``attn_kernel`` (a FutureWarning)."""
+    if attn_kernel is None:
+        return default if feature_map is None else feature_map
+    if feature_map is not None and feature_map != attn_kernel:
+        raise ValueError(f"feature_map={feature_map!r} and attn_kernel={attn_kernel!r} disagree; attn_kernel is the "
+                         f"deprecated spelling of feature_map: pass feature_map only")
+    warnings.warn("attn_kernel is deprecated and will be removed; use feature_map", FutureWarning, stacklevel=3)
+    return attn_kernel
+
+
+def _size_fixes(height: int, width: int, ph: int, pw: int) -> str:
+    """The model options that make a model take images of height x width (only ones that work for that size)."""
+    if height % ph == 0 and width % pw == 0:
+        return f"img_size=({height}, {width}) or dynamic_img_size=True"
+    return (f"img_size=({height}, {width}) (as in timm's ViT, the patch embedding then drops the {height % ph} "
+            f"bottom rows and {width % pw} right columns of pixels that fill no whole patch) or dynamic_img_size=True, "
+            f"dynamic_img_pad=True (pads them)")
 
 
 def patch_grid(x: torch.Tensor, patch_size: Tuple[int, int], img_size: Tuple[int, int], fixed_size: bool,
                pad: bool) -> List[int]:
     """Patch grid [H', W'] for images x [B, C, H, W]; ValueError for a size the model cannot take.
 
-    fixed_size: the model takes only ``img_size`` (created without dynamic_img_size).
-    pad: sizes that the patch does not divide are padded up (dynamic_img_pad=True); otherwise they are rejected.
+    fixed_size: the model takes only ``img_size`` (created without dynamic_img_size); as in timm, the patch
+        embedding's strided convolution then drops the pixels of a partial last patch (grid = floor(size / patch)).
+    pad: sizes that the patch does not divide are padded up (dynamic_img_pad=True); otherwise a dynamic-size model
+        rejects them.
     """
     height = x.shape[-2]
     width = x.shape[-1]
     ph = patch_size[0]
     pw = patch_size[1]
-    if fixed_size and (height != img_size[0] or width != img_size[1]):
-        expected_h = img_size[0]
-        expected_w = img_size[1]
-        raise ValueError(f"image size {height}x{width} does not match the model's img_size {expected_h}x{expected_w}; "
-                         f"create the model with img_size=({height}, {width}) or dynamic_img_size=True")
-    if not pad and (height % ph != 0 or width % pw != 0):
-        raise ValueError(f"image size {height}x{width} is not divisible by the patch size {ph}x{pw}; "
-                         f"resize it or create the model with dynamic_img_pad=True to pad it")
     if height < 1 or width < 1:
         raise ValueError(f"image size {height}x{width} is empty")
+    if fixed_size:
+        if height != img_size[0] or width != img_size[1]:
+            expected_h = img_size[0]
+            expected_w = img_size[1]
+            raise ValueError(f"image size {height}x{width} does not match the model's img_size "
+                             f"{expected_h}x{expected_w}; create the model with "
+                             f"{_size_fixes(height, width, ph, pw)}")
+        if not pad:
+            return [height // ph, width // pw]
+    elif not pad and (height % ph != 0 or width % pw != 0):
+        raise ValueError(f"image size {height}x{width} is not divisible by the patch size {ph}x{pw}; resize it to a "
+                         f"multiple of the patch ({height // ph * ph}x{width // pw * pw} or "
+                         f"{(height + ph - 1) // ph * ph}x{(width + pw - 1) // pw * pw}) or create the model with "
+                         f"dynamic_img_pad=True to pad it")
     # ceil division keeps integer arithmetic, so the grid stays symbolic under fx and torch.compile
     return [(height + ph - 1) // ph, (width + pw - 1) // pw]
+
+
+def check_image_size(model: nn.Module, images: torch.Tensor) -> None:
+    """ValueError (as the eager forward raises it) if a timm-style ViT ``model`` cannot take ``images`` [B, C, H, W].
+
+    For callers that must fail before entering compiled code (where dynamo would bury the error); a model without
+    timm's ``patch_embed`` (img_size, patch_size, strict_img_size, dynamic_img_pad) is not checked.
+    """
+    patch_embed = getattr(model, 'patch_embed', None)
+    if not all(hasattr(patch_embed, a) for a in ('img_size', 'patch_size', 'strict_img_size', 'dynamic_img_pad')):
+        return
+    if images.dim() != 4:
+        raise ValueError(f"{type(model).__name__} expects images of shape [B, C, H, W], got {list(images.shape)}")
+    patch_grid(images, patch_embed.patch_size, patch_embed.img_size, patch_embed.strict_img_size,
+               patch_embed.dynamic_img_pad)
 
 
 # a leaf for torch.fx (plain symbolic_trace and timm's feature extraction): it branches on sizes
@@ -163,7 +211,8 @@ class LinearVisionTransformer(VisionTransformer):
     grid of the image and pass it to each block, and reject image sizes the model cannot take with a ValueError.
 
     Args:
-        attn_kernel: feature map of the linear attention (a name in ``linvit.ops.FEATURE_MAPS``).
+        feature_map: feature map of the linear attention (a name in ``linvit.ops.FEATURE_MAPS``); ``attn_kernel``
+            is accepted as its deprecated spelling.
         local_mix: add the zero-initialised depthwise-conv branch on V over the patch grid.
         local_mix_kernel: odd kernel size of that branch.
         softmax_blocks: indices of blocks that keep timm's softmax Attention.
@@ -172,15 +221,17 @@ class LinearVisionTransformer(VisionTransformer):
 
     def __init__(
             self,
-            attn_kernel: str = 'elu1',
+            feature_map: Optional[str] = None,
             local_mix: bool = True,
             local_mix_kernel: int = 3,
             softmax_blocks: Sequence[int] = (),
+            attn_kernel: Optional[str] = None,
             **kwargs,
     ) -> None:
+        feature_map = resolve_feature_map(feature_map, attn_kernel)
         for name in ('block_fn', 'attn_layer'):
             if name in kwargs:
-                raise ValueError(f"{name}={kwargs[name]!r}: linvit chooses blocks and attention from attn_kernel, "
+                raise ValueError(f"{name}={kwargs[name]!r}: linvit chooses blocks and attention from feature_map, "
                                  f"local_mix and softmax_blocks")
         if not isinstance(local_mix, bool):
             raise ValueError(f"local_mix must be True or False, got {local_mix!r}")
@@ -188,9 +239,9 @@ class LinearVisionTransformer(VisionTransformer):
             raise ValueError(f"patch_drop_rate={kwargs['patch_drop_rate']} drops patches from the grid that "
                              f"local_mix convolves over; use local_mix=False with patch dropout")
         kinds = attention_kinds(kwargs.get('depth', 12), softmax_blocks)
-        linear_options = dict(feature_map=attn_kernel, local_mix=local_mix, local_mix_kernel=local_mix_kernel)
+        linear_options = dict(feature_map=feature_map, local_mix=local_mix, local_mix_kernel=local_mix_kernel)
         super().__init__(block_fn=BlockPlan(kinds, linear_options), **kwargs)
-        self.attn_kernel = attn_kernel
+        self.feature_map = feature_map
         self.local_mix = local_mix
         self.softmax_blocks = [index for index, kind in enumerate(kinds) if kind == 'softmax']
         self._set_token_layout()
@@ -316,19 +367,40 @@ _WEIGHT_SOURCES = ('file', 'state_dict', 'url', 'hf_hub_id')
 
 
 def _check_pretrained_source(variant: str, kwargs: Dict[str, Any]) -> None:
-    """RuntimeError unless pretrained=True has weights to load: linvit publishes none, a local file must be given."""
+    """RuntimeError unless pretrained=True has weights to load (linvit publishes none); FileNotFoundError naming
+    a local weights file that does not exist."""
     cfg = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get('pretrained_cfg'),
                                  pretrained_cfg_overlay=kwargs.get('pretrained_cfg_overlay'))
     if not any(getattr(cfg, key, None) for key in _WEIGHT_SOURCES):
         raise RuntimeError(
             f"no pretrained weights are published for {variant}: use pretrained=False, or load local weights with "
-            f"pretrained_cfg_overlay=dict(file='weights.pth') (a linvit or timm softmax-ViT checkpoint; position "
-            f"embeddings are resampled) or checkpoint_path='weights.pth' (a linvit checkpoint of this exact model)")
+            f"pretrained=True, pretrained_cfg_overlay=dict(file='weights.pth') (a linvit or timm softmax-ViT "
+            f"checkpoint, .pth or .safetensors; position embeddings are resampled), or checkpoint_path='weights.pth' "
+            f"(a linvit checkpoint of this exact model, loaded with or without pretrained=True)")
+    _check_file_exists(getattr(cfg, 'file', None), 'pretrained_cfg_overlay file')
+
+
+def _check_file_exists(path: Optional[str], what: str) -> None:
+    if path and not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path!r} does not exist (working directory {os.getcwd()!r})")
+
+
+def _warn_ignored_overlay_file(variant: str, kwargs: Dict[str, Any]) -> None:
+    """timm loads pretrained_cfg_overlay's weights only with pretrained=True; say so instead of silently ignoring."""
+    overlay = kwargs.get('pretrained_cfg_overlay') or {}
+    given = [key for key in ('file', 'state_dict') if overlay.get(key)]
+    if given:
+        warnings.warn(f"{variant}: pretrained_cfg_overlay {given[0]}= is ignored without pretrained=True (timm loads "
+                      f"it only then), so the model keeps random weights; pass pretrained=True to load it",
+                      UserWarning, stacklevel=4)
 
 
 def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
     if pretrained:
         _check_pretrained_source(variant, kwargs)
+    else:
+        _warn_ignored_overlay_file(variant, kwargs)
+    _check_file_exists(kwargs.get('checkpoint_path'), 'checkpoint_path')
     out_indices = kwargs.pop('out_indices', 3)
     return build_model_with_cfg(
         LinearVisionTransformer,

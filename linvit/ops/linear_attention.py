@@ -61,6 +61,10 @@ def linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: 
     if torch.jit.is_scripting():
         # TorchScript only accepts a constant autocast device; scripted models run the core as traced dtypes say
         return _core(phi_q, phi_k, v, eps, key_mask)
+    if v.device.type == 'meta':
+        # autocast has no meta device (it raises "unsupported scalarType"); meta tensors carry shapes only, and
+        # the inputs already hold the compute dtype, so the core gives the right output shape and dtype
+        return _core(phi_q, phi_k, v, eps, key_mask)
     with torch.autocast(device_type=v.device.type, enabled=False):
         return _core(phi_q, phi_k, v, eps, key_mask)
 

@@ -63,7 +63,7 @@ def test_softmax_blocks_covering_all_blocks_keep_the_logits():
 
 def test_converted_attention_matches_the_quadratic_reference(attention_reference, attention_io):
     model = _create('vit_tiny_patch16_224', depth=3, reg_tokens=2)
-    convert_to_linear(model, attn_kernel='relu')
+    convert_to_linear(model, feature_map='relu')
     io = attention_io(model, lambda: model(_images(2, 224, 224)))
     assert sorted(io) == [f'blocks.{i}.attn' for i in range(3)]
     for name, (tokens, output) in io.items():
@@ -91,7 +91,7 @@ def test_converted_vit_equals_linvit_model_with_the_same_weights():
 def test_deit_deit3_registers_qk_norm_layer_scale(name, kwargs, prefix):
     model = _create(name, **kwargs)
     before = _snapshot(model)
-    convert_to_linear(model, local_mix=True, attn_kernel='focused')
+    convert_to_linear(model, local_mix=True, feature_map='focused')
     paths = [f'blocks.{i}.attn' for i in range(len(model.blocks))]
     _assert_kept(model, before, _local_mix_keys(paths))
     for block in model.blocks:
@@ -185,7 +185,7 @@ def test_attention_dropout_is_rejected_by_path():
 @pytest.mark.parametrize('kwargs, message', [
     ({'softmax_blocks': (12,)}, 'index 12 is out of range'),
     ({'softmax_blocks': (0, 0)}, r'\[0\] more than once'),
-    ({'attn_kernel': 'softmax'}, "unknown feature map 'softmax'"),
+    ({'feature_map': 'softmax'}, "unknown feature map 'softmax'"),
     ({'local_mix': 'yes'}, 'local_mix'),
 ])
 def test_invalid_options_are_rejected(kwargs, message):

@@ -2,6 +2,7 @@
 the timm model API, checkpoints, torchscript / fx / compile. References are timm's own softmax ViT, the quadratic
 attention formula, and timm's position-embedding resampler; never the model's own output."""
 import logging
+import re
 
 import pytest
 import timm
@@ -90,6 +91,17 @@ def test_model_builds_on_meta_device(name):
     assert {p.device.type for p in model.parameters()} == {'meta'}
 
 
+@pytest.mark.parametrize('name', MODEL_NAMES)
+def test_model_forward_on_meta_device_gives_meta_outputs_like_timm_vit(name):
+    # the attention core's autocast guard has no meta device; timm's shape checks and deferred init need this
+    model = timm.create_model(name, device='meta', num_classes=7, depth=2)
+    size = model.pretrained_cfg['input_size'][1:]
+    out = model(torch.empty(2, 3, *size, device='meta'))
+    assert out.device.type == 'meta' and out.shape == (2, 7) and out.dtype == torch.float32
+    reference = timm.create_model('vit_tiny_patch16_224', device='meta', num_classes=7, depth=2, img_size=size)
+    assert reference(torch.empty(2, 3, *size, device='meta')).shape == out.shape
+
+
 def test_dtype_argument():
     model = _tiny(dtype=torch.bfloat16, depth=2).eval()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -122,8 +134,8 @@ def test_blocks_match_the_quadratic_reference_on_a_non_square_grid(tokens_kwargs
 
 
 @pytest.mark.parametrize('kernel', sorted(FEATURE_MAPS))
-def test_attn_kernel_selects_the_feature_map(kernel, attention_reference, attention_io):
-    model = _tiny(attn_kernel=kernel, depth=1).eval()
+def test_feature_map_option_selects_the_map(kernel, attention_reference, attention_io):
+    model = _tiny(feature_map=kernel, depth=1).eval()
     assert model.blocks[0].attn.feature_map_name == kernel
     io = attention_io(model, lambda: model(_images(1, 224, 224)))
     tokens, output = io['blocks.0.attn']
@@ -131,9 +143,27 @@ def test_attn_kernel_selects_the_feature_map(kernel, attention_reference, attent
     torch.testing.assert_close(output.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_unknown_attn_kernel_is_rejected():
+def test_unknown_feature_map_is_rejected():
     with pytest.raises(ValueError, match="'cosine'"):
-        _tiny(attn_kernel='cosine')
+        _tiny(feature_map='cosine')
+
+
+def test_attn_kernel_is_a_deprecated_alias_of_feature_map():
+    with pytest.warns(FutureWarning, match='use feature_map'):
+        model = _tiny(attn_kernel='relu', depth=1)
+    assert model.blocks[0].attn.feature_map_name == 'relu'
+    with pytest.raises(ValueError, match='disagree'):
+        _tiny(attn_kernel='relu', feature_map='elu1', depth=1)
+
+
+def test_printed_model_shows_what_each_block_computes():
+    text = repr(_tiny(feature_map='focused', local_mix=True, local_mix_kernel=5, softmax_blocks=(1,), depth=2))
+    assert 'ConfiguredLinearAttention' not in text
+    assert "(attn): LinearAttention(\n" in text
+    assert "dim=192, num_heads=3, head_dim=64, feature_map='focused', eps=1e-06, local_mix=5x5\n" in text
+    assert text.count("feature_map='focused'") == 1  # block 1 keeps softmax attention
+    no_local = repr(_tiny(local_mix=False, depth=1))
+    assert "feature_map='elu1', eps=1e-06, local_mix=off" in no_local
 
 
 def test_local_mix_option():
@@ -204,8 +234,29 @@ def test_img_size_at_creation_and_size_errors():
 
 def test_dynamic_size_rejects_sizes_the_patch_does_not_divide():
     model = _tiny(dynamic_img_size=True, depth=2)
-    with pytest.raises(ValueError, match=r'100x160 is not divisible by the patch size 16x16'):
+    with pytest.raises(ValueError, match=r'100x160 is not divisible by the patch size 16x16') as error:
         model(_images(1, 100, 160))
+    # the suggested sizes are multiples of the patch that the same model takes
+    assert '96x160 or 112x160' in str(error.value) and 'dynamic_img_pad=True' in str(error.value)
+    for h, w in ((96, 160), (112, 160)):
+        assert model(_images(1, h, w)).shape == (1, 1000)
+
+
+@pytest.mark.parametrize('size', [(200, 200), (208, 224), (200, 224)])
+def test_size_error_on_a_fixed_size_model_suggests_only_fixes_that_work(size):
+    model = _tiny(depth=1)
+    with pytest.raises(ValueError, match=rf'image size {size[0]}x{size[1]} does not match') as error:
+        model(_images(1, *size))
+    message = str(error.value)
+    assert f"img_size=({size[0]}, {size[1]})" in message
+    fixed = _tiny(depth=1, img_size=size).eval()
+    # as in timm's ViT, a fixed size keeps floor(size / patch) patches: compare with timm's own model
+    reference = timm.create_model('vit_tiny_patch16_224', depth=1, img_size=size).eval()
+    assert fixed.forward_features(_images(1, *size)).shape == reference.forward_features(_images(1, *size)).shape
+    suggested = dict(dynamic_img_size=True, dynamic_img_pad=True) if 'dynamic_img_pad=True' in message \
+        else dict(dynamic_img_size=True)
+    assert (size[0] % 16 == 0 and size[1] % 16 == 0) == ('dynamic_img_pad' not in message)
+    assert _tiny(depth=1, **suggested)(_images(1, *size)).shape == (1, 1000)
 
 
 def test_dynamic_pad_takes_any_size():
@@ -355,6 +406,19 @@ def test_torch_compile_fullgraph():
 def test_pretrained_without_weights_fails_clearly():
     with pytest.raises(RuntimeError, match='no pretrained weights are published for linvit_tiny_patch16_224'):
         timm.create_model(TINY, pretrained=True)
+
+
+def test_overlay_file_without_pretrained_warns_that_it_is_ignored(tmp_path):
+    path = tmp_path / 'w.pth'
+    torch.save(_tiny(depth=1).state_dict(), path)
+    with pytest.warns(UserWarning, match='ignored without pretrained=True'):
+        timm.create_model(TINY, depth=1, pretrained_cfg_overlay=dict(file=str(path)))
+
+
+def test_missing_weights_file_is_named(tmp_path):
+    missing = tmp_path / 'missing.pth'
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        timm.create_model(TINY, depth=1, pretrained=True, pretrained_cfg_overlay=dict(file=str(missing)))
 
 
 def test_softmax_vit_small_state_dict_loads_strictly_except_local_mix():
