@@ -248,17 +248,23 @@ class TrainStep:
         with torch.autocast(device_type=images.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             return self.loss_fn(self.model(images), targets)
 
+    def loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The (compiled) forward + loss only: a 0-dim loss with its graph, for callers that run backward and the
+        optimizer themselves (gradient accumulation, clipping, DDP's no_sync). Bad image sizes raise ValueError."""
+        check_image_size(self.model, images)
+        if self.compiled and self.dynamic:
+            _mark_hw_dynamic(images)
+        if self.compiled and _uses_cudagraphs(self.mode):
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._forward_loss(images, targets)
+
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         check_image_size(self.model, images)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.model.zero_grad(set_to_none=True)
-        if self.compiled and self.dynamic:
-            _mark_hw_dynamic(images)
-        if self.compiled and _uses_cudagraphs(self.mode):
-            torch.compiler.cudagraph_mark_step_begin()
-        loss = self._forward_loss(images, targets)
+        loss = self.loss(images, targets)
         if self.grad_scaler is not None:
             self.grad_scaler.scale(loss).backward()
             if self.optimizer is not None:

@@ -28,34 +28,68 @@ from linvit.fast import compile_model
 from linvit.layers import LinearAttention, NoMixingAttention
 from linvit.ops import list_feature_maps
 
-FULL_TOKENS = [49, 196, 256, 576, 1024, 2304, 4096, 9216, 16384]
-QUICK_TOKENS = [49, 196, 256, 576, 1024, 4096]
+# (token counts, warm-up calls, timed calls) of the full run and of --quick; explicit options override either
+FULL = ([49, 196, 256, 576, 1024, 2304, 4096, 9216, 16384], 2, 7)
+QUICK = ([49, 196, 256, 576, 1024, 4096], 1, 3)
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+FLOOR_WORDS = 'floor = the same layer with token mixing removed: qkv + proj only (what any attention pays at least)'
+
+
+def _words(values: List[int]) -> str:
+    return ' '.join(map(str, values))
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the docstring's layout and ends every option's help with its default: '(default: 384)'. Options whose
+    default is None say what that means in their own help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ''
+        default = action.default
+        if default is None or default is argparse.SUPPRESS or '(default' in text:
+            return text
+        if default is False:  # a flag
+            return f"{text} (default: off)"
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument('--tokens', type=int, nargs='+', metavar='N',
+                        help=f'token counts (default: {_words(FULL[0])}; with --quick: {_words(QUICK[0])})')
+    parser.add_argument('--dim', type=int, default=384, help='width of the layer (channels per token)')
+    parser.add_argument('--heads', type=int, default=6, help='attention heads (dim must divide by them)')
+    parser.add_argument('--batch', type=int, default=1, help='sequences per call')
+    parser.add_argument('--dtype', choices=sorted(DTYPES), default='fp32', help='precision of weights and input')
+    parser.add_argument('--feature-map', default='elu1', choices=list_feature_maps(),
+                        help='feature map phi of linear attention (linvit.ops.FEATURE_MAPS)')
+    parser.add_argument('--local-mix', action='store_true', help='add the depthwise-conv branch (square grids)')
+    parser.add_argument('--warmup', type=int,
+                        help=f'untimed calls per N before timing (default: {FULL[1]}; with --quick: {QUICK[1]}; '
+                             f'at least 1 with --compile, whose first call compiles)')
+    parser.add_argument('--repeats', type=int,
+                        help=f'timed calls per N (default: {FULL[2]}; with --quick: {QUICK[2]})')
+    parser.add_argument('--quick', action='store_true',
+                        help=f'fewer tokens and calls: N = {_words(QUICK[0])}, {QUICK[1]} warm-up, {QUICK[2]} repeats '
+                             f'(--tokens, --warmup, --repeats still win)')
+    parser.add_argument('--device', default='cpu', help="torch device to run on, e.g. 'cpu', 'cuda'")
+    parser.add_argument('--compile', action='store_true',
+                        help='time the layers compiled by linvit.fast.compile_model (torch.compile, inductor)')
+    parser.add_argument('--csv', help='also write the table to this CSV file (times in ms)')
+    return parser
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--tokens', type=int, nargs='+', help=f'token counts (default {FULL_TOKENS})')
-    parser.add_argument('--dim', type=int, default=384)
-    parser.add_argument('--heads', type=int, default=6)
-    parser.add_argument('--batch', type=int, default=1)
-    parser.add_argument('--dtype', choices=sorted(DTYPES), default='fp32')
-    parser.add_argument('--feature-map', default='elu1', choices=list_feature_maps())
-    parser.add_argument('--local-mix', action='store_true', help='add the depthwise-conv branch (square grids)')
-    parser.add_argument('--warmup', type=int, default=2)
-    parser.add_argument('--repeats', type=int, default=7)
-    parser.add_argument('--quick', action='store_true', help=f'tokens {QUICK_TOKENS}, 1 warm-up, 3 repeats')
-    parser.add_argument('--device', default='cpu')
-    parser.add_argument('--compile', action='store_true',
-                        help='time the layers compiled by linvit.fast.compile_model (torch.compile, inductor)')
-    parser.add_argument('--csv', help='also write the table to this CSV file')
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.tokens = args.tokens or QUICK_TOKENS
-        args.warmup, args.repeats = 1, 3
+    tokens, warmup, repeats = QUICK if args.quick else FULL
+    args.tokens = args.tokens or tokens
+    args.warmup = warmup if args.warmup is None else args.warmup
+    args.repeats = repeats if args.repeats is None else args.repeats
     if args.compile:
-        args.warmup = max(args.warmup, 1)  # the first call of each N compiles
-    args.tokens = args.tokens or FULL_TOKENS
+        args.warmup = max(args.warmup, 1)  # the first call of each N compiles: never time it
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error('--warmup must be >= 0 and --repeats >= 1')
     if args.local_mix:
         bad = [n for n in args.tokens if int(round(n ** 0.5)) ** 2 != n]
         if bad:
@@ -120,6 +154,7 @@ def run(args: argparse.Namespace) -> List[Dict[str, float]]:
           f"feature map {args.feature_map}{', local mix' if args.local_mix else ''}, device {args.device}, "
           f"{'compiled (inductor)' if args.compile else 'eager'}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} after {args.warmup} warm-up")
+    print(f"# {FLOOR_WORDS}")
     print(f"{'N':>7} {'softmax ms':>11} {'linear ms':>10} {'floor ms':>9} {'linear/floor':>13} "
           f"{'softmax/linear':>15}")
     with torch.inference_mode():
@@ -137,7 +172,15 @@ def run(args: argparse.Namespace) -> List[Dict[str, float]]:
         print("linear attention does not beat softmax at the largest N measured")
     else:
         print(f"linear attention beats softmax from N = {n_cross} tokens on (every larger N measured)")
+    print(next_steps(args.quick))
     return rows
+
+
+def next_steps(quick: bool) -> str:
+    """Where to go from one layer: the full sweep (after --quick) and whole models across image sizes."""
+    full = 'the full sweep: make bench; ' if quick else ''
+    return (f"next: {full}whole models vs their floors across image sizes: python tools/profile_resolution.py "
+            f"--sizes 224 512 1024 --mode eager")
 
 
 def write_csv(path: str, rows: List[Dict[str, float]]) -> None:

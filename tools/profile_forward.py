@@ -1,99 +1,61 @@
-"""Forward time and peak memory of linvit vs timm's softmax ViT at one image size, each model in its own process.
+#!/usr/bin/env python
+"""Forward time and memory of linvit vs timm's softmax ViT-S at one image size: a preset of profile_resolution.py.
 
-    .venv/bin/python tools/profile_forward.py --size 1024 --repeats 5
+    python tools/profile_forward.py --size 1024 --repeats 5
+    python tools/profile_forward.py --size 768x1280 --threads 2 --rounds 3   # other options go to profile_resolution
 
-Configurations (batch 1, float32, torch.no_grad, eager, dynamic image size):
-    linvit  linvit_small_patch16_512 (linear attention + local mixing), run at --size
-    linvit_nolocal  the same with local_mix=False (linear attention only)
-    softmax timm vit_small_patch16_224 with dynamic_img_size=True, run at --size
-    floor   the same timm ViT with token mixing removed (attention returns proj(v)): the cost of everything else
-Each runs in a fresh subprocess (so peak RSS is its own); the time is the median of --repeats forwards after
---warmup forwards. Absolute numbers depend on the machine; compare the ratios.
+It runs profile_resolution.py with these models at one ``--size``, eager, float32, batch 1, inference:
+    linvit_small_patch16_512                    linear attention + local mixing
+    linvit_small_patch16_512:local_mix=False    linear attention only
+    vit_small_patch16_224                       timm's softmax ViT-S (built at --size)
+    and the floor of each linvit model: the same model with token mixing removed (``linvit.fast.make_floor``)
+Each configuration runs in its own process; see profile_resolution.py for what is measured and printed. Any option
+not listed below (--floors, --threads, --rounds, --device, --mode, --models, ...) is passed on to
+profile_resolution.py and overrides the preset. A configuration that fails (e.g. a size the patch does not divide)
+prints the model's error message and makes the exit status 1.
 """
 import argparse
-import json
-import resource
-import statistics
-import subprocess
+import importlib.util
+import os
 import sys
-import time
-from typing import Callable, Dict
+import tempfile
+from types import ModuleType
+from typing import List, Optional
 
-import timm
-import torch
-from timm.layers import Attention
-
-import linvit  # noqa: F401  (registers the linvit_* models)
+PRESET_MODELS = ['linvit_small_patch16_512', 'linvit_small_patch16_512:local_mix=False', 'vit_small_patch16_224']
+DEFAULT_OUT = os.path.join(tempfile.gettempdir(), 'linvit_profile_forward')
 
 
-class FloorAttention(Attention):
-    """timm Attention without token mixing: proj(v). Same projections, so it costs everything but the mixing."""
-
-    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-        B, N, _ = x.shape
-        v = self.qkv(x).reshape(B, N, 3, self.attn_dim)[:, :, 2]
-        return self.proj_drop(self.proj(self.norm(v)))
-
-
-CONFIGS: Dict[str, Callable[[], torch.nn.Module]] = {
-    'linvit': lambda: timm.create_model('linvit_small_patch16_512'),
-    'linvit_nolocal': lambda: timm.create_model('linvit_small_patch16_512', local_mix=False),
-    'softmax': lambda: timm.create_model('vit_small_patch16_224', dynamic_img_size=True),
-    'floor': lambda: timm.create_model('vit_small_patch16_224', dynamic_img_size=True, attn_layer=FloorAttention),
-}
+def load_profile_resolution() -> ModuleType:
+    """tools/ is not a package: load profile_resolution.py from next to this file."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'profile_resolution.py')
+    spec = importlib.util.spec_from_file_location('profile_resolution', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _rss_mib() -> float:
-    """Peak resident set size of this process so far, MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def build_parser(profile_resolution: ModuleType) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=profile_resolution.HelpFormatter)
+    parser.add_argument('--size', default='1024', metavar='SIZE', help='image size, N or HxW')
+    parser.add_argument('--warmup', type=int, default=1, help='untimed forwards before timing, >= 1')
+    parser.add_argument('--repeats', type=int, default=5, help='timed forwards per model')
+    parser.add_argument('--out', default=DEFAULT_OUT, help='directory for profile.csv and the PNG')
+    return parser
 
 
-def measure(config: str, size: int, warmup: int, repeats: int) -> Dict[str, object]:
-    """Build one configuration and time its forward on a [1, 3, size, size] image."""
-    torch.manual_seed(0)
-    model = CONFIGS[config]().eval()
-    x = torch.randn(1, 3, size, size)
-    rss_built = _rss_mib()
-    times = []
-    with torch.no_grad():
-        for i in range(warmup + repeats):
-            start = time.perf_counter()
-            out = model(x)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-    assert torch.isfinite(out).all()
-    return {'config': config, 'size': size, 'threads': torch.get_num_threads(), 'median_s': statistics.median(times),
-            'times_s': times, 'rss_after_build_mib': rss_built, 'peak_rss_mib': _rss_mib()}
+def preset_argv(size: str, warmup: int, repeats: int, out: str, passed_on: List[str]) -> List[str]:
+    """profile_resolution.py's arguments for this preset; ``passed_on`` comes last, so its options win."""
+    return ['--models', *PRESET_MODELS, '--floors', 'linear', '--sizes', size, '--mode', 'eager', '--dtype', 'fp32',
+            '--batch', '1', '--task', 'infer', '--warmup', str(warmup), '--repeats', str(repeats), '--out', out,
+            *passed_on]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--size', type=int, default=1024)
-    parser.add_argument('--warmup', type=int, default=1)
-    parser.add_argument('--repeats', type=int, default=5)
-    parser.add_argument('--configs', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument('--child', choices=list(CONFIGS), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(measure(args.child, args.size, args.warmup, args.repeats)))
-        return
-
-    results = {}
-    for config in args.configs:
-        cmd = [sys.executable, __file__, '--child', config, '--size', str(args.size),
-               '--warmup', str(args.warmup), '--repeats', str(args.repeats)]
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        results[config] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{'config':14s} {'size':>5s} {'median s':>9s} {'peak RSS MiB':>13s} {'RSS after build':>16s}  runs (s)")
-    for config, r in results.items():
-        runs = ' '.join(f'{t:.3f}' for t in r['times_s'])
-        print(f"{config:14s} {r['size']:5d} {r['median_s']:9.3f} {r['peak_rss_mib']:13.0f} "
-              f"{r['rss_after_build_mib']:16.0f}  {runs}")
-    for a, b in (('linvit', 'softmax'), ('linvit', 'floor'), ('linvit_nolocal', 'floor'), ('softmax', 'floor')):
-        if a in results and b in results:
-            print(f"{a}/{b}: time x{results[a]['median_s'] / results[b]['median_s']:.2f}, "
-                  f"peak RSS x{results[a]['peak_rss_mib'] / results[b]['peak_rss_mib']:.2f}")
+def main(argv: Optional[List[str]] = None) -> int:
+    profile_resolution = load_profile_resolution()
+    args, passed_on = build_parser(profile_resolution).parse_known_args(argv)
+    return profile_resolution.main(preset_argv(args.size, args.warmup, args.repeats, args.out, passed_on))
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

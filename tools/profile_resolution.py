@@ -3,22 +3,28 @@
 
 For every configuration (model, image size, batch, precision, eager|compiled, infer|train) a fresh Python process
 builds the model with ``timm.create_model(name, img_size=(H, W), pretrained=False)``, runs warm-up calls (the first
-one compiles, its time is reported apart), then times ``--repeats`` calls: median and p90 latency, images/s, and
-peak memory (CPU: the process's peak RSS, which includes the interpreter and, when compiled, the compiler; CUDA:
-``torch.cuda.max_memory_allocated``). The floor of a model is the same model with token mixing removed
+one compiles, its time is reported apart), then times ``--repeats`` calls: median and p90 latency (ms), images/s,
+and memory in MiB. Memory: ``base`` is what the process holds right after building the model and its inputs,
+``peak`` the most it held at any point, ``added`` the peak of the warm-up and timed calls above ``base`` (what the
+forward or training step itself costs). On CPU these are the process's resident set size (RSS), so ``base`` and
+``peak`` include the interpreter, torch and, when compiled, the compiler; on CUDA they are the tensors torch
+allocated (``torch.cuda.memory_allocated``). The floor of a model is the same model with token mixing removed
 (``linvit.fast.make_floor``; ``--floors all|linear|none``): what any attention must pay at least. Compiled runs
 go through ``linvit.fast`` (static shapes: each configuration compiles its own graph in its own process).
-A configuration that runs out of memory or time is recorded as such and the sweep goes on. ``--rounds R`` runs
-the sweep R times (round after round) and reports each configuration's median over rounds: processes differ (memory
-placement, the machine's other load), so one process per configuration needs rounds to give steady ratios.
+A configuration that runs out of memory or time is recorded as such and the sweep goes on; one that fails with an
+error (an unknown model, a size the model rejects) is recorded with the child's exception message, listed at the
+end, and makes the exit status 1. ``--rounds R`` runs the sweep R times (round after round) and reports each
+configuration's median over rounds: processes differ (memory placement, the machine's other load), so one process
+per configuration needs rounds to give steady ratios.
 ``--retain-freed-memory`` runs every configuration with glibc keeping freed memory (``RETAIN_FREED_MEMORY_ENV``):
 by default it hands large freed buffers back to the system and faults fresh pages in when the next call allocates
 them again, a per-process cost that moves CPU figures by 10-20% (the ``allocator`` column records the setting).
 
 Rows go to ``OUT/profile.csv`` as they complete; then, per (task, precision, batch, mode), a table per linvit model
-(its floor and its softmax counterpart side by side: img/s, ratios linvit/floor and linvit/softmax), the crossover
-size from which linvit beats softmax, the time growth per doubling of the image side, and compiled/eager ratios;
-``OUT/profile_<task>_<dtype>_b<batch>.png`` plots img/s and peak memory against tokens (log-log, floors dashed).
+(its floor and its softmax counterpart side by side: img/s, ratios linvit/floor and linvit/softmax, added memory),
+the crossover size from which linvit beats softmax, the time growth per doubling of the image side, and
+compiled/eager ratios; ``OUT/profile_<task>_<dtype>_b<batch>.png`` plots img/s and added memory against the image
+size (log-log, floors dashed). ``--summarize CSV`` re-reads a run and writes its PNGs next to the CSV.
 
     python tools/profile_resolution.py                                    # ViT-S/16: linvit vs vit, 224..2048 px
     python tools/profile_resolution.py --models linvit_small_patch16_224:local_mix=False vit_small_patch16_224 \\
@@ -37,6 +43,7 @@ import csv
 import json
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -49,12 +56,19 @@ DTYPES = ('fp32', 'bf16', 'fp16')
 MODES = ('eager', 'compiled')
 TASKS = ('infer', 'train')
 FLOORS = ('all', 'linear', 'none')
+MODE_MARKERS = {'eager': 's', 'compiled': 'o'}
 DEFAULT_MODELS = ['linvit_small_patch16_224', 'vit_small_patch16_224']
 DEFAULT_SIZES = ['224', '512', '1024', '2048']
+DEFAULT_OUT = os.path.join(tempfile.gettempdir(), 'linvit_profile_resolution')
 RESULT_MARK = 'PROFILE_RESULT '
+# times in ms, memory in MiB (2**20 bytes)
 CSV_FIELDS = ['round', 'model', 'name', 'kwargs', 'kind', 'height', 'width', 'tokens', 'batch', 'dtype', 'mode',
-              'task', 'device', 'compile_mode', 'status', 'median_ms', 'p90_ms', 'img_per_s', 'peak_mem_mb',
-              'base_mem_mb', 'first_call_s', 'warmup', 'repeats', 'threads', 'allocator', 'error']
+              'task', 'device', 'machine', 'compile_mode', 'status', 'median_ms', 'p90_ms', 'img_per_s',
+              'peak_mem_mib', 'base_mem_mib', 'added_mem_mib', 'first_call_ms', 'warmup', 'repeats', 'threads',
+              'allocator', 'error']
+# columns of CSVs written before the units were made explicit: old name -> (new name, factor to the new unit)
+LEGACY_COLUMNS = {'peak_mem_mb': ('peak_mem_mib', 1.0), 'base_mem_mb': ('base_mem_mib', 1.0),
+                  'first_call_s': ('first_call_ms', 1e3)}
 SIZE_WORDS = ('tiny', 'small', 'base', 'large', 'huge', 'giant')
 
 
@@ -164,8 +178,7 @@ class Config:
         return Config(model=spec, **d)
 
     def describe(self) -> str:
-        return (f"{self.model.label} {size_label(self.height, self.width)} b{self.batch} {self.dtype} {self.mode} "
-                f"{self.task}")
+        return describe_row(base_row(self))
 
 
 def _as_tuple(value: Any) -> Any:
@@ -194,12 +207,85 @@ def build_configs(args: argparse.Namespace) -> List[Config]:
 # ----------------------------------------------------------------------------------------------------------------
 # the child process: one configuration
 
-def _peak_rss_mb() -> float:
+def _proc_status_mib(key: str) -> Optional[float]:
+    """A ``Vm*`` line of /proc/self/status (VmRSS: resident now, VmHWM: peak since start or reset), MiB; None where
+    there is no /proc (macOS)."""
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith(key + ':'):
+                    return int(line.split()[1]) / 1024  # reported in kB
+    except OSError:
+        pass
+    return None
+
+
+def lifetime_peak_rss_mib() -> float:
     import resource
 
     # ru_maxrss is in KiB on Linux, bytes on macOS
     scale = 1 / 1024 ** 2 if sys.platform == 'darwin' else 1 / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def reset_peak_rss() -> bool:
+    """Restart the process's peak RSS at its current RSS (Linux, /proc/self/clear_refs); False where unsupported."""
+    try:
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+        return True
+    except OSError:
+        return False
+
+
+class MemoryWatch:
+    """Memory around the calls of one configuration, MiB: ``start()`` after building the model and inputs,
+    ``result()`` after the calls. CPU: RSS of the process; CUDA: tensors allocated by torch on the device."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.cuda = device.type == 'cuda'
+        self.base = self.build_peak = 0.0
+        self.peak_was_reset = False
+
+    def start(self) -> None:
+        import torch
+
+        if self.cuda:
+            self.base = torch.cuda.memory_allocated(self.device) / 2 ** 20
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self.build_peak = lifetime_peak_rss_mib()
+        self.base = _proc_status_mib('VmRSS') or self.build_peak
+        # building leaves a peak of its own (weights initialised, then cast); restart it so that the peak read
+        # after the calls is theirs. Without /proc the calls' peak falls back to the lifetime peak (an upper bound).
+        self.peak_was_reset = reset_peak_rss()
+
+    def result(self) -> Dict[str, float]:
+        import torch
+
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
+            return {'peak_mem_mib': peak, 'base_mem_mib': self.base, 'added_mem_mib': max(0.0, peak - self.base)}
+        calls_peak = (_proc_status_mib('VmHWM') if self.peak_was_reset else None) or lifetime_peak_rss_mib()
+        return {'peak_mem_mib': max(self.build_peak, calls_peak), 'base_mem_mib': self.base,
+                'added_mem_mib': max(0.0, calls_peak - self.base)}
+
+
+def describe_machine(device: Any) -> str:
+    """'NVIDIA H200' for a CUDA device; 'AMD EPYC, 2 CPUs' (the CPU model, else the architecture) otherwise."""
+    import torch
+
+    if device.type == 'cuda':
+        return torch.cuda.get_device_name(device)
+    processor = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            processor = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')),
+                             processor)
+    except OSError:
+        pass
+    return f"{processor}, {os.cpu_count()} CPUs"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -257,9 +343,8 @@ def measure(config: Config) -> Dict[str, Any]:
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    base_mem = torch.cuda.memory_allocated(device) / 2 ** 20 if cuda else _peak_rss_mb()
+    memory = MemoryWatch(device)
+    memory.start()
     first_call = timed()  # the first warm-up call: compiles in compiled mode
     for _ in range(config.warmup - 1):
         timed()
@@ -270,9 +355,9 @@ def measure(config: Config) -> Dict[str, Any]:
         'median_ms': median * 1e3,
         'p90_ms': percentile(times, 90) * 1e3,
         'img_per_s': config.batch / median,
-        'peak_mem_mb': torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else _peak_rss_mb(),
-        'base_mem_mb': base_mem,
-        'first_call_s': first_call,
+        **memory.result(),
+        'first_call_ms': first_call * 1e3,
+        'machine': describe_machine(device),
         'threads': torch.get_num_threads(),
         'allocator': allocator_setting(),
     }
@@ -290,16 +375,20 @@ def allocator_setting() -> str:
     return 'custom' if any(k in os.environ for k in RETAIN_FREED_MEMORY_ENV) else 'system'
 
 
-def child_main(config_json: str) -> int:
-    """Run one configuration and print its result as one JSON line (errors too: the parent records them)."""
-    config = Config.from_json(config_json)
+def child_result(config: Config) -> Dict[str, Any]:
+    """The result fields of one configuration measured in this process; a failure gives its status and the
+    exception's type and first line as ``error``."""
     try:
-        result = {'status': 'ok', **measure(config)}
+        return {'status': 'ok', **measure(config)}
     except Exception as exc:  # noqa: BLE001  (any failure becomes a row, not a crashed sweep)
         message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         oom = type(exc).__name__ == 'OutOfMemoryError' or 'out of memory' in str(exc).lower()
-        result = {'status': 'oom' if oom else 'error', 'error': message[:300]}
-    print(RESULT_MARK + json.dumps(result), flush=True)
+        return {'status': 'oom' if oom else 'error', 'error': message[:500]}
+
+
+def child_main(config_json: str) -> int:
+    """Run one configuration and print its result as one JSON line (errors too: the parent records them)."""
+    print(RESULT_MARK + json.dumps(child_result(Config.from_json(config_json))), flush=True)
     return 0
 
 
@@ -335,7 +424,7 @@ def run_config(config: Config, timeout: float, retain_freed_memory: bool = False
         row.update(status='oom' if proc.returncode == -9 else 'error', error=f"killed by signal {-proc.returncode}")
     else:
         tail = (proc.stderr.strip().splitlines() or ['no output'])[-1]
-        row.update(status='error', error=f"exit {proc.returncode}: {tail[:300]}")
+        row.update(status='error', error=f"exit {proc.returncode}: {tail[:500]}")
     return row
 
 
@@ -350,18 +439,51 @@ def write_csv(path: str, rows: Iterable[Dict[str, Any]]) -> None:
 
 
 def read_csv(path: str) -> List[Dict[str, Any]]:
-    """Rows of a profile CSV with numbers parsed (empty fields become None)."""
+    """Rows of a profile CSV with numbers parsed (empty fields become None); CSVs of earlier versions (MB and s
+    columns, no added memory) are read into the current columns."""
     ints = ('round', 'height', 'width', 'tokens', 'batch', 'warmup', 'repeats', 'threads')
-    floats = ('median_ms', 'p90_ms', 'img_per_s', 'peak_mem_mb', 'base_mem_mb', 'first_call_s')
+    floats = ('median_ms', 'p90_ms', 'img_per_s', 'peak_mem_mib', 'base_mem_mib', 'added_mem_mib', 'first_call_ms')
     rows = []
     with open(path, newline='') as f:
         for raw in csv.DictReader(f):
-            row: Dict[str, Any] = dict(raw)
+            row = _upgrade_legacy_columns(dict(raw))
             for key in ints + floats:
                 value = row.get(key)
                 row[key] = None if value in (None, '') else (int(float(value)) if key in ints else float(value))
+            if row['added_mem_mib'] is None and row['peak_mem_mib'] is not None and row['base_mem_mib'] is not None:
+                # old base: the peak RSS before the first call, so this is the calls' growth of the peak
+                row['added_mem_mib'] = max(0.0, row['peak_mem_mib'] - row['base_mem_mib'])
             rows.append(row)
     return rows
+
+
+def _upgrade_legacy_columns(row: Dict[str, Any]) -> Dict[str, Any]:
+    for old, (new, factor) in LEGACY_COLUMNS.items():
+        value = row.pop(old, None)
+        if new not in row:
+            row[new] = float(value) * factor if value not in (None, '') else None
+    return row
+
+
+def failure_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """The configurations that failed with an error, then those that ran out of memory or time, with the reason
+    (the child's exception message); no lines when every configuration succeeded."""
+    several_rounds = len({r.get('round') for r in rows}) > 1
+    lines = []
+    for statuses, title in ((('error',), 'failed'), (('oom', 'timeout'), 'out of memory or time')):
+        failed = [r for r in rows if r['status'] in statuses]
+        if failed:
+            lines.append(f"\n# {len(failed)} of {len(rows)} configurations {title}:")
+        for r in failed:
+            where = f" (round {r['round']})" if several_rounds else ''
+            lines.append(f"{describe_row(r)}{where}: {r['status'].upper()} {r.get('error') or ''}".rstrip())
+    return lines
+
+
+def describe_row(row: Dict[str, Any]) -> str:
+    """The same words as ``Config.describe`` for a CSV row."""
+    return (f"{row['model']} {size_label(row['height'], row['width'])} b{row['batch']} {row['dtype']} {row['mode']} "
+            f"{row['task']}")
 
 
 def counterpart(linear_name: str, softmax_names: Sequence[str]) -> Optional[str]:
@@ -448,8 +570,8 @@ def family_summary(table: Table, linear: str) -> List[str]:
     columns = [(label, title) for label, title in columns if label and any(k[0] == label for k in table.by_key)]
     lines = [f"## {linear}" + (f" vs {soft}" if soft else " (no softmax counterpart in this run)")]
     header = f"{'size':>10} {'tokens':>7} " + ' '.join(f"{title + ' img/s':>15}" for _, title in columns)
-    header += f" {'linvit/floor':>13} {'linvit/softmax':>15} {'linvit MiB':>11}"
-    header += f" {'softmax MiB':>12}" if soft else ''
+    header += f" {'linvit/floor':>13} {'linvit/softmax':>15} {'linvit +MiB':>12}"
+    header += f" {'softmax +MiB':>13}" if soft else ''
     lines.append(header)
     points = []
     for hw in table.sizes():
@@ -458,9 +580,9 @@ def family_summary(table: Table, linear: str) -> List[str]:
         line = f"{size_label(*hw):>10} {table.tokens(hw) or '-':>7} "
         line += ' '.join(f"{table.cell(label, hw):>15}" for label, _ in columns)
         line += f" {_fmt_ratio(_ratio(lin, fl)):>13} {_fmt_ratio(_ratio(lin, sm)):>15}"
-        line += f" {table.cell(linear, hw, 'peak_mem_mb', 0):>11}"
+        line += f" {table.cell(linear, hw, 'added_mem_mib', 0):>12}"
         if soft:
-            line += f" {table.cell(soft, hw, 'peak_mem_mb', 0):>12}"
+            line += f" {table.cell(soft, hw, 'added_mem_mib', 0):>13}"
         lines.append(line)
     if soft:
         cross = crossover(points)
@@ -516,7 +638,7 @@ def mode_summary(rows: List[Dict[str, Any]]) -> List[str]:
 
 def aggregate_rounds(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One row per configuration: over its successful rounds, the median of the median and p90 latencies (img/s
-    recomputed from the median), the largest peak memory; a configuration that never succeeded keeps its first
+    recomputed from the median), the largest peak and added memory; a configuration that never succeeded keeps its first
     failure. ``rounds`` counts the rounds that went into a row."""
     groups: Dict[Tuple[Any, ...], List[Dict[str, Any]]] = {}
     for row in rows:
@@ -531,8 +653,9 @@ def aggregate_rounds(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             row['median_ms'] = statistics.median(r['median_ms'] for r in ok)
             row['p90_ms'] = statistics.median(r['p90_ms'] for r in ok)
             row['img_per_s'] = row['batch'] * 1e3 / row['median_ms']
-            row['first_call_s'] = statistics.median(r['first_call_s'] for r in ok)
-            row['peak_mem_mb'] = max(r['peak_mem_mb'] for r in ok)
+            row['first_call_ms'] = statistics.median(r['first_call_ms'] for r in ok)
+            for key in ('peak_mem_mib', 'added_mem_mib'):
+                row[key] = max((r[key] for r in ok if r.get(key) is not None), default=None)
         merged.append(row)
     return merged
 
@@ -552,12 +675,16 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
         for mode in modes:
             table = Table([r for r in group if r['mode'] == mode])
             device = table.rows[0].get('device', '')
+            machine = next((r['machine'] for r in table.rows if r.get('machine')), None)
             threads = next((r['threads'] for r in table.rows if r.get('threads')), None)
             allocator = next((r['allocator'] for r in table.rows if r.get('allocator')), None)
             lines.append(f"\n# {task}, {dtype}, batch {batch}, {mode}, {device}"
+                         + (f" ({machine})" if machine else '')
                          + (f", {threads} threads" if threads else '')
-                         + (f", allocator {allocator}" if allocator else '') + "; img/s = batch / median latency"
-                         + (f" (median over {rounds} rounds)" if rounds > 1 else ''))
+                         + (f", allocator {allocator}" if allocator else '')
+                         + "; img/s = batch / median latency"
+                         + (f" (median over {rounds} rounds)" if rounds > 1 else '')
+                         + ", +MiB = memory added by the calls")
             linear = table.labels('linear')
             for label in linear:
                 lines.extend(family_summary(table, label))
@@ -573,7 +700,7 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
 # the plot
 
 def plot(rows: List[Dict[str, Any]], out_dir: str) -> List[str]:
-    """One PNG per (task, dtype, batch): img/s and peak memory vs tokens, log-log; a line per model and mode."""
+    """One PNG per (task, dtype, batch): img/s and added memory vs image size, log-log; a line per model and mode."""
     import matplotlib
 
     matplotlib.use('Agg')
@@ -585,36 +712,7 @@ def plot(rows: List[Dict[str, Any]], out_dir: str) -> List[str]:
         group = [r for r in rows if group_key(r) == (task, dtype, batch) and r['status'] == 'ok' and r['tokens']]
         if not group:
             continue
-        fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(13, 5))
-        base_labels = list(dict.fromkeys(r['model'][len('floor('):-1] if r['kind'] == 'floor' else r['model']
-                                         for r in group))
-        colors = {label: f"C{i % 10}" for i, label in enumerate(base_labels)}
-        modes = sorted({r['mode'] for r in group})
-        for label in dict.fromkeys(r['model'] for r in group):
-            for mode in modes:
-                line = sorted((r for r in group if r['model'] == label and r['mode'] == mode),
-                              key=lambda r: r['tokens'])
-                if not line:
-                    continue
-                is_floor = line[0]['kind'] == 'floor'
-                style = dict(color=colors[label[len('floor('):-1] if is_floor else label],
-                             linestyle='--' if is_floor else '-', marker='o' if mode == 'compiled' else 's',
-                             alpha=1.0 if mode == 'compiled' or len(modes) == 1 else 0.6,
-                             label=label + (f" [{mode}]" if len(modes) > 1 else ''))
-                tokens = [r['tokens'] for r in line]
-                ax_speed.plot(tokens, [r['img_per_s'] for r in line], **style)
-                ax_mem.plot(tokens, [r['peak_mem_mb'] for r in line], **style)
-        device = group[0].get('device', '')
-        mem_name = 'peak GPU memory allocated' if str(device).startswith('cuda') else 'peak process RSS'
-        for ax, ylabel in ((ax_speed, 'images / s'), (ax_mem, f"{mem_name} (MiB)")):
-            ax.set_xscale('log')
-            ax.set_yscale('log')
-            ax.set_xlabel('tokens per image')
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which='both', alpha=0.3)
-        ax_speed.legend(fontsize=7)
-        fig.suptitle(f"{task}, {dtype}, batch {batch}, {device} (floors dashed)")
-        fig.tight_layout()
+        fig = throughput_figure(group)
         path = os.path.join(out_dir, f"profile_{task}_{dtype}_b{batch}.png")
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -622,21 +720,175 @@ def plot(rows: List[Dict[str, Any]], out_dir: str) -> List[str]:
     return paths
 
 
+def throughput_figure(group: List[Dict[str, Any]]) -> Any:
+    """The figure of one (task, dtype, batch) group of successful rows: img/s and added memory per image size."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(13, 6), layout='constrained')
+    base_labels = list(dict.fromkeys(_base_label(r) for r in group))
+    colors = {label: f"C{i % 10}" for i, label in enumerate(base_labels)}
+    modes = [m for m in MODES if any(r['mode'] == m for r in group)]
+    for label in dict.fromkeys(r['model'] for r in group):
+        for mode in modes:
+            line = sorted((r for r in group if r['model'] == label and r['mode'] == mode), key=image_side)
+            if not line:
+                continue
+            style = dict(color=colors[_base_label(line[0])], linestyle='--' if line[0]['kind'] == 'floor' else '-',
+                         marker=MODE_MARKERS[mode], alpha=1.0 if mode == 'compiled' or len(modes) == 1 else 0.6,
+                         label=f"{label} [{mode}]")
+            sides = [image_side(r) for r in line]
+            ax_speed.plot(sides, [r['img_per_s'] for r in line], **style)
+            ax_mem.plot(sides, [r.get('added_mem_mib') for r in line], **style)
+    ax_speed.set_ylabel('images / s (higher is better)')
+    ax_mem.set_ylabel(memory_axis_label(group))
+    for ax in (ax_speed, ax_mem):
+        _label_image_sizes(ax, group)
+        _plain_log_y(ax)
+        ax.grid(True, which='both', alpha=0.3)
+    handles, labels, columns = legend_entries(group, colors, modes)
+    fig.legend(handles, labels, loc='outside lower center', ncols=columns, fontsize=8,
+               title='dashed: floor of the model (token mixing removed)', title_fontsize=8)
+    fig.suptitle(figure_title(group, modes))
+    return fig
+
+
+def legend_entries(group: Sequence[Dict[str, Any]], colors: Dict[str, str],
+                   modes: Sequence[str]) -> Tuple[List[Any], List[str], int]:
+    """(handles, labels, columns) of the figure's legend: models on the left, each one's floor on its right (same
+    row, same color); with both modes measured, a last row gives each mode's marker instead of listing every line
+    twice."""
+    from matplotlib.lines import Line2D
+
+    present = {r['model'] for r in group}
+    marker = MODE_MARKERS[modes[0]] if len(modes) == 1 else None
+    left, right = [], []
+    for base, color in colors.items():
+        left.append((Line2D([], [], color=color, marker=marker), base) if base in present else None)
+        floor = f"floor({base})"
+        right.append((Line2D([], [], color=color, linestyle='--', marker=marker), floor) if floor in present else None)
+    if not any(right):
+        right = []
+    if len(modes) > 1:
+        mode_keys = [(Line2D([], [], color='gray', linestyle='none', marker=MODE_MARKERS[m]), m) for m in modes]
+        left.append(mode_keys[0])
+        (right if right else left).extend(mode_keys[1:])
+    # matplotlib fills a legend column by column, so the left column goes first; blanks keep the rows paired
+    entries = [e or (Line2D([], [], linestyle='none'), '') for e in left + right]
+    return [h for h, _ in entries], [label for _, label in entries], 2 if right else 1
+
+
+def _base_label(row: Dict[str, Any]) -> str:
+    """A floor's model label without 'floor(...)': a model and its floor share a color."""
+    return row['model'][len('floor('):-1] if row['kind'] == 'floor' else row['model']
+
+
+def image_side(row: Dict[str, Any]) -> float:
+    """Where a row sits on the size axis: the side of the square with its pixel count (= the side when square)."""
+    return math.sqrt(row['height'] * row['width'])
+
+
+def size_tick_labels(rows: Sequence[Dict[str, Any]]) -> Dict[float, str]:
+    """Axis position -> tick label, e.g. '1024 px' above '4,097 tok', for every measured size (a token range where
+    the models differ)."""
+    labels: Dict[float, List[str]] = {}
+    for height, width in sorted({(r['height'], r['width']) for r in rows}, key=lambda hw: hw[0] * hw[1]):
+        tokens = sorted({r['tokens'] for r in rows if (r['height'], r['width']) == (height, width)})
+        counts = f"{tokens[0]:,}" if len(tokens) == 1 else f"{tokens[0]:,}-{tokens[-1]:,}"
+        labels.setdefault(math.sqrt(height * width), []).append(f"{size_label(height, width)} px\n{counts} tok")
+    return {side: '\n'.join(texts) for side, texts in labels.items()}
+
+
+def _label_image_sizes(ax: Any, rows: Sequence[Dict[str, Any]]) -> None:
+    """Log x axis with a tick at each measured size, labelled with pixels and tokens instead of powers of ten."""
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
+
+    ticks = size_tick_labels(rows)
+    ax.set_xscale('log')
+    ax.xaxis.set_major_locator(FixedLocator(list(ticks)))
+    ax.xaxis.set_major_formatter(FixedFormatter(_staggered(ticks)))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.tick_params(axis='x', labelsize=8)
+    ax.set_xlabel('image size (tokens per image, class token included)')
+
+
+def _plain_log_y(ax: Any) -> None:
+    """Log y axis whose labels read 0.6, 2, 300 (matplotlib's default writes 6x10^-1 on short ranges)."""
+    from matplotlib.ticker import LogFormatter
+
+    class PlainLogFormatter(LogFormatter):
+        # LogFormatter decides which ticks get a label (fewer minor ones on long ranges); this only writes them plainly
+        def __call__(self, x: float, pos: Optional[int] = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ''
+
+    ax.set_yscale('log')
+    ax.yaxis.set_major_formatter(PlainLogFormatter(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    ax.tick_params(axis='y', which='minor', labelsize=7)
+
+
+def _staggered(ticks: Dict[float, str], min_ratio: float = 1.35) -> List[str]:
+    """Tick labels in axis order, each one pushed below its left neighbour when the two sit too close to be read
+    side by side (sizes such as 384x640 and 512)."""
+    labels, previous, lowered = [], None, False
+    for side, label in ticks.items():
+        lowered = previous is not None and side / previous < min_ratio and not lowered
+        labels.append('\n\n' + label if lowered else label)
+        previous = side
+    return labels
+
+
+def memory_axis_label(rows: Sequence[Dict[str, Any]]) -> str:
+    step = 'training step' if rows[0]['task'] == 'train' else 'forward'
+    if str(rows[0].get('device', '')).startswith('cuda'):
+        return f"MiB added by the {step}\n(GPU memory allocated above the built model)"
+    return f"MiB added by the {step}\n(process RSS above the built model)"
+
+
+def figure_title(rows: Sequence[Dict[str, Any]], modes: Sequence[str]) -> str:
+    """What was measured and where: task, dtype, batch, modes; machine, threads, device."""
+    first = rows[0]
+    task = 'training step' if first['task'] == 'train' else 'inference'
+    machine = next((r['machine'] for r in rows if r.get('machine')), None)
+    threads = next((r['threads'] for r in rows if r.get('threads')), None)
+    parts = (machine, f"{threads} threads" if threads else None, f"device {first['device']}" if first.get('device')
+             else None)
+    where = ', '.join(part for part in parts if part)
+    return f"{task}, {first['dtype']}, batch {first['batch']}, {' and '.join(modes)}\n{where}"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--models', nargs='+', default=DEFAULT_MODELS,
-                        help=f'timm model specs, name[:key=value,...] (default {" ".join(DEFAULT_MODELS)})')
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the docstring's layout and ends every option's help with its default: '(default: fp32)'. Options whose
+    default is None say what that means in their own help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ''
+        default = action.default
+        if default is None or default is argparse.SUPPRESS or '(default' in text:
+            return text
+        if default is False:  # a flag
+            return f"{text} (default: off)"
+        shown = ' '.join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument('--models', nargs='+', default=DEFAULT_MODELS, metavar='SPEC',
+                        help='timm model specs, name[:key=value,...]')
     parser.add_argument('--floors', choices=FLOORS, default='all',
                         help='also profile the floor of every model (all), of the linvit models only, or none')
-    parser.add_argument('--sizes', nargs='+', type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES],
-                        help=f'image sizes, N or HxW (default {" ".join(DEFAULT_SIZES)})')
-    parser.add_argument('--batch', nargs='+', type=int, default=[1])
-    parser.add_argument('--dtype', nargs='+', choices=DTYPES, default=['fp32'])
-    parser.add_argument('--mode', nargs='+', choices=MODES, default=list(MODES))
-    parser.add_argument('--task', nargs='+', choices=TASKS, default=['infer'])
+    parser.add_argument('--sizes', nargs='+', type=parse_size, metavar='SIZE',
+                        help=f'image sizes, N or HxW (default: {" ".join(DEFAULT_SIZES)})')
+    parser.add_argument('--batch', nargs='+', type=int, default=[1], help='batch sizes')
+    parser.add_argument('--dtype', nargs='+', choices=DTYPES, default=['fp32'],
+                        help='precisions: inference casts model and input, training runs under autocast')
+    parser.add_argument('--mode', nargs='+', choices=MODES, default=list(MODES),
+                        help='eager PyTorch, or compiled through linvit.fast (torch.compile, static shapes)')
+    parser.add_argument('--task', nargs='+', choices=TASKS, default=['infer'],
+                        help='infer: a forward under inference_mode; train: forward, loss and backward')
     parser.add_argument('--warmup', type=int, default=2, help='untimed calls before timing, >= 1 (the first compiles)')
     parser.add_argument('--repeats', type=int, default=5, help='timed calls per configuration')
     parser.add_argument('--compile-mode', help="torch.compile mode of compiled runs, e.g. 'reduce-overhead' (CUDA "
@@ -644,17 +896,25 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument('--rounds', type=int, default=1,
                         help='run the whole sweep this many times (fresh processes each time) and report, per '
                              'configuration, the median over rounds: steadier ratios on a noisy machine')
-    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--device', default='cpu', help="torch device to run on, e.g. 'cpu', 'cuda', 'cuda:1'")
     parser.add_argument('--threads', type=int, help='torch.set_num_threads in each configuration (default: torch\'s)')
     parser.add_argument('--retain-freed-memory', action='store_true',
                         help='run each configuration with glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_ and '
                              'MALLOC_TRIM_THRESHOLD_ = 2**34), as jemalloc/tcmalloc would: no page faults for '
                              'buffers re-allocated every call (default: the system allocator settings)')
-    parser.add_argument('--timeout', type=float, default=1800., help='seconds per configuration before it is marked')
-    parser.add_argument('--out', default=os.path.join(tempfile.gettempdir(), 'linvit_profile_resolution'),
-                        help='directory for profile.csv and the PNGs')
-    parser.add_argument('--summarize', metavar='CSV', help='print tables and plot an earlier run\'s CSV, run nothing')
+    parser.add_argument('--timeout', type=float, default=1800.,
+                        help="seconds one configuration may take (its process: build, warm-up and timed calls) "
+                             "before it is stopped and recorded as 'timeout'")
+    parser.add_argument('--out', help=f'directory for profile.csv and the PNGs (default: {DEFAULT_OUT}; with '
+                                      f'--summarize: the folder of the CSV)')
+    parser.add_argument('--summarize', metavar='CSV',
+                        help="print the tables of an earlier run's CSV and plot it, run nothing")
     parser.add_argument('--child', help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.repeats < 1 or args.rounds < 1:
         parser.error('--warmup, --repeats and --rounds must be >= 1')
@@ -665,28 +925,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parse_model_spec(text)
     except ValueError as exc:
         parser.error(str(exc))
+    args.sizes = args.sizes or [parse_size(s) for s in DEFAULT_SIZES]
+    args.out = args.out or (os.path.dirname(os.path.abspath(args.summarize)) if args.summarize else DEFAULT_OUT)
     return args
 
 
 def report(rows: List[Dict[str, Any]], out_dir: str) -> None:
+    """Tables, plots, then the configurations that did not succeed (last, where a reader looks first)."""
     for line in summarize(rows):
         print(line)
     for path in plot(rows, out_dir):
         print(f"wrote {path}")
+    for line in failure_lines(rows):
+        print(line)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    if args.child:
-        return child_main(args.child)
-    os.makedirs(args.out, exist_ok=True)
-    if args.summarize:
-        report(read_csv(args.summarize), args.out)
-        return 0
+def sweep(args: argparse.Namespace, csv_path: str) -> List[Dict[str, Any]]:
+    """Run every configuration (round-major) in its own process, writing rows to ``csv_path`` as they complete."""
     from tqdm import tqdm
 
     configs = build_configs(args)
-    csv_path = os.path.join(args.out, 'profile.csv')
     rows = []
     with open(csv_path, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction='ignore')
@@ -700,16 +958,32 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows.append(row)
             writer.writerow(row)
             f.flush()  # rows survive an interrupted sweep
-            if row['status'] == 'ok':
-                result = (f"{row['img_per_s']:.3f} img/s, median {row['median_ms']:.1f} ms, "
-                          f"p90 {row['p90_ms']:.1f} ms, peak {row['peak_mem_mb']:.0f} MiB, "
-                          f"first call {row['first_call_s']:.1f} s")
-            else:
-                result = f"{row['status'].upper()} {row.get('error', '')}"
-            progress.write(f"{config.describe()}: {result}")
+            progress.write(f"{config.describe()}: {result_words(row)}")
+    return rows
+
+
+def result_words(row: Dict[str, Any]) -> str:
+    if row['status'] != 'ok':
+        return f"{row['status'].upper()} {row.get('error', '')}"
+    return (f"{row['img_per_s']:.3f} img/s, median {row['median_ms']:.1f} ms, p90 {row['p90_ms']:.1f} ms, "
+            f"peak {row['peak_mem_mib']:.0f} MiB (+{row['added_mem_mib']:.0f} MiB by the calls), "
+            f"first call {row['first_call_ms']:.0f} ms")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """0 when every configuration ran (or ran out of memory or time), 1 when any failed with an error."""
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args.child)
+    os.makedirs(args.out, exist_ok=True)
+    if args.summarize:
+        report(read_csv(args.summarize), args.out)
+        return 0
+    csv_path = os.path.join(args.out, 'profile.csv')
+    rows = sweep(args, csv_path)
     print(f"wrote {csv_path}")
     report(rows, args.out)
-    return 0
+    return 1 if any(row['status'] == 'error' for row in rows) else 0
 
 
 if __name__ == '__main__':

@@ -24,3 +24,8 @@ def bench() -> ModuleType:
 @pytest.fixture(scope='module')
 def prof() -> ModuleType:
     return load_tool('profile_resolution')
+
+
+@pytest.fixture(scope='module')
+def forward() -> ModuleType:
+    return load_tool('profile_forward')

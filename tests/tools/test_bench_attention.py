@@ -42,6 +42,24 @@ def test_bench_runs_end_to_end(bench, tmp_path, capsys):
         assert abs(ratio - float(r['linear_over_floor'])) < 1e-9
 
 
+def test_quick_sets_defaults_but_explicit_options_win(bench):
+    full, quick = bench.parse_args([]), bench.parse_args(['--quick'])
+    assert (full.tokens, full.warmup, full.repeats) == (bench.FULL[0], 2, 7)
+    assert (quick.tokens, quick.warmup, quick.repeats) == (bench.QUICK[0], 1, 3)
+    explicit = bench.parse_args(['--quick', '--warmup', '0', '--repeats', '5', '--tokens', '64'])
+    assert (explicit.tokens, explicit.warmup, explicit.repeats) == ([64], 0, 5)
+    assert bench.parse_args(['--repeats', '4']).warmup == 2
+
+
+def test_quick_run_says_what_the_floor_is_and_what_to_run_next(bench, capsys):
+    assert bench.main(['--quick', '--tokens', '16', '--dim', '32', '--heads', '2', '--repeats', '1']) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert '# floor = the same layer with token mixing removed: qkv + proj only' in lines[1]
+    assert lines[-1].startswith('next: the full sweep: make bench; whole models vs their floors across image sizes: '
+                                'python tools/profile_resolution.py ')
+    assert 'median of 1 after 1 warm-up' in lines[0]
+
+
 def test_bench_rejects_non_square_tokens_with_local_mix(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(['--tokens', '50', '--local-mix'])

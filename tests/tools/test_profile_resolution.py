@@ -1,8 +1,9 @@
-"""tools/profile_resolution.py: argument parsing, the comparison logic on hand-made rows, failure rows, and one tiny
-end-to-end sweep in subprocesses that writes the CSV and the PNG."""
+"""tools/profile_resolution.py: argument parsing, the comparison logic on hand-made rows, failure rows and the exit
+status, the plot's labels, and tiny end-to-end sweeps in subprocesses that write the CSV and the PNG."""
 import argparse
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,8 @@ def _row(model, kind, size, img_per_s, mode='eager', status='ok', name=None):
     return {'model': model, 'name': name or model.replace('floor(', '').rstrip(')'), 'kind': kind, 'height': size,
             'width': size, 'tokens': (size // 16) ** 2 + 1, 'batch': 1, 'dtype': 'fp32', 'mode': mode,
             'task': 'infer', 'device': 'cpu', 'status': status, 'img_per_s': img_per_s if ok else None,
-            'median_ms': 1e3 / img_per_s if ok else None, 'peak_mem_mb': 100.0 + size if ok else None,
-            'threads': 2}
+            'median_ms': 1e3 / img_per_s if ok else None, 'peak_mem_mib': 700.0 + size if ok else None,
+            'added_mem_mib': size / 8 if ok else None, 'threads': 2, 'machine': 'Test CPU, 2 CPUs'}
 
 
 def hand_rows():
@@ -94,7 +95,7 @@ def test_summary_ratios_crossover_growth_and_modes(prof):
     assert '## linvit_small_patch16_224 vs vit_small_patch16_224' in text
     eager = text.split('# infer, fp32, batch 1, eager')[1].split('# infer, fp32, batch 1, compiled')[0]
     lines = {line.split()[0]: line.split() for line in eager.splitlines() if line.strip()[:1].isdigit()}
-    # size tokens linvit floor softmax linvit/floor linvit/softmax MiB MiB
+    # size tokens linvit floor softmax linvit/floor linvit/softmax +MiB +MiB
     assert lines['224'][1] == '197' and lines['224'][5:7] == ['0.91x', '0.80x']
     assert lines['2048'][5:7] == ['0.91x', '10.00x']
     assert 'crossover: linvit_small_patch16_224 beats vit_small_patch16_224 from 512 px (1025 tokens) on' in eager
@@ -103,7 +104,7 @@ def test_summary_ratios_crossover_growth_and_modes(prof):
     assert 'time growth 1024 -> 2048 px (4x tokens): linvit 5.00x, floor 4.73x, softmax 20.00x' in eager
     compiled = text.split('# infer, fp32, batch 1, compiled')[1].split('compiled / eager')[0]
     lines = {line.split()[0]: line.split() for line in compiled.splitlines() if line.strip()[:1].isdigit()}
-    assert lines['2048'][2:] == ['1.00', '1.10', 'oom', '0.91x', '-', '2148', 'oom']
+    assert lines['2048'][2:] == ['1.00', '1.10', 'oom', '0.91x', '-', '256', 'oom']  # memory added by the calls
     # softmax out of memory at the largest size counts as a win for linvit
     assert 'beats vit_small_patch16_224 from 224 px (197 tokens) on' in compiled
     assert '1024: 5.00x, 2048: linvit ok, softmax oom' in compiled
@@ -119,12 +120,12 @@ def test_rounds_merge_into_medians_and_failed_rounds_drop_out(prof):
         for row in (_row('linvit_small_patch16_224', 'linear', 512, a),
                     _row('vit_small_patch16_224', 'softmax', 512, b, status=status)):
             ok = row['status'] == 'ok'
-            rounds.append({**row, 'round': r, 'first_call_s': float(r) if ok else None,
+            rounds.append({**row, 'round': r, 'first_call_ms': float(r) if ok else None,
                            'p90_ms': 2e3 / row['img_per_s'] if ok else None})
     merged = {row['model']: row for row in prof.aggregate_rounds(rounds)}
     lin, soft = merged['linvit_small_patch16_224'], merged['vit_small_patch16_224']
     assert lin['rounds'] == 3 and lin['img_per_s'] == pytest.approx(12.) and lin['median_ms'] == pytest.approx(1e3 / 12)
-    assert lin['p90_ms'] == pytest.approx(2e3 / 12) and lin['first_call_s'] == 1.0 and lin['peak_mem_mb'] == 612.
+    assert lin['p90_ms'] == pytest.approx(2e3 / 12) and lin['first_call_ms'] == 1.0 and lin['peak_mem_mib'] == 1212.
     assert soft['rounds'] == 2 and soft['median_ms'] == pytest.approx((125. + 250.) / 2)  # the timeout is dropped
     assert soft['img_per_s'] == pytest.approx(1e3 / 187.5)
     assert 'median over 3 rounds' in '\n'.join(prof.summarize(rounds))
@@ -137,7 +138,16 @@ def test_training_step_is_measured_in_process(prof):
     config = prof.Config(spec, 32, 48, 2, 'bf16', 'eager', 'train', 'cpu', 1, 2)
     result = prof.measure(config)
     assert result['tokens'] == 7 and result['img_per_s'] == pytest.approx(2e3 / result['median_ms'])
-    assert result['p90_ms'] >= result['median_ms'] > 0
+    assert result['p90_ms'] >= result['median_ms'] > 0 and result['first_call_ms'] > 0
+    # the calls' own peak sits on top of the memory held after building, within the process's peak
+    assert result['added_mem_mib'] >= 0 and result['base_mem_mib'] > 50
+    assert result['peak_mem_mib'] >= result['base_mem_mib'] + result['added_mem_mib'] - 1e-6
+    assert result['machine'].endswith(f"{os.cpu_count()} CPUs")
+
+
+def test_close_sizes_get_their_tick_labels_one_below_the_other(prof):
+    assert prof._staggered({224.0: 'a', 495.8: 'b', 512.0: 'c', 540.0: 'd', 1024.0: 'e'}) == [
+        'a', 'b', '\n\nc', 'd', 'e']
 
 
 def test_plot_writes_one_png_per_task_dtype_batch(prof, tmp_path):
@@ -156,6 +166,97 @@ def test_failures_become_rows(prof, capsys):
     assert result['status'] == 'error' and 'no_such_model_anywhere' in result['error']
 
 
+def test_failed_configurations_are_listed_and_make_the_exit_status_1(prof, tmp_path, capsys):
+    out = tmp_path / 'prof'
+    status = prof.main(['--models', 'nope_model', '--sizes', '32', '--floors', 'none', '--mode', 'eager',
+                        '--warmup', '1', '--repeats', '1', '--out', str(out)])
+    printed = capsys.readouterr().out
+    assert status == 1
+    failures = printed.split('# 1 of 1 configurations failed:')[1].strip().splitlines()
+    assert len(failures) == 1 and failures[0].startswith('nope_model 32 b1 fp32 eager infer: ERROR ')
+    assert 'nope_model' in failures[0][len('nope_model 32 b1 fp32 eager infer: ERROR '):]  # the child's message
+    rows = list(csv.DictReader((out / 'profile.csv').open()))
+    assert [(r['model'], r['status']) for r in rows] == [('nope_model', 'error')] and 'nope_model' in rows[0]['error']
+
+
+def _runs_nothing(prof, status, error):
+    """A stand-in for run_config: every configuration ends with ``status`` at once, no process started."""
+    def run_config(config, timeout, retain_freed_memory=False):
+        return {**prof.base_row(config), 'status': status, 'error': error}
+    return run_config
+
+
+def test_running_out_of_memory_or_time_is_a_result_not_a_failure(prof, tmp_path, capsys, monkeypatch):
+    argv = ['--models', 'vit_tiny_patch16_224', '--sizes', '32', '--floors', 'none', '--mode', 'eager',
+            '--out', str(tmp_path)]
+    monkeypatch.setattr(prof, 'run_config', _runs_nothing(prof, 'timeout', 'no result within 1 s'))
+    assert prof.main(argv) == 0
+    listed = capsys.readouterr().out.split('# 1 of 1 configurations out of memory or time:')[1].strip()
+    assert listed == 'vit_tiny_patch16_224 32 b1 fp32 eager infer: TIMEOUT no result within 1 s'
+    monkeypatch.setattr(prof, 'run_config', _runs_nothing(prof, 'error', 'RuntimeError: boom'))
+    assert prof.main(argv) == 1
+    assert 'vit_tiny_patch16_224 32 b1 fp32 eager infer: ERROR RuntimeError: boom' in capsys.readouterr().out
+
+
+def test_summarize_writes_the_png_next_to_the_csv_unless_out_is_given(prof, tmp_path, capsys):
+    run = tmp_path / 'run'
+    run.mkdir()
+    prof.write_csv(str(run / 'profile.csv'), hand_rows())
+    assert prof.main(['--summarize', str(run / 'profile.csv')]) == 0
+    assert f"wrote {run / 'profile_infer_fp32_b1.png'}" in capsys.readouterr().out
+    assert (run / 'profile_infer_fp32_b1.png').read_bytes()[:8] == PNG_MAGIC
+    (run / 'profile_infer_fp32_b1.png').unlink()
+    assert prof.main(['--summarize', str(run / 'profile.csv'), '--out', str(tmp_path / 'elsewhere')]) == 0
+    assert (tmp_path / 'elsewhere' / 'profile_infer_fp32_b1.png').exists()
+    assert not (run / 'profile_infer_fp32_b1.png').exists()
+
+
+def test_summarize_reads_csvs_with_the_old_unit_columns(prof, tmp_path):
+    old = tmp_path / 'old.csv'
+    fields = ['model', 'kind', 'height', 'width', 'tokens', 'batch', 'status', 'median_ms', 'peak_mem_mb',
+              'base_mem_mb', 'first_call_s']
+    with old.open('w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerow(dict(zip(fields, ['m', 'linear', 224, 224, 197, 1, 'ok', 12.5, 900.5, 820.0, 1.25])))
+        writer.writerow(dict(zip(fields, ['m', 'linear', 512, 512, 1025, 1, 'oom', '', '', '', ''])))
+    ok, oom = prof.read_csv(str(old))
+    assert (ok['peak_mem_mib'], ok['base_mem_mib'], ok['first_call_ms']) == (900.5, 820.0, 1250.0)
+    assert ok['added_mem_mib'] == pytest.approx(80.5)  # old CSVs had no such column: peak - base
+    assert all(key not in ok for key in ('peak_mem_mb', 'base_mem_mb', 'first_call_s'))
+    assert (oom['peak_mem_mib'], oom['added_mem_mib'], oom['first_call_ms']) == (None, None, None)
+
+
+def test_plot_labels_sizes_in_pixels_and_tokens_with_the_legend_outside(prof):
+    import matplotlib
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    group = [r for r in prof.aggregate_rounds(hand_rows()) if r['status'] == 'ok']
+    fig = prof.throughput_figure(group)
+    try:
+        ax_speed, ax_mem = fig.axes
+        fig.canvas.draw()
+        for ax in (ax_speed, ax_mem):
+            assert [t.get_text() for t in ax.get_xticklabels()] == [
+                '224 px\n197 tok', '512 px\n1,025 tok', '1024 px\n4,097 tok', '2048 px\n16,385 tok']
+            assert ax.get_legend() is None
+            y_labels = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+            assert y_labels and not any('10^' in t or 'e-' in t or 'e+' in t for t in y_labels)
+        assert ax_speed.get_yscale() == 'log' and 'added by the forward' in ax_mem.get_ylabel()
+        [mem_line] = [line for line in ax_mem.get_lines() if line.get_label() == 'vit_small_patch16_224 [eager]']
+        assert list(mem_line.get_ydata()) == [224 / 8, 512 / 8, 1024 / 8, 2048 / 8]  # added_mem_mib, not the peak
+        [legend] = fig.legends  # one legend, below the panels: models left, their floors right, mode markers last
+        assert [t.get_text() for t in legend.get_texts()] == [
+            'linvit_small_patch16_224', 'vit_small_patch16_224', 'eager',
+            'floor(linvit_small_patch16_224)', '', 'compiled']
+        title = fig._suptitle.get_text()
+        assert title.startswith('inference, fp32, batch 1, eager and compiled') and 'Test CPU, 2 CPUs' in title
+    finally:
+        plt.close(fig)
+
+
 def test_profile_runs_end_to_end(prof, tmp_path, capsys):
     out = tmp_path / 'prof'
     models = ['linvit_tiny_patch16_224:depth=1,local_mix=False', 'vit_tiny_patch16_224:depth=1']
@@ -170,7 +271,9 @@ def test_profile_runs_end_to_end(prof, tmp_path, capsys):
     assert [r['tokens'] for r in rows] == ['5'] * 3 + ['7'] * 3  # class token + 2x2 / 2x3 patches
     for r in rows:
         assert float(r['img_per_s']) == pytest.approx(1e3 / float(r['median_ms']))
-        assert float(r['p90_ms']) >= float(r['median_ms']) > 0 and float(r['peak_mem_mb']) > 50
+        assert float(r['p90_ms']) >= float(r['median_ms']) > 0 and float(r['peak_mem_mib']) > 50
+        assert float(r['base_mem_mib']) > 50 and 0 <= float(r['added_mem_mib']) < float(r['peak_mem_mib'])
+    assert list(rows[0]) == prof.CSV_FIELDS
     assert (out / 'profile_infer_fp32_b1.png').read_bytes()[:8] == PNG_MAGIC
     # the summary of a finished run can be re-printed from its CSV
     assert prof.main(['--summarize', str(out / 'profile.csv'), '--out', str(tmp_path / 'again')]) == 0

@@ -1,0 +1,15 @@
+"""The training engine: config, tasks, the loop, checkpoints, metrics, pictures, distribution (``train.py``'s body).
+
+    cfg = load_config('configs/cls_demo.yaml', ['train.epochs=3'])
+    metrics = train(cfg)                                  # writes the run directory cfg.output_dir
+    metrics = evaluate(cfg, 'runs/x/best.pt', 'runs/x/eval')
+
+Needs the ``train`` extra (albumentations, omegaconf, tensorboard, tqdm, matplotlib); ``import linvit`` alone
+does not import this package.
+"""
+from .config import ConfigError, RunConfig, config_from_yaml, config_to_yaml, load_config
+from .tasks import TASKS, Task, build_task, register_task
+from .trainer import NonFiniteLossError, evaluate, train
+
+__all__ = ['ConfigError', 'RunConfig', 'load_config', 'config_to_yaml', 'config_from_yaml', 'TASKS', 'Task',
+           'build_task', 'register_task', 'NonFiniteLossError', 'train', 'evaluate']

@@ -1,0 +1,74 @@
+"""Image classification: ImageFolder or built-in data, any timm / linvit classifier, top-1 / top-5."""
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from torch.utils.data import Dataset
+
+from .metrics import ClassificationMeter
+from .tasks import Task, create_model_from_config, register_task
+
+__all__ = ['ClassificationTask']
+
+PICTURE_COUNT = 16
+
+
+@register_task
+class ClassificationTask(Task):
+    name = 'classification'
+    main_metric = 'top1'
+    metric_columns = ('top1', 'top5')
+
+    def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
+        from ..data import build_classification_datasets
+        return build_classification_datasets(self.cfg.data, mean, std)
+
+    def build_model(self, num_classes: int) -> nn.Module:
+        return create_model_from_config(self.cfg.model, num_classes, self.cfg.data.img_size)
+
+    def _mixing(self) -> bool:
+        aug = self.cfg.data.aug
+        return aug.mixup > 0 or aug.cutmix > 0
+
+    def train_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        smoothing = self.cfg.data.aug.label_smoothing
+        if self._mixing():
+            return SoftTargetCrossEntropy()  # Mixup turns labels into smoothed soft targets
+        if smoothing > 0:
+            return LabelSmoothingCrossEntropy(smoothing=smoothing)
+        return nn.CrossEntropyLoss()
+
+    def batch_mixer(self, num_classes: int) -> Optional[Callable]:
+        if not self._mixing():
+            return None
+        aug = self.cfg.data.aug
+        return Mixup(mixup_alpha=aug.mixup, cutmix_alpha=aug.cutmix, label_smoothing=aug.label_smoothing,
+                     num_classes=num_classes)
+
+    def new_meter(self, device: torch.device) -> ClassificationMeter:
+        return ClassificationMeter(ks=(1, 5), device=device)
+
+    def evaluate_batch(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
+                       meter: ClassificationMeter) -> None:
+        logits = model(images).float()
+        meter.update(logits, targets, F.cross_entropy(logits, targets, reduction='sum'))
+
+    def final_metrics(self, computed: Dict[str, float]) -> Dict[str, float]:
+        return {'top1': computed['top1'], 'top5': computed['top5'], 'loss': computed['loss'],
+                'count': computed['count']}
+
+    @torch.no_grad()
+    def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
+                      mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
+        from .plots import plot_prediction_grid
+        count = min(PICTURE_COUNT, len(dataset))
+        samples = [dataset[(index, 0)] for index in range(count)]
+        images = torch.stack([image for image, _ in samples])
+        labels = torch.tensor([label for _, label in samples])
+        with autocast():
+            probs = model(images.to(device)).float().softmax(dim=-1).cpu()
+        plot_prediction_grid(images, mean, std, labels, probs.argmax(dim=-1), class_names, png_path, probs=probs,
+                             max_images=count)

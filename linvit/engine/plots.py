@@ -1,0 +1,254 @@
+"""PNG pictures for a run directory: training curves from ``metrics.csv`` and a grid of predictions.
+
+Figures are drawn on ``matplotlib.figure.Figure`` objects with the Agg renderer, never through pyplot: no global
+figure registry to leak memory over a long run, no GUI backend, safe outside the main thread. Files are written
+atomically (``linvit.engine.checkpoint.atomic_write``), so a viewer never sees half a PNG.
+"""
+import csv
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .checkpoint import atomic_write
+
+__all__ = ['CORRECT_COLOUR', 'WRONG_COLOUR', 'plot_curves', 'plot_prediction_grid']
+
+CORRECT_COLOUR = '#1a7f37'
+WRONG_COLOUR = '#cf222e'
+
+#: columns of metrics.csv that locate a row rather than measure something
+_KEY_COLUMNS = ('epoch', 'step', 'split')
+#: smoothed series (train loss) longer than this get a moving average drawn over the raw values
+_SMOOTH_ABOVE = 20
+_MAX_NAME_CHARS = 22
+
+
+@dataclass
+class _Series:
+    label: str
+    steps: np.ndarray         # [P] x values
+    values: np.ndarray        # [P] y values
+    markers: bool = False     # points matter (few, e.g. one per epoch) rather than the trend of many
+    smooth: bool = False      # noisy per-step values: draw a moving average over the faint raw line
+
+
+@dataclass
+class _Panel:
+    title: str
+    ylabel: str
+    series: List[_Series] = field(default_factory=list)
+
+
+def _read_metrics_csv(csv_path: os.PathLike) -> Tuple[List[str], List[Dict[str, str]]]:
+    with open(csv_path, newline='', encoding='utf-8') as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
+
+
+def _to_float(cell: Optional[str]) -> float:
+    try:
+        return float(cell)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _column(rows: List[Dict[str, str]], split: str, column: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(steps [P], values [P]) of ``column`` over the rows of ``split`` whose step and value are numbers."""
+    pairs = [(_to_float(row.get('step')), _to_float(row.get(column))) for row in rows if row.get('split') == split]
+    pairs = [(s, v) for s, v in pairs if math.isfinite(s) and math.isfinite(v)]
+    steps, values = zip(*pairs) if pairs else ((), ())
+    return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+
+
+def _is_fraction(values: np.ndarray) -> bool:
+    return values.size > 0 and bool(np.all((values >= 0) & (values <= 1)))
+
+
+def _loss_panel(rows: List[Dict[str, str]]) -> _Panel:
+    panel = _Panel('loss', 'loss')
+    for split in ('train', 'val'):
+        steps, values = _column(rows, split, 'loss')
+        if steps.size:
+            panel.series.append(_Series(f'{split} loss', steps, values, markers=split == 'val' or steps.size == 1,
+                                        smooth=split == 'train'))
+    return panel
+
+
+def _val_metrics_panel(rows: List[Dict[str, str]], metric_columns: List[str]) -> _Panel:
+    columns = [(c, *_column(rows, 'val', c)) for c in metric_columns if c != 'loss']
+    columns = [(c, steps, values) for c, steps, values in columns if steps.size]
+    # accuracies (top-k, IoU, ...) arrive as fractions; people read them as percent
+    as_percent = bool(columns) and all(_is_fraction(values) for _, _, values in columns)
+    panel = _Panel('validation metrics', 'percent' if as_percent else 'value')
+    for column, steps, values in columns:
+        label = f'{column} (%)' if as_percent else column
+        panel.series.append(_Series(label, steps, values * 100 if as_percent else values, markers=True))
+    return panel
+
+
+def _lr_panel(rows: List[Dict[str, str]]) -> _Panel:
+    panel = _Panel('learning rate', 'learning rate')
+    steps, values = _column(rows, 'train', 'lr')
+    if steps.size:
+        panel.series.append(_Series('lr', steps, values, markers=steps.size == 1))
+    return panel
+
+
+def _curve_panels(fieldnames: List[str], rows: List[Dict[str, str]]) -> List[_Panel]:
+    """The panels worth drawing: loss (train and val), every other val metric, the train learning rate; a panel
+    without data is left out."""
+    metric_columns = [c for c in fieldnames if c not in _KEY_COLUMNS]
+    panels = [_loss_panel(rows), _val_metrics_panel(rows, metric_columns), _lr_panel(rows)]
+    return [p for p in panels if p.series]
+
+
+def _centred_moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Mean over ``window`` values centred on each one, [P] -> [P]; the window shrinks at both ends.
+
+    Centred rather than trailing: a trailing mean lags the raw curve and draws a fast early drop late."""
+    cumulative = np.concatenate([[0.0], np.cumsum(values)])
+    centres = np.arange(values.size)
+    starts = np.maximum(centres - window // 2, 0)
+    ends = np.minimum(centres + window // 2 + 1, values.size)
+    return (cumulative[ends] - cumulative[starts]) / (ends - starts)
+
+
+def _draw_series(ax, series: _Series, colour: str) -> None:
+    if series.markers:
+        ax.plot(series.steps, series.values, marker='o', markersize=4, linewidth=1.5, color=colour, label=series.label)
+    elif series.smooth and series.steps.size > _SMOOTH_ABOVE:
+        window = max(series.steps.size // 25, 5) | 1
+        ax.plot(series.steps, series.values, linewidth=0.8, alpha=0.3, color=colour)
+        ax.plot(series.steps, _centred_moving_average(series.values, window), linewidth=1.8, color=colour,
+                label=f'{series.label} (mean of {window})')
+    else:
+        ax.plot(series.steps, series.values, linewidth=1.5, color=colour, label=series.label)
+
+
+def _draw_panel(ax, panel: _Panel) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    colours = [f'C{i}' for i in range(10)]
+    for i, series in enumerate(panel.series):
+        _draw_series(ax, series, colours[i % len(colours)])
+    ax.set_title(panel.title, fontsize=11, loc='left')
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    # offsets and scientific notation ("1e-3" in a corner) are easy to misread on a curve
+    ax.ticklabel_format(axis='both', style='plain', useOffset=False)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=9, frameon=False)
+
+
+def _widen_a_single_step(ax, panels: List[_Panel]) -> None:
+    # matplotlib pads one x value by +-5%, which labels a lone step 1 as 0.945 ... 1.05
+    steps = np.concatenate([series.steps for panel in panels for series in panel.series])
+    if steps.max() - steps.min() < 2:
+        ax.set_xlim(steps.min() - 1, steps.max() + 1)
+
+
+def _save_png(fig, png_path: os.PathLike, dpi: int) -> None:
+    with atomic_write(png_path) as f:
+        fig.savefig(f, format='png', dpi=dpi, facecolor='white')
+
+
+def plot_curves(csv_path: os.PathLike, png_path: os.PathLike, title: str = '') -> None:
+    """Draw the training curves of a ``metrics.csv`` into ``png_path`` (written atomically).
+
+    The CSV has columns ``epoch, step, split`` (split 'train' or 'val') and numeric metric columns, empty where a
+    row has no value (train rows: loss, lr, img_per_s, ...; val rows: loss, top1, top5, ...). Panels, all against
+    the global step: train and val loss; every other val metric (shown in percent when all are fractions in [0, 1]);
+    the learning rate. Panels without data are left out, so a CSV with only train rows, one row, or no rows draws.
+    """
+    from matplotlib.figure import Figure
+
+    fieldnames, rows = _read_metrics_csv(csv_path)
+    panels = _curve_panels(fieldnames, rows)
+    fig = Figure(figsize=(8.5, 0.6 + 2.9 * max(len(panels), 1)), layout='constrained')
+    if not panels:
+        ax = fig.add_subplot()
+        ax.text(0.5, 0.5, f'no metrics yet in {os.path.basename(csv_path)}', ha='center', va='center')
+        ax.set_axis_off()
+    else:
+        axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+        for ax, panel in zip(axes, panels):
+            _draw_panel(ax, panel)
+        axes[-1].set_xlabel('step')
+        _widen_a_single_step(axes[-1], panels)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    _save_png(fig, png_path, dpi=110)
+
+
+def _unnormalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """images [N, C, H, W] normalised as (x - mean) / std -> numpy [N, H, W, C] in [0, 1] (C is 1 or 3)."""
+    images = images.detach().to('cpu', torch.float32)
+    mean = torch.as_tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1)
+    std = torch.as_tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1)
+    return (images * std + mean).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+def _class_name(class_names: Optional[Sequence[str]], index: int) -> str:
+    name = str(class_names[index]) if class_names is not None and 0 <= index < len(class_names) else str(index)
+    return name if len(name) <= _MAX_NAME_CHARS else name[:_MAX_NAME_CHARS - 1] + '…'
+
+
+def _predicted_probability(probs: Optional[torch.Tensor], i: int, predicted: int) -> Optional[float]:
+    if probs is None:
+        return None
+    return float(probs[i, predicted]) if probs.ndim == 2 else float(probs[i])
+
+
+def _prediction_titles(true_labels: Sequence[int], pred_labels: Sequence[int], class_names: Optional[Sequence[str]],
+                       probs: Optional[torch.Tensor]) -> List[Tuple[str, str]]:
+    titles = []
+    for i, (true, predicted) in enumerate(zip(true_labels, pred_labels)):
+        title = f'true: {_class_name(class_names, true)}\npred: {_class_name(class_names, predicted)}'
+        probability = _predicted_probability(probs, i, predicted)
+        if probability is not None:
+            title += f' (p={probability:.2f})'
+        titles.append((title, CORRECT_COLOUR if true == predicted else WRONG_COLOUR))
+    return titles
+
+
+def plot_prediction_grid(images: torch.Tensor, mean: Sequence[float], std: Sequence[float],
+                         true_labels: Sequence[int], pred_labels: Sequence[int], class_names: Optional[Sequence[str]],
+                         png_path: os.PathLike, probs: Optional[torch.Tensor] = None,
+                         max_images: int = 16) -> List[Tuple[str, str]]:
+    """Draw the first ``max_images`` images with their true and predicted classes into ``png_path`` (atomically).
+
+    images [N, C, H, W] float, normalised as (x - mean) / std with per-channel ``mean`` and ``std`` (C = 3, or 1 for
+    grey); true_labels, pred_labels: [N] class indices (tensors or sequences); class_names: index -> name (None:
+    indices are shown); probs: optional [N] probability of the predicted class, or [N, num_classes] probabilities.
+    Each image is titled "true: X / pred: Y (p=0.93)" on two lines, green (``CORRECT_COLOUR``) when the prediction
+    is right, red (``WRONG_COLOUR``) when wrong. Returns [(title, colour)] for the images drawn, in grid order.
+    """
+    from matplotlib.figure import Figure
+
+    count = min(int(images.shape[0]), max_images)
+    true_labels = [int(t) for t in true_labels[:count]]
+    pred_labels = [int(p) for p in pred_labels[:count]]
+    probs = torch.as_tensor(probs[:count]).detach().cpu().float() if probs is not None else None
+    titles = _prediction_titles(true_labels, pred_labels, class_names, probs)
+    pictures = _unnormalise(images[:count], mean, std)
+
+    columns = max(math.ceil(math.sqrt(count)), 1)
+    rows = max(math.ceil(count / columns), 1)
+    fig = Figure(figsize=(2.3 * columns, 2.6 * rows), layout='constrained')
+    axes = fig.subplots(rows, columns, squeeze=False).ravel()
+    for ax in axes:
+        ax.set_axis_off()
+    for ax, picture, (title, colour) in zip(axes, pictures, titles):
+        grey = picture.shape[-1] == 1
+        ax.imshow(picture[..., 0] if grey else picture, cmap='gray' if grey else None, vmin=0, vmax=1,
+                  interpolation='nearest')
+        ax.set_title(title, color=colour, fontsize=9, fontweight='bold')
+    if count == 0:
+        axes[0].text(0.5, 0.5, 'no images', ha='center', va='center')
+    _save_png(fig, png_path, dpi=100)
+    return titles

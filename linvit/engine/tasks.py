@@ -1,0 +1,118 @@
+"""Tasks: what differs between classification, segmentation, ... ; the loop in ``trainer`` is written once.
+
+A task builds its datasets, model, training loss, batch mixing and metrics from the run config, evaluates one
+batch into a meter, and draws its pictures. New tasks register a class in ``TASKS`` (one file each).
+"""
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+
+import timm
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch.utils.data import Dataset
+
+__all__ = ['Task', 'TASKS', 'register_task', 'build_task', 'create_model_from_config', 'normalization_of']
+
+
+class Task:
+    """The interface the training loop uses. Subclasses set ``name``, ``main_metric`` and ``metric_columns``."""
+    name: str = ''
+    main_metric: str = ''  # a key of evaluate()'s result; larger is better
+    metric_columns: Sequence[str] = ()  # the CSV / TensorBoard metric names of an evaluation besides 'loss'
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+
+    def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
+        """(train, val, class names); samples are keyed by (index, seed) (see ``linvit.data``)."""
+        raise NotImplementedError
+
+    def build_model(self, num_classes: int) -> nn.Module:
+        raise NotImplementedError
+
+    def train_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """loss_fn(outputs, targets) -> mean loss of the batch (targets as the batch mixer leaves them)."""
+        raise NotImplementedError
+
+    def batch_mixer(self, num_classes: int) -> Optional[Callable]:
+        """Optional (images, targets) -> (images, targets) applied to training batches (e.g. Mixup); None: off."""
+        return None
+
+    def new_meter(self, device: torch.device) -> Any:
+        """An accumulator with ``reduce_()`` (sum over processes) and ``compute() -> dict``."""
+        raise NotImplementedError
+
+    def evaluate_batch(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor, meter: Any) -> None:
+        raise NotImplementedError
+
+    def final_metrics(self, computed: Dict[str, float]) -> Dict[str, float]:
+        """What metrics.json holds, from the meter's ``compute()``."""
+        return dict(computed)
+
+    def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
+                      mean: Sequence[float], std: Sequence[float], device: torch.device,
+                      autocast: Callable) -> None:
+        """Draw a PNG of predictions on the first validation samples (rank 0 only)."""
+
+
+TASKS: Dict[str, Type[Task]] = {}
+
+
+def register_task(cls: Type[Task]) -> Type[Task]:
+    TASKS[cls.name] = cls
+    return cls
+
+
+def build_task(cfg: DictConfig) -> Task:
+    # the built-in tasks register themselves when their module is imported
+    from . import classification  # noqa: F401
+    if cfg.task not in TASKS:
+        raise ValueError(f"task={cfg.task!r} is not one of {sorted(TASKS)}")
+    return TASKS[cfg.task](cfg)
+
+
+def normalization_of(model_name: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    """(mean, std) the model was (or would be) pretrained with, from timm's pretrained config of ``model_name``."""
+    if not timm.is_model(model_name.split('.')[0]):
+        raise ValueError(f"model.name={model_name!r} is not a timm model (after `import linvit`); see "
+                         f"timm.list_models() or timm.list_models('linvit_*')")
+    cfg = timm.models.get_pretrained_cfg(model_name)
+    mean = getattr(cfg, 'mean', None) or IMAGENET_DEFAULT_MEAN
+    std = getattr(cfg, 'std', None) or IMAGENET_DEFAULT_STD
+    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
+def _accepts_img_size(model_name: str) -> bool:
+    """Whether the model's class takes ``img_size`` (ViTs do, CNNs don't), read from the class's signature."""
+    entrypoint = timm.models.model_entrypoint(model_name.split('.')[0])
+    # timm's entrypoints take **kwargs and forward them to the model class named in their module; look there
+    module = inspect.getmodule(entrypoint)
+    for obj in vars(module).values():
+        if isinstance(obj, type) and issubclass(obj, nn.Module) and 'img_size' in inspect.signature(obj).parameters:
+            return True
+    return False
+
+
+def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Module:
+    """``timm.create_model(model.name, num_classes, img_size, drop_path_rate, **model.kwargs)``.
+
+    img_size is passed to models that take it (ViTs), so position embeddings are sized for ``data.img_size``.
+    ``model.pretrained_file`` loads local weights (timm's pretrained=True with a file overlay; timm re-initialises
+    the classifier when the file's class count differs from this task's).
+    """
+    kwargs: Dict[str, Any] = OmegaConf.to_container(model_cfg.kwargs) if isinstance(model_cfg.kwargs, DictConfig) \
+        else dict(model_cfg.kwargs)
+    kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in kwargs.items()}
+    kwargs.setdefault('num_classes', num_classes)
+    if model_cfg.drop_path_rate:
+        kwargs.setdefault('drop_path_rate', model_cfg.drop_path_rate)
+    if _accepts_img_size(model_cfg.name):
+        kwargs.setdefault('img_size', img_size)
+    if model_cfg.pretrained_file:
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(file=model_cfg.pretrained_file))
+    model = timm.create_model(model_cfg.name, **kwargs)
+    if model_cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    return model
