@@ -11,8 +11,6 @@ Writes out/train/<class>/*.png and out/val/<class>/*.png (8-bit grey PNGs; train
 val items from t10k), and out/manifest.csv with each item's box (for checks, or for masks later). The same
 arguments write the same files.
 """
-from __future__ import annotations
-
 import argparse
 import csv
 import functools
@@ -49,17 +47,32 @@ class Placement:
     side: int
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the docstring's layout and ends every option's help with its default, as the other tools do."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ''
+        if action.default is None or action.default is argparse.SUPPRESS or '(default' in text:
+            return text
+        return f"{text} (default: {str(action.default).replace('%', '%%')})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument('--out', type=Path, required=True, help='output folder (must be empty or absent)')
     p.add_argument('--size', type=int, default=512, help=f'canvas side in pixels (>= {MIN_SIZE})')
     p.add_argument('--train-per-class', type=int, default=600, help='train images per class (<= 6000)')
     p.add_argument('--val-per-class', type=int, default=100, help='val images per class (<= 1000)')
-    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--seed', type=int, default=0, help='fixes the choice of items and every image (>= 0)')
     p.add_argument('--workers', type=int, default=min(8, os.cpu_count() or 1),
                    help='processes rendering and saving PNGs (the output does not depend on it)')
     p.add_argument('--idx-dir', type=Path, default=DEFAULT_IDX_DIR,
                    help='folder with the Fashion-MNIST IDX files (.gz or not)')
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.size < MIN_SIZE:
         p.error(f'--size must be >= {MIN_SIZE}, got {args.size}')

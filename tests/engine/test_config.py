@@ -3,6 +3,7 @@ import os
 
 import pytest
 from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
 
 from linvit.engine.config import ConfigError, config_from_yaml, config_to_yaml, load_config
 
@@ -83,7 +84,7 @@ def test_saved_yaml_round_trips_and_is_read_only():
     cfg = load_config(None, ['train.epochs=3', 'model.kwargs.depth=2'])
     again = load_config(None, base=config_from_yaml(config_to_yaml(cfg)))
     assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
-    with pytest.raises(Exception):
+    with pytest.raises(ReadonlyConfigError):
         cfg.train.epochs = 5
 
 

@@ -4,6 +4,7 @@ import csv
 import gzip
 import importlib.util
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ ITEM_ROWS = slice(6, 22)  # ... over rows/cols 6..21 of the 28x28 item
 def tool():
     spec = importlib.util.spec_from_file_location('make_fmnist_hires', TOOL)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module        # worker processes find write_item by module name
     spec.loader.exec_module(module)
     return module
 
@@ -41,6 +43,14 @@ def write_fake_fmnist(folder: Path, per_class: int = 3, gz: bool = True) -> None
                 (folder / f'{stem}.gz').write_bytes(gzip.compress(data))
             else:
                 (folder / stem).write_bytes(data)
+
+
+def test_every_option_has_help_with_its_default(tool):
+    parser = tool.build_parser()
+    for action in parser._actions[1:]:                         # [0] is --help
+        shown = parser.formatter_class('make_fmnist_hires')._get_help_string(action)
+        assert action.help and (action.default is None or '(default: ' in shown), action.option_strings
+    assert 'dataset-fashion-mnist' in parser.format_help()
 
 
 @pytest.mark.parametrize('gz', [True, False])
