@@ -4,6 +4,7 @@ A task builds its datasets, model, training loss, batch mixing and metrics from 
 batch into a meter, and draws its pictures. New tasks register a class in ``TASKS`` (one file each).
 """
 import inspect
+import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import timm
@@ -95,12 +96,44 @@ def _accepts_img_size(model_name: str) -> bool:
     return False
 
 
+def _head_classes(path: str, model_name: str) -> Optional[int]:
+    """Rows of the classifier weight stored in a weights file (None when it has none): read from the header of a
+    .safetensors file, or a memory-mapped weights-only load of a torch file."""
+    head = timm.models.get_pretrained_cfg(model_name)
+    head = getattr(head, 'classifier', None) or 'head'
+    key = f"{head}.weight"
+    if path.endswith('.safetensors'):
+        from safetensors import safe_open
+        with safe_open(path, framework='pt') as f:
+            return f.get_slice(key).get_shape()[0] if key in f.keys() else None
+    state = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+    state = state.get('model', state.get('state_dict', state)) if isinstance(state, dict) else {}
+    weight = state.get(key) if isinstance(state, dict) else None
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None
+
+
+def pretrained_overlay(path: str, model_name: str, num_classes: int) -> Dict[str, Any]:
+    """timm's ``pretrained_cfg_overlay`` that loads the local file ``path``.
+
+    timm keeps the file's classifier only when the overlay's num_classes equals the model's, so it is set to
+    num_classes when the file's head has that many classes (e.g. this toolkit's own model.safetensors) and left to
+    the default otherwise (an ImageNet head is then dropped and re-initialised). ``custom_load=False``: the
+    file is a state dict, not the original .npz release that some configs name.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model.pretrained_file {path!r} does not exist")
+    overlay: Dict[str, Any] = dict(file=path, custom_load=False)
+    if _head_classes(path, model_name) == num_classes:
+        overlay['num_classes'] = num_classes
+    return overlay
+
+
 def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Module:
     """``timm.create_model(model.name, num_classes, img_size, drop_path_rate, **model.kwargs)``.
 
     img_size is passed to models that take it (ViTs), so position embeddings are sized for ``data.img_size``.
-    ``model.pretrained_file`` loads local weights (timm's pretrained=True with a file overlay; timm re-initialises
-    the classifier when the file's class count differs from this task's).
+    ``model.pretrained_file`` loads local weights (timm's pretrained=True with a file overlay, see
+    ``pretrained_overlay``: the classifier is kept when its class count is this task's, else re-initialised).
     """
     kwargs: Dict[str, Any] = OmegaConf.to_container(model_cfg.kwargs) if isinstance(model_cfg.kwargs, DictConfig) \
         else dict(model_cfg.kwargs)
@@ -111,7 +144,8 @@ def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: 
     if _accepts_img_size(model_cfg.name):
         kwargs.setdefault('img_size', img_size)
     if model_cfg.pretrained_file:
-        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(file=model_cfg.pretrained_file))
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=pretrained_overlay(model_cfg.pretrained_file,
+                                                                                 model_cfg.name, num_classes))
     model = timm.create_model(model_cfg.name, **kwargs)
     if model_cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)

@@ -1,0 +1,60 @@
+"""train.py as users run it: config errors, a run, --resume, --eval-only, and torchrun with 2 gloo processes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tiny_run import TINY_MODEL, TINY_RUN
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = [*TINY_MODEL, *TINY_RUN]
+
+
+def _run(*args, env=None, timeout=600):
+    full_env = {**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=full_env)
+
+
+def _metrics(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_config_typo_exits_2_with_the_suggestion(tmp_path):
+    result = _run('train.py', '--config', 'configs/cls_demo.yaml', 'train.epoch=3', f'output_dir={tmp_path}')
+    assert result.returncode == 2
+    assert "unknown config key 'train.epoch'; did you mean 'train.epochs'?" in result.stderr
+    assert not os.listdir(tmp_path)  # nothing was started
+
+
+def test_run_stop_resume_and_eval_only_from_the_command_line(tmp_path):
+    run = tmp_path / 'run'
+    first = _run('train.py', '--config', 'configs/cls_demo.yaml', *TINY, f'output_dir={run}', 'train.max_steps=3')
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert 'continue with --resume' in first.stderr
+    resumed = _run('train.py', '--resume', str(run))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert 'resumed at step 3' in resumed.stderr
+    final = _metrics(run / 'metrics.json')
+    assert f"top1={final['top1']:.4f}" in resumed.stdout
+    evaluated = _run('train.py', '--eval-only', str(run / 'best.pt'), '--out', str(tmp_path / 'eval'))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert set(_metrics(tmp_path / 'eval' / 'metrics.json')) == {'top1', 'top5', 'loss', 'count'}
+
+
+def test_torchrun_two_gloo_processes_match_a_single_process_evaluation(tmp_path):
+    run = tmp_path / 'ddp'
+    result = _run('-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'train.py',
+                  '--config', 'configs/cls_demo.yaml', *TINY, 'data.synthetic.val_size=23', f'output_dir={run}')
+    assert result.returncode == 0, result.stderr[-4000:]
+    ddp = _metrics(run / 'metrics.json')
+    assert ddp['count'] == 23  # the odd sample is counted once: evaluation shards are not padded
+    single = _run('train.py', '--eval-only', str(run / 'last.pt'), '--out', str(tmp_path / 'single'))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert _metrics(tmp_path / 'single' / 'metrics.json') == pytest.approx(ddp, rel=1e-6)
+    # 2 processes x 4 steps per epoch (64 samples / 2 ranks / batch 8) x 2 epochs
+    with open(run / 'metrics.csv') as f:
+        assert [line.split(',')[1] for line in f.read().splitlines()[1:] if ',train,' in line] == \
+            [str(s) for s in range(1, 9)]
