@@ -30,6 +30,7 @@ class ModelConfig:
     pretrained_file: Optional[str] = None  # local weights (.pth / .safetensors), loaded with pretrained=True
     drop_path_rate: float = 0.0
     grad_checkpointing: bool = False
+    floor: bool = False  # benchmarks: replace attention by the no-mixing floor (linvit.fast.make_floor)
 
 
 @dataclass

@@ -147,6 +147,10 @@ def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: 
         kwargs.update(pretrained=True, pretrained_cfg_overlay=pretrained_overlay(model_cfg.pretrained_file,
                                                                                  model_cfg.name, num_classes))
     model = timm.create_model(model_cfg.name, **kwargs)
+    if model_cfg.floor:
+        # the performance floor: same projections and MLPs, no token mixing (for train-speed ratios, not accuracy)
+        from ..fast import make_floor
+        make_floor(model)
     if model_cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
     return model

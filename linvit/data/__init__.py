@@ -1,0 +1,20 @@
+"""Datasets for training: user folders (ImageFolder layout), a built-in synthetic task, albumentations pipelines.
+
+    build_classification_datasets(cfg, mean, std) -> (train_dataset, val_dataset, class_names)
+    dataset[index] or dataset[(index, seed)] -> (image float32 [3, img_size, img_size], label int)
+    build_transforms(aug_cfg, img_size, mean, std, train) -> A.Compose   # HWC uint8 RGB -> normalised CHW tensor
+"""
+import os
+
+# albumentations asks PyPI for a newer version when it is first imported; linvit downloads nothing at run time.
+# Set before any submodule imports it (every submodule import runs this file first).
+os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')
+
+from .base import KeyedImageDataset, sample_seed  # noqa: E402
+from .build import DATASET_BUILDERS, build_classification_datasets  # noqa: E402
+from .folder import ImageFolderDataset, load_rgb  # noqa: E402
+from .synthetic import SyntheticMarks, render_marks  # noqa: E402
+from .transforms import build_transforms  # noqa: E402
+
+__all__ = ['build_classification_datasets', 'DATASET_BUILDERS', 'build_transforms', 'ImageFolderDataset', 'load_rgb',
+           'SyntheticMarks', 'render_marks', 'KeyedImageDataset', 'sample_seed']

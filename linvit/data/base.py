@@ -1,0 +1,94 @@
+"""What every linvit image dataset shares: keys that carry an augmentation seed, and the transform call.
+
+A key is an ``int`` index or an ``(index, seed)`` pair. With a seed, the augmentation of that sample is drawn from
+``SeedSequence([seed, index])`` (``sample_seed``), so it depends only on the pair: not on the DataLoader worker
+that loads it, nor on what that worker loaded before. That is what lets a resumed run reproduce an uninterrupted
+one. A plain ``int`` draws its seed from torch's global generator, which DataLoader seeds differently in every
+worker.
+"""
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+if TYPE_CHECKING:
+    import albumentations as A
+
+__all__ = ['KeyedImageDataset', 'sample_seed', 'seed_words']
+
+_WORD = 2 ** 32
+
+
+def seed_words(seed: int) -> list[int]:
+    """A seed as two 32-bit words (any int, taken modulo 2**64).
+
+    SeedSequence reads each int as a variable number of words and ignores trailing zero words, so entropy lists of
+    different shapes can collide; fixed-width words keep every key distinct.
+    """
+    seed %= _WORD * _WORD
+    return [seed % _WORD, seed // _WORD]
+
+
+def sample_seed(index: int, seed: int) -> int:
+    """The albumentations seed for one sample, a function of ``(index, seed)`` only (a 32-bit int)."""
+    return int(np.random.SeedSequence([*seed_words(seed), index]).generate_state(1)[0])
+
+
+class KeyedImageDataset(Dataset):
+    """Base class: ``dataset[key] -> (image float32 [3, S, S], label int)`` for ``key`` = index or (index, seed).
+
+    Subclasses implement ``load(index) -> (image uint8 [H, W, 3] RGB, label)`` and ``describe()``, and may override
+    ``label_after_transform`` when an augmentation changes the class.
+
+    Attributes:
+        class_names: ``list[str]``, position = label.
+        targets: ``list[int]``, the label of every index (before augmentation).
+        num_bad: files found unreadable so far (0 for generated data). Load-time failures are counted in the process
+            that loads them, so with DataLoader workers the main process sees only the construction-time count.
+        transform: the ``A.Compose`` applied to every sample; it is reseeded per call, so one dataset object must not
+            be read from several threads at once (DataLoader workers are processes: fine).
+    """
+
+    def __init__(self, transform: A.Compose, class_names: Sequence[str], targets: Sequence[int]):
+        self.transform = transform
+        self.class_names = list(class_names)
+        self.targets = [int(t) for t in targets]
+        self.num_bad = 0
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, seed = self._parse_key(key)
+        image, label = self.load(index)
+        self.transform.set_random_seed(sample_seed(index, seed))
+        out = self.transform(image=image)
+        return out['image'], self.label_after_transform(label, out)
+
+    def load(self, index: int) -> tuple[np.ndarray, int]:
+        """The raw sample ``(image uint8 [H, W, 3] RGB, label)`` at a valid, non-negative ``index``."""
+        raise NotImplementedError
+
+    def label_after_transform(self, label: int, transform_output: dict[str, Any]) -> int:
+        """The label of the augmented image; the identity unless an augmentation can change the class."""
+        return label
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def _parse_key(self, key: Any) -> tuple[int, int]:
+        if isinstance(key, (tuple, list)):
+            if len(key) != 2:
+                raise TypeError(f"a dataset key is an index or an (index, seed) pair, got {key!r}")
+            index, seed = operator.index(key[0]), operator.index(key[1])
+        else:
+            # torch's generator, not numpy's: DataLoader reseeds torch per worker, so workers don't repeat each other.
+            index, seed = operator.index(key), int(torch.randint(0, 2 ** 62, ()).item())
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} samples")
+        return index % n, seed

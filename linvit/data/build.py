@@ -1,0 +1,82 @@
+"""From the data config to (train dataset, val dataset, class names): one builder per ``data.name``."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from torch.utils.data import Dataset
+
+from .folder import ImageFolderDataset, check_same_classes, class_folders
+from .synthetic import SyntheticMarks
+from .transforms import build_transforms, to_pair
+
+__all__ = ['DATASET_BUILDERS', 'build_classification_datasets']
+
+_logger = logging.getLogger(__name__)
+_SAFE_MARK_CROP_SCALE = 0.6   # below this area fraction a random crop often cuts a synthetic mark off
+
+Datasets = tuple[Dataset, Dataset, list[str]]
+
+
+def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> Datasets:
+    """Train and validation datasets for classification, and the class names.
+
+    Args:
+        cfg: the data config (OmegaConf DictConfig or dataclass): ``name`` ('synthetic' | 'folder'), ``root``,
+            ``img_size``, ``max_bad_fraction``, ``synthetic.{train_size, val_size, seed}``,
+            ``aug.{random_resized_crop, scale, hflip, vflip, color_jitter}``.
+        mean, std: per-channel normalisation in [0, 1] (the model's ``pretrained_cfg``).
+
+    Returns:
+        ``(train, val, class_names)``; ``dataset[index]`` or ``dataset[(index, seed)]`` ->
+        ``(image float32 [3, img_size, img_size], label int)``. Train is augmented per ``cfg.aug``; val is resized only.
+    """
+    try:
+        builder = DATASET_BUILDERS[cfg.name]
+    except KeyError:
+        raise ValueError(f"unknown data.name {cfg.name!r}; choose one of {sorted(DATASET_BUILDERS)}") from None
+    return builder(cfg, mean, std)
+
+
+def build_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> Datasets:
+    """The two-marks task (``linvit.data.synthetic``) at ``cfg.img_size``."""
+    if cfg.aug.random_resized_crop and to_pair(cfg.aug.scale, 'aug.scale')[0] < _SAFE_MARK_CROP_SCALE:
+        _logger.warning("data.aug.scale=%s on synthetic marks: small random crops can cut a mark off the image and "
+                        "make its label unlearnable; a minimum of %.1f or more keeps most marks", list(cfg.aug.scale),
+                        _SAFE_MARK_CROP_SCALE)
+    # the synthetic dataset swaps red-blue <-> blue-red when the image was flipped, so it must see which were applied
+    train_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=True, save_applied_params=True)
+    val_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=False)
+    syn = cfg.synthetic
+    train = SyntheticMarks(syn.train_size, cfg.img_size, syn.seed, 'train', train_tf)
+    val = SyntheticMarks(syn.val_size, cfg.img_size, syn.seed, 'val', val_tf)
+    return train, val, train.class_names
+
+
+def build_folder(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> Datasets:
+    """ImageFolder datasets from ``cfg.root/train`` and ``cfg.root/val`` (same class folders in both)."""
+    if not cfg.root:
+        raise ValueError("data.root must be set when data.name is 'folder': a folder holding train/<class>/ and "
+                         "val/<class>/")
+    root = Path(cfg.root).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"data.root {root} is not a folder; expected {root}/train/<class>/<images> and "
+                                f"{root}/val/<class>/<images>")
+    train_dir, val_dir = root / 'train', root / 'val'
+    for split_dir in (train_dir, val_dir):
+        if not split_dir.is_dir():
+            raise FileNotFoundError(f"{split_dir} is missing; expected {split_dir}/<class>/<images> under data.root")
+    class_names = class_folders(train_dir)
+    check_same_classes(class_names, class_folders(val_dir), val_dir)
+    train_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=True)
+    val_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=False)
+    train = ImageFolderDataset(train_dir, train_tf, class_names, cfg.max_bad_fraction)
+    val = ImageFolderDataset(val_dir, val_tf, class_names, cfg.max_bad_fraction)
+    return train, val, class_names
+
+
+DATASET_BUILDERS: dict[str, Callable[[Any, Sequence[float], Sequence[float]], Datasets]] = {
+    'synthetic': build_synthetic,
+    'folder': build_folder,
+}
