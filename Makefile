@@ -17,11 +17,14 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
+# the main job: train a small linvit on the built-in synthetic task, evaluate it, write runs/demo
 demo: $(STAMP)
-	$(PY) tools/bench_attention.py --quick
+	$(PY) train.py --config configs/cls_demo.yaml
+	@echo "demo run: runs/demo (metrics.json, curves.png, pictures/, model.safetensors; tensorboard --logdir runs/demo)"
+	@echo "next: python train.py --config configs/cls_folder.yaml data.root=/path/to/imagefolder; make bench"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check linvit tests tools
+	$(VENV)/bin/ruff check linvit tests tools train.py
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

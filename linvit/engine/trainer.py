@@ -429,7 +429,8 @@ def _run_epoch(cfg: DictConfig, c: Components, step_fn: TrainStep, mixer: Option
     batches = iter(_loader(c.train_set, c.sampler, cfg.data.batch_size, cfg, info, drop_last=True))
     window = _Window(info.device)
     bar = tqdm(total=c.steps_per_epoch, initial=progress.batch_in_epoch // accum, disable=not info.is_main,
-               desc=f"epoch {progress.epoch + 1}/{train.epochs}", unit='step', dynamic_ncols=True)
+               desc=f"epoch {progress.epoch + 1}/{train.epochs}", unit='step', dynamic_ncols=True,
+               mininterval=2.0)
     c.wrapped.train()
     try:
         for micro in range(progress.batch_in_epoch, c.steps_per_epoch * accum):
