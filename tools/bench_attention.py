@@ -23,6 +23,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 from timm.layers import Attention
+from tool_cli import HelpFormatter
+from tool_cli import crossover as shared_crossover
 
 from linvit.fast import compile_model
 from linvit.layers import LinearAttention, NoMixingAttention
@@ -37,20 +39,6 @@ FLOOR_WORDS = 'floor = the same layer with token mixing removed: qkv + proj only
 
 def _words(values: List[int]) -> str:
     return ' '.join(map(str, values))
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the docstring's layout and ends every option's help with its default: '(default: 384)'. Options whose
-    default is None say what that means in their own help."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ''
-        default = action.default
-        if default is None or default is argparse.SUPPRESS or '(default' in text:
-            return text
-        if default is False:  # a flag
-            return f"{text} (default: off)"
-        return f"{text} (default: {str(default).replace('%', '%%')})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,12 +126,7 @@ def time_interleaved(fns: Dict[str, Callable[[], torch.Tensor]], warmup: int, re
 
 def crossover(rows: List[Dict[str, float]]) -> Optional[int]:
     """Smallest N from which linear attention is faster than softmax at that and every larger N."""
-    result = None
-    for row in reversed(rows):
-        if row['linear_ms'] >= row['softmax_ms']:
-            break
-        result = int(row['tokens'])
-    return result
+    return shared_crossover([(int(r['tokens']), 1 / r['linear_ms'], 1 / r['softmax_ms']) for r in rows])
 
 
 def run(args: argparse.Namespace) -> List[Dict[str, float]]:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 from PIL import Image
+from tool_cli import HelpFormatter
 
 DEFAULT_IDX_DIR = Path('/usr/share/datasets/fashion-mnist')
 # Fashion-MNIST's labels 0-9, spelled as folder names ('T-shirt/top' has a slash)
@@ -45,16 +46,6 @@ class Placement:
     top: int
     left: int
     side: int
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the docstring's layout and ends every option's help with its default, as the other tools do."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ''
-        if action.default is None or action.default is argparse.SUPPRESS or '(default' in text:
-            return text
-        return f"{text} (default: {str(action.default).replace('%', '%%')})"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,6 +52,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from tool_cli import HelpFormatter, crossover  # noqa: F401  (crossover: also this tool's API)
+
 DTYPES = ('fp32', 'bf16', 'fp16')
 MODES = ('eager', 'compiled')
 TASKS = ('infer', 'train')
@@ -503,17 +505,6 @@ def counterpart(linear_name: str, softmax_names: Sequence[str]) -> Optional[str]
     return softmax_names[0] if len(set(softmax_names)) == 1 else None
 
 
-def crossover(points: Sequence[Tuple[Any, Optional[float], Optional[float]]]) -> Optional[Any]:
-    """First key from which ``a`` beats ``b`` at that and every later key; points = (key, a img/s, b img/s) sorted by
-    size. A missing ``b`` (softmax out of memory or time) counts as a win for ``a``, a missing ``a`` as a loss."""
-    result = None
-    for key, a, b in reversed(points):
-        if a is None or (b is not None and a <= b):
-            break
-        result = key
-    return result
-
-
 def _fmt(value: Optional[float], status: Optional[str] = None, digits: int = 2) -> str:
     if value is None:
         return status or '-'
@@ -858,21 +849,6 @@ def figure_title(rows: Sequence[Dict[str, Any]], modes: Sequence[str]) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the docstring's layout and ends every option's help with its default: '(default: fp32)'. Options whose
-    default is None say what that means in their own help."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ''
-        default = action.default
-        if default is None or default is argparse.SUPPRESS or '(default' in text:
-            return text
-        if default is False:  # a flag
-            return f"{text} (default: off)"
-        shown = ' '.join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)

@@ -1,0 +1,30 @@
+"""What the tools share: the help formatter that shows every default, and the crossover of two speed curves."""
+import argparse
+from typing import Any, Optional, Sequence, Tuple
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the docstring's layout and ends every option's help with its default: '(default: fp32)'. Options whose
+    default is None say what that means in their own help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ''
+        default = action.default
+        if default is None or default is argparse.SUPPRESS or '(default' in text:
+            return text
+        if default is False:  # a flag
+            return f"{text} (default: off)"
+        shown = ' '.join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def crossover(points: Sequence[Tuple[Any, Optional[float], Optional[float]]]) -> Optional[Any]:
+    """First key from which ``a`` beats ``b`` at that and every later key; points = (key, a speed, b speed) sorted by
+    size, larger speed is better. A missing ``b`` (out of memory or time) counts as a win for ``a``, a missing ``a``
+    as a loss."""
+    result = None
+    for key, a, b in reversed(points):
+        if a is None or (b is not None and a <= b):
+            break
+        result = key
+    return result
