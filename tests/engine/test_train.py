@@ -141,3 +141,28 @@ def test_training_on_a_folder_with_odd_and_corrupt_files(tiny_config, tmp_path):
                              out='strict')
     with pytest.raises(RuntimeError, match='1 of 17'):
         train(too_strict)
+
+
+def test_bf16_autocast_grad_checkpointing_and_layer_decay_on_cpu(tiny_config):
+    cfg = tiny_config('train.amp=bf16', 'model.grad_checkpointing=true', 'train.layer_decay=0.75', 'train.max_steps=3')
+    train(cfg)
+    losses = [float(r['loss']) for r in _rows(cfg.output_dir, 'train')]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    state = load_checkpoint(os.path.join(cfg.output_dir, 'last.pt'))
+    # layer-wise decay: one optimizer group per depth (and decay / no decay), lrs scaled by 0.75 per layer
+    lrs = sorted({group['lr'] for group in state['optimizer']['param_groups']})
+    assert len(lrs) >= 3 and lrs[-2] / lrs[-1] == pytest.approx(0.75, rel=1e-6)
+
+
+def test_fp16_on_cpu_is_refused_with_the_alternative(tiny_config):
+    with pytest.raises(ValueError, match='train.amp=fp16 needs CUDA.*train.amp=bf16'):
+        train(tiny_config('train.amp=fp16'))
+
+
+def test_compiled_step_trains_like_the_eager_step(tiny_config):
+    eager = tiny_config('train.max_steps=3', out='eager')
+    compiled = tiny_config('train.max_steps=3', 'train.compile=true', out='compiled')
+    train(eager)
+    train(compiled)
+    np.testing.assert_allclose([float(r['loss']) for r in _rows(compiled.output_dir, 'train')],
+                               [float(r['loss']) for r in _rows(eager.output_dir, 'train')], rtol=1e-4, atol=1e-5)
