@@ -65,7 +65,9 @@ class ClassificationTask(Task):
                       mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
         from .plots import plot_prediction_grid
         count = min(PICTURE_COUNT, len(dataset))
-        samples = [dataset[(index, 0)] for index in range(count)]
+        # evenly spread over the set: folder datasets are sorted by class, so the first images share one class
+        indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]
+        samples = [dataset[(index, 0)] for index in indices]
         images = torch.stack([image for image, _ in samples])
         labels = torch.tensor([label for _, label in samples])
         with autocast():

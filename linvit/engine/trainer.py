@@ -20,8 +20,8 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -90,7 +90,6 @@ class Components:
     ema: Any = None
     sampler: Any = None
     steps_per_epoch: int = 0
-    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 def _seed_everything(seed: int) -> None:
@@ -386,7 +385,9 @@ def _train_row(window: _Window, progress: Progress, c: Components) -> Dict[str, 
             'data_wait_frac': window.data_wait / elapsed}
 
 
-def _evaluate_and_record(cfg: DictConfig, c: Components, progress: Progress, log: RunLog) -> Dict[str, float]:
+def _evaluate_and_record(cfg: DictConfig, c: Components, progress: Progress,
+                         log: RunLog) -> Tuple[Dict[str, float], bool]:
+    """Evaluate, log a val row, update the best score and draw the pictures; returns (metrics, improved)."""
     model = evaluated_model(c)
     metrics = _evaluate(cfg, c, model)
     log.row({'epoch': progress.epoch, 'step': progress.step, 'split': 'val', **metrics})
@@ -394,11 +395,11 @@ def _evaluate_and_record(cfg: DictConfig, c: Components, progress: Progress, log
         _logger.info("evaluation at step %d: %s", progress.step,
                      ', '.join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
     main = metrics[c.task.main_metric]
-    c.extra['improved'] = main > progress.best
-    if c.extra['improved']:
+    improved = main > progress.best
+    if improved:
         progress.best, progress.best_step = main, progress.step
     _save_pictures(cfg, c, model, progress.step)
-    return metrics
+    return metrics, improved
 
 
 def _save_last(cfg: DictConfig, c: Components, progress: Progress, also_best: bool = False) -> None:
@@ -526,15 +527,15 @@ def train(cfg: DictConfig, resume: Optional[Dict[str, Any]] = None) -> Dict[str,
             _run_epoch(cfg, c, step_fn, mixer, progress, log, stop_at, state)
             _check_finite(state['bad_step'], cfg.output_dir, state['saved_step'])
             epoch_done = progress.batch_in_epoch == 0
-            c.extra['improved'] = False
+            improved = False
             if epoch_done and (progress.epoch % cfg.train.eval_every == 0 or progress.step >= stop_at):
-                metrics = _evaluate_and_record(cfg, c, progress, log)
+                metrics, improved = _evaluate_and_record(cfg, c, progress, log)
                 evaluated_step = progress.step
-            _save_last(cfg, c, progress, also_best=c.extra['improved'])
+            _save_last(cfg, c, progress, also_best=improved)
             state['saved_step'] = progress.step
         if evaluated_step != progress.step:
-            metrics = _evaluate_and_record(cfg, c, progress, log)
-            if c.extra['improved']:
+            metrics, improved = _evaluate_and_record(cfg, c, progress, log)
+            if improved:
                 _save_last(cfg, c, progress, also_best=True)
         if progress.step < total and info.is_main:
             _logger.info("stopped at train.max_steps=%d of %d steps; continue with --resume %s", progress.step, total,
