@@ -259,7 +259,6 @@ class TrainStep:
         return self._forward_loss(images, targets)
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        check_image_size(self.model, images)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         else:

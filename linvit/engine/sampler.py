@@ -66,13 +66,12 @@ class ResumableSampler(Sampler[Tuple[int, int]]):
         return order
 
     def __iter__(self) -> Iterator[Tuple[int, int]]:
-        order = self._epoch_order()
+        order = self._epoch_order().tolist()  # one conversion, not a tensor index per sample
         first = self.start_batch * self.batch_size
         last = self.batches_per_epoch * self.batch_size
         for position in range(first, last):
             global_position = position * self.world_size + self.rank
-            index = int(order[global_position])
-            yield index, augmentation_seed(self.seed, self.epoch, global_position)
+            yield order[global_position], augmentation_seed(self.seed, self.epoch, global_position)
 
     def __len__(self) -> int:
         return (self.batches_per_epoch - self.start_batch) * self.batch_size

@@ -19,10 +19,12 @@ import json
 import logging
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
@@ -93,9 +95,6 @@ class Components:
 
 
 def _seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
     random.seed(seed)
     np.random.seed(seed % (2 ** 32))
     torch.manual_seed(seed)
