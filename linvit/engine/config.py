@@ -17,7 +17,8 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'ConfigError',
+__all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'SegConfig',
+           'SegEvalConfig', 'ConfigError',
            'load_config', 'config_to_yaml', 'config_from_yaml', 'MISSING']
 
 BASE_KEY = '_base_'
@@ -50,13 +51,16 @@ class AugConfig:
     mixup: float = 0.0  # timm Mixup alpha; 0 = off
     cutmix: float = 0.0  # timm CutMix alpha; 0 = off
     label_smoothing: float = 0.0
+    scale_range: List[float] = field(default_factory=lambda: [0.5, 2.0])  # seg: random resize factor before the crop
 
 
 @dataclass
 class DataConfig:
-    name: str = 'synthetic'  # 'synthetic' (built in, no files) or 'folder' (ImageFolder tree at root)
+    name: str = 'synthetic'  # 'synthetic' (built in, no files) or 'folder' (ImageFolder tree / images+masks at root)
     root: Optional[str] = None
-    img_size: int = 224
+    img_size: int = 224  # classification: the model's input; seg: the training crop (validation is full size)
+    ignore_index: int = 255  # seg: mask value that no loss or metric counts
+    num_classes: Optional[int] = None  # seg folders without classes.txt: the class count (ids 0..num_classes-1)
     batch_size: int = 32  # per process
     eval_batch_size: Optional[int] = None  # default: batch_size
     num_workers: int = 2
@@ -90,6 +94,25 @@ class TrainConfig:
 
 
 @dataclass
+class SegEvalConfig:
+    mode: str = 'whole'  # 'whole' (one forward per full image) or 'slide' (windows, logits averaged where they overlap)
+    window: Optional[int] = None  # slide: window side in pixels (default: data.img_size)
+    stride: Optional[int] = None  # slide: step between windows (default: 2/3 of the window)
+    max_pixels: int = 4194304  # whole: refuse larger images (H * W) with an error instead of running out of memory
+
+
+@dataclass
+class SegConfig:
+    """Segmentation model, loss and evaluation (used when task=seg)."""
+    head: str = 'mlp'  # decoder head (linvit.models.segmentation.SEG_HEADS)
+    neck_dim: int = 128  # channels of every feature-pyramid level
+    head_dim: int = 128  # channels of the head's fused features
+    feature_blocks: List[int] = field(default_factory=list)  # backbone blocks feeding the pyramid ([]: 4 evenly spaced)
+    dice_weight: float = 0.0  # loss = cross-entropy + dice_weight * dice
+    eval: SegEvalConfig = field(default_factory=SegEvalConfig)
+
+
+@dataclass
 class RunConfig:
     task: str = 'classification'
     output_dir: str = 'runs/default'
@@ -98,6 +121,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    seg: SegConfig = field(default_factory=SegConfig)
 
 
 class ConfigError(ValueError):
@@ -197,6 +221,7 @@ def _merge(schema: DictConfig, source: str, values: Dict[str, Any]) -> DictConfi
 CHOICES: Dict[str, Sequence[str]] = {
     'data.name': ('synthetic', 'folder'),
     'train.amp': ('none', 'bf16', 'fp16'),
+    'seg.eval.mode': ('whole', 'slide'),
 }
 
 
