@@ -41,6 +41,10 @@ class Task:
         """Optional (images, targets) -> (images, targets) applied to training batches (e.g. Mixup); None: off."""
         return None
 
+    def eval_batch_size(self) -> int:
+        """Validation samples per loader batch."""
+        return self.cfg.data.eval_batch_size or self.cfg.data.batch_size
+
     def new_meter(self, device: torch.device) -> Any:
         """An accumulator with ``reduce_()`` (sum over processes) and ``compute() -> dict``."""
         raise NotImplementedError
@@ -68,7 +72,7 @@ def register_task(cls: Type[Task]) -> Type[Task]:
 
 def build_task(cfg: DictConfig) -> Task:
     # the built-in tasks register themselves when their module is imported
-    from . import classification  # noqa: F401
+    from . import classification, segmentation  # noqa: F401
     if cfg.task not in TASKS:
         raise ValueError(f"task={cfg.task!r} is not one of {sorted(TASKS)}")
     return TASKS[cfg.task](cfg)
@@ -128,7 +132,8 @@ def pretrained_overlay(path: str, model_name: str, num_classes: int) -> Dict[str
     return overlay
 
 
-def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Module:
+def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: int,
+                             extra_kwargs: Optional[Dict[str, Any]] = None) -> nn.Module:
     """``timm.create_model(model.name, num_classes, img_size, drop_path_rate, **model.kwargs)``.
 
     img_size is passed to models that take it (ViTs), so position embeddings are sized for ``data.img_size``.
@@ -138,6 +143,7 @@ def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: 
     kwargs: Dict[str, Any] = OmegaConf.to_container(model_cfg.kwargs) if isinstance(model_cfg.kwargs, DictConfig) \
         else dict(model_cfg.kwargs)
     kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in kwargs.items()}
+    kwargs = {**(extra_kwargs or {}), **kwargs}
     kwargs.setdefault('num_classes', num_classes)
     if model_cfg.drop_path_rate:
         kwargs.setdefault('drop_path_rate', model_cfg.drop_path_rate)

@@ -52,7 +52,7 @@ __all__ = ['train', 'evaluate', 'NonFiniteLossError', 'CSV_BASE_COLUMNS']
 
 _logger = logging.getLogger('linvit.train')
 
-CSV_BASE_COLUMNS = ('epoch', 'step', 'split', 'loss', 'lr', 'img_per_s', 'data_wait_frac')
+CSV_BASE_COLUMNS = ('epoch', 'step', 'split', 'loss', 'lr', 'img_per_s', 'data_wait_frac', 'peak_mem_mib')
 AMP_DTYPES = {'none': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 CHECKPOINT_VERSION = 1
 
@@ -276,8 +276,8 @@ def evaluated_model(c: Components) -> nn.Module:
 
 @torch.no_grad()
 def _evaluate(cfg: DictConfig, c: Components, model: nn.Module) -> Dict[str, float]:
-    batch = cfg.data.eval_batch_size or cfg.data.batch_size
-    loader = _loader(c.val_set, ShardSampler(len(c.val_set), c.info.rank, c.info.world_size), batch, cfg, c.info,
+    loader = _loader(c.val_set, ShardSampler(len(c.val_set), c.info.rank, c.info.world_size),
+                     c.task.eval_batch_size(), cfg, c.info,
                      drop_last=False)
     meter = c.task.new_meter(c.info.device)
     was_training = model.training
@@ -371,6 +371,18 @@ def _optimizer_step(cfg: DictConfig, c: Components) -> None:
     c.optimizer.zero_grad(set_to_none=True)
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, in MiB: CUDA tensors on ``device`` (the caching allocator's peak of
+    allocated bytes), else the resident set size of the whole process (``ru_maxrss``: model, data and Python)."""
+    if device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    import resource
+    import sys
+    # ru_maxrss is in KiB on Linux and in bytes on macOS
+    scale = 2 ** 20 if sys.platform == 'darwin' else 2 ** 10
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+
+
 def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
     # with layer-wise decay the groups differ; the largest is the configured lr's schedule (the head's group)
     return max(group['lr'] for group in optimizer.param_groups)
@@ -381,7 +393,7 @@ def _train_row(window: _Window, progress: Progress, c: Components) -> Dict[str, 
     loss = all_reduce_mean(window.loss_sum / max(window.micro_batches, 1)).item()
     return {'epoch': progress.epoch, 'step': progress.step, 'split': 'train', 'loss': loss,
             'lr': _learning_rate(c.optimizer), 'img_per_s': window.images / elapsed,
-            'data_wait_frac': window.data_wait / elapsed}
+            'data_wait_frac': window.data_wait / elapsed, 'peak_mem_mib': peak_memory_mb(c.info.device)}
 
 
 def _evaluate_and_record(cfg: DictConfig, c: Components, progress: Progress,

@@ -12,7 +12,8 @@ from .linvit import (
     checkpoint_filter_fn,
     resolve_softmax_blocks,
 )
+from .segmentation import SEG_HEADS, MLPHead, SegmentationModel, SimpleFeaturePyramid
 
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'ATTENTION_KINDS',
            'attention_kinds', 'resolve_softmax_blocks', 'checkpoint_filter_fn', 'convert_to_linear',
-           'linear_attention_from_softmax']
+           'linear_attention_from_softmax', 'SegmentationModel', 'SimpleFeaturePyramid', 'MLPHead', 'SEG_HEADS']

@@ -1,0 +1,156 @@
+"""Semantic segmentation: image/mask folders or built-in data, a ViT + feature pyramid + head, mIoU.
+
+Training runs on ``data.img_size`` crops (random scale, crop, flips, colour jitter: ``linvit.data``); evaluation runs
+on full-resolution validation images, one image at a time, as a whole (``seg.eval.mode=whole``, refused above
+``seg.eval.max_pixels``) or in overlapping windows whose logits are averaged (``seg.eval.mode=slide``;
+``linvit.inference``). The metrics come from a confusion matrix summed over processes: mIoU, per-class IoU, pixel
+accuracy, and the mean cross-entropy per labelled pixel.
+"""
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch.utils.data import Dataset
+
+from ..inference import segment
+from ..models.segmentation import SegmentationModel
+from .metrics import SegmentationMeter
+from .tasks import Task, create_model_from_config, register_task
+
+__all__ = ['SegmentationTask', 'SegmentationLoss', 'dice_loss', 'create_segmentation_model']
+
+PICTURE_COUNT = 4
+
+
+def dice_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, smooth: float = 1.0) -> torch.Tensor:
+    """Soft Dice loss averaged over classes: logits [B, K, H, W], targets [B, H, W] int64 -> 0-dim float32.
+
+    1 - (2 sum(p * t) + smooth) / (sum(p) + sum(t) + smooth) per class, over the pixels whose target is not
+    ``ignore_index`` (p: softmax probabilities in float32, t: one-hot targets); ``smooth`` keeps a class absent
+    from both at loss 0 instead of 0/0.
+    """
+    num_classes = logits.shape[1]
+    valid = (targets != ignore_index).unsqueeze(1)                                  # [B, 1, H, W]
+    probs = logits.float().softmax(dim=1) * valid
+    one_hot = F.one_hot(targets.masked_fill(~valid.squeeze(1), 0), num_classes)    # [B, H, W, K]
+    one_hot = one_hot.permute(0, 3, 1, 2).to(probs.dtype) * valid
+    dims = (0, 2, 3)
+    intersection = (probs * one_hot).sum(dims)
+    cardinality = probs.sum(dims) + one_hot.sum(dims)
+    return (1 - (2 * intersection + smooth) / (cardinality + smooth)).mean()
+
+
+class SegmentationLoss(nn.Module):
+    """Cross-entropy over the labelled pixels (mean), plus ``dice_weight`` x ``dice_loss`` when it is positive.
+
+    logits [B, K, H, W], targets [B, H, W] int64 (``ignore_index`` = unlabelled) -> 0-dim loss.
+    """
+
+    def __init__(self, ignore_index: int = 255, dice_weight: float = 0.0) -> None:
+        super().__init__()
+        if dice_weight < 0:
+            raise ValueError(f"seg.dice_weight must be >= 0, got {dice_weight}")
+        self.ignore_index = ignore_index
+        self.dice_weight = dice_weight
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.float(), targets, ignore_index=self.ignore_index)
+        if self.dice_weight > 0:
+            loss = loss + self.dice_weight * dice_loss(logits, targets, self.ignore_index)
+        return loss
+
+
+def create_segmentation_model(model_cfg: DictConfig, seg_cfg: DictConfig, num_classes: int,
+                              img_size: int) -> SegmentationModel:
+    """A SegmentationModel from the run config: ``model.*`` makes the backbone (any timm ViT, linvit_* included,
+    created at ``img_size`` with ``dynamic_img_size=True`` and no classifier; ``model.pretrained_file`` loads
+    classification weights into it), ``seg.*`` chooses the pyramid's blocks and width and the head."""
+    backbone = create_model_from_config(model_cfg, num_classes=0, img_size=img_size,
+                                        extra_kwargs={'dynamic_img_size': True})
+    if not (hasattr(backbone, 'forward_intermediates') and hasattr(backbone, 'blocks')
+            and hasattr(backbone, 'patch_embed')):
+        raise ValueError(f"model.name={model_cfg.name!r} is not a plain ViT (patch_embed, blocks, "
+                         f"forward_intermediates); segmentation takes linvit_* or timm's vit_* backbones")
+    return SegmentationModel(backbone, num_classes, head=seg_cfg.head, neck_dim=seg_cfg.neck_dim,
+                             head_dim=seg_cfg.head_dim, feature_blocks=list(seg_cfg.feature_blocks))
+
+
+def _input_multiple(model: nn.Module) -> int:
+    return int(getattr(model, 'input_multiple', 1))
+
+
+@register_task
+class SegmentationTask(Task):
+    name = 'seg'
+    main_metric = 'miou'
+    metric_columns = ('miou', 'pixel_acc')
+
+    def __init__(self, cfg: DictConfig) -> None:
+        super().__init__(cfg)
+        self.num_classes: Optional[int] = None
+        self.class_names: Optional[List[str]] = None
+
+    def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
+        from ..data import build_segmentation_datasets
+        train, val, self.class_names = build_segmentation_datasets(self.cfg.data, mean, std)
+        return train, val, self.class_names
+
+    def build_model(self, num_classes: int) -> nn.Module:
+        self.num_classes = num_classes
+        return create_segmentation_model(self.cfg.model, self.cfg.seg, num_classes, self.cfg.data.img_size)
+
+    def train_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return SegmentationLoss(self.cfg.data.ignore_index, self.cfg.seg.dice_weight)
+
+    def eval_batch_size(self) -> int:
+        # validation images keep their own sizes, so they cannot be stacked; windows are batched instead
+        return 1
+
+    def new_meter(self, device: torch.device) -> SegmentationMeter:
+        return SegmentationMeter(self.num_classes, ignore_index=self.cfg.data.ignore_index, device=device)
+
+    def predict(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """Full-resolution logits float32 [B, K, H, W] for images [B, 3, H, W], as ``seg.eval`` says."""
+        ev = self.cfg.seg.eval
+        multiple = _input_multiple(model)
+        window = ev.window or self.cfg.data.img_size
+        return segment(model, images, ev.mode, window=window, stride=ev.stride,
+                       batch_size=self.cfg.data.eval_batch_size or self.cfg.data.batch_size,
+                       max_pixels=ev.max_pixels, pad_multiple=multiple)
+
+    def evaluate_batch(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
+                       meter: SegmentationMeter) -> None:
+        logits = self.predict(model, images)
+        loss_sum = F.cross_entropy(logits, targets, ignore_index=self.cfg.data.ignore_index, reduction='sum')
+        meter.update(logits, targets, loss_sum)
+
+    def final_metrics(self, computed: Dict[str, Any]) -> Dict[str, Any]:
+        names = self._class_names(len(computed['per_class_iou']))
+        # a class absent from both the masks and the predictions has no IoU: null in JSON, not NaN
+        per_class = {name: (None if math.isnan(iou) else iou) for name, iou in zip(names, computed['per_class_iou'])}
+        return {'miou': computed['miou'], 'pixel_acc': computed['pixel_acc'], 'per_class_iou': per_class,
+                'loss': computed['loss'], 'pixels': computed['pixels']}
+
+    def _class_names(self, count: int) -> List[str]:
+        names = self.class_names
+        return list(names) if names is not None and len(names) == count else [f'class_{i}' for i in range(count)]
+
+    @torch.no_grad()
+    def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
+                      mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
+        from .plots import plot_segmentation_grid
+        count = min(PICTURE_COUNT, len(dataset))
+        indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]
+        images, masks, predictions = [], [], []
+        for index in indices:
+            image, mask = dataset[(index, 0)]
+            with autocast():
+                logits = self.predict(model, image[None].to(device))
+            images.append(image)
+            masks.append(mask)
+            predictions.append(logits[0].argmax(dim=0).cpu())
+        plot_segmentation_grid(images, mean, std, masks, predictions, class_names, png_path,
+                               ignore_index=self.cfg.data.ignore_index, max_images=count)

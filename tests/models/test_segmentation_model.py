@@ -1,0 +1,165 @@
+"""The segmentation model: pyramid levels from the right blocks at the right strides, any ViT backbone, every
+parameter trained, no graph breaks; its losses against direct float64 computations."""
+import copy
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+import linvit  # noqa: F401  (registers linvit_* with timm)
+from linvit.engine.segmentation import SegmentationLoss, dice_loss
+from linvit.fast import check_graph_breaks
+from linvit.models import SegmentationModel
+from linvit.models.segmentation import default_feature_blocks
+
+BACKBONES = ['linvit_tiny_patch16_224', 'vit_tiny_patch16_224']
+DEPTH, WIDTH, HEADS, PATCH = 4, 48, 3, 8
+
+
+def tiny_backbone(name, depth=DEPTH, **kwargs):
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=0, img_size=32, dynamic_img_size=True, depth=depth, embed_dim=WIDTH,
+                             num_heads=HEADS, patch_size=PATCH, **kwargs)
+
+
+@pytest.mark.parametrize('name', BACKBONES)
+def test_logits_have_the_input_size_and_every_parameter_learns(name):
+    model = SegmentationModel(tiny_backbone(name), num_classes=5, neck_dim=16, head_dim=16)
+    images = torch.randn(2, 3, 40, 56)  # not the img_size it was created at, not square
+    logits = model(images)
+    assert logits.shape == (2, 5, 40, 56)
+    logits.square().mean().backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0] == []
+
+
+@pytest.mark.parametrize('blocks, expected_levels', [([], [0, 1, 2, 3]), ([1], [1, 1, 1, 1]), ([0, 0, 2, -1], [0, 0, 2, 3])],
+                         ids=['default-4-spaced', 'vitdet-one-block', 'chosen-with-negative'])
+def test_pyramid_levels_come_from_the_named_blocks(blocks, expected_levels):
+    backbone = tiny_backbone('linvit_tiny_patch16_224')
+    reference = copy.deepcopy(backbone)  # the model prunes its backbone in place
+    model = SegmentationModel(backbone, num_classes=3, neck_dim=16, head_dim=16, feature_blocks=blocks).eval()
+    reference.eval()
+    images = torch.randn(1, 3, 32, 48)
+    with torch.no_grad():
+        every_block = reference.forward_intermediates(images, indices=DEPTH, norm=False, intermediates_only=True)
+        expected = model.neck([every_block[i] for i in expected_levels])
+        pyramid = model.forward_features(images)
+    for level, (got, want) in enumerate(zip(pyramid, expected)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"pyramid level {level}")
+    # and the levels differ when their blocks do (the comparison above can fail)
+    if len(set(expected_levels)) > 1:
+        wrong = model.neck([every_block[DEPTH - 1 - i] for i in expected_levels])
+        assert not torch.allclose(wrong[0], pyramid[0], atol=1e-3)
+
+
+def test_pyramid_strides_are_quarter_half_one_and_two_patches():
+    model = SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=3, neck_dim=16, head_dim=16)
+    pyramid = model.forward_features(torch.randn(1, 3, 32, 64))
+    assert [tuple(level.shape[-2:]) for level in pyramid] == [(16, 32), (8, 16), (4, 8), (2, 4)]
+    assert all(level.shape[1] == 16 for level in pyramid)
+
+
+def test_unused_blocks_norm_and_classifier_are_pruned():
+    model = SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=3, feature_blocks=[1])
+    assert len(model.backbone.blocks) == 2
+    assert isinstance(model.backbone.norm, torch.nn.Identity)
+    assert model.input_multiple == PATCH
+
+
+def test_default_feature_blocks_are_evenly_spaced():
+    assert default_feature_blocks(12) == [2, 5, 8, 11]
+    assert default_feature_blocks(6) == [1, 2, 4, 5]
+    assert default_feature_blocks(1) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize('blocks, message', [([0, 1], 'must name 1 block'), ([7], 'block 7 does not exist'),
+                                             ([-5], 'block -5 does not exist')])
+def test_bad_feature_blocks_are_named(blocks, message):
+    with pytest.raises(ValueError, match=message):
+        SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=3, feature_blocks=blocks)
+
+
+def test_unknown_head_is_named():
+    with pytest.raises(ValueError, match=r"seg.head='fancy' is not one of \['mlp'\]"):
+        SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=3, head='fancy')
+
+
+@pytest.mark.parametrize('name', BACKBONES)
+def test_forward_and_loss_compile_without_graph_breaks(name):
+    model = SegmentationModel(tiny_backbone(name), num_classes=4, neck_dim=16, head_dim=16)
+    loss_fn = SegmentationLoss(ignore_index=255, dice_weight=0.5)
+    targets = torch.randint(0, 4, (2, 32, 48))
+    report = check_graph_breaks(lambda x: loss_fn(model(x), targets), torch.randn(2, 3, 32, 48))
+    assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
+
+
+# ---------------------------------------------------------------------------------------------------- losses
+
+def reference_cross_entropy(logits, targets, ignore_index):
+    """Mean over labelled pixels of -log softmax(logits)[target], in float64 with numpy, pixel by pixel."""
+    logits = logits.double().numpy()
+    targets = targets.numpy()
+    total, count = 0.0, 0
+    for b, y, x in np.ndindex(*targets.shape):
+        target = targets[b, y, x]
+        if target == ignore_index:
+            continue
+        row = logits[b, :, y, x]
+        total += np.log(np.exp(row - row.max()).sum()) + row.max() - row[target]
+        count += 1
+    return total / count
+
+
+def reference_dice(logits, targets, ignore_index, smooth=1.0):
+    """1 - (2 |P & T| + s) / (|P| + |T| + s) per class over labelled pixels, averaged over classes (float64 loops)."""
+    probs = torch.softmax(logits.double(), dim=1).numpy()
+    targets = targets.numpy()
+    losses = []
+    for k in range(probs.shape[1]):
+        intersection = cardinality = 0.0
+        for b, y, x in np.ndindex(*targets.shape):
+            if targets[b, y, x] == ignore_index:
+                continue
+            t = float(targets[b, y, x] == k)
+            intersection += probs[b, k, y, x] * t
+            cardinality += probs[b, k, y, x] + t
+        losses.append(1 - (2 * intersection + smooth) / (cardinality + smooth))
+    return float(np.mean(losses))
+
+
+def seg_batch(seed=0, classes=4, ignore_fraction=0.25):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, classes, 5, 6, generator=generator) * 3
+    targets = torch.randint(0, classes, (2, 5, 6), generator=generator)
+    ignored = torch.rand(2, 5, 6, generator=generator) < ignore_fraction
+    return logits, targets.masked_fill(ignored, 255)
+
+
+def test_cross_entropy_counts_only_labelled_pixels():
+    logits, targets = seg_batch()
+    got = SegmentationLoss(ignore_index=255)(logits, targets)
+    assert got.item() == pytest.approx(reference_cross_entropy(logits, targets, 255), rel=1e-6)
+
+
+def test_dice_matches_the_per_class_formula():
+    logits, targets = seg_batch(seed=1)
+    assert dice_loss(logits, targets, 255).item() == pytest.approx(reference_dice(logits, targets, 255), rel=1e-6)
+
+
+def test_dice_weight_adds_dice_to_cross_entropy():
+    logits, targets = seg_batch(seed=2)
+    got = SegmentationLoss(ignore_index=255, dice_weight=0.7)(logits, targets).item()
+    expected = reference_cross_entropy(logits, targets, 255) + 0.7 * reference_dice(logits, targets, 255)
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_perfect_prediction_has_near_zero_dice():
+    targets = torch.tensor([[[0, 1], [2, 255]]])
+    logits = torch.nn.functional.one_hot(targets.clamp(max=2), 3).permute(0, 3, 1, 2).float() * 50
+    assert dice_loss(logits, targets, 255).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_negative_dice_weight_is_refused():
+    with pytest.raises(ValueError, match='seg.dice_weight must be >= 0'):
+        SegmentationLoss(dice_weight=-1)
