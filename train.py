@@ -85,8 +85,19 @@ def main(argv=None) -> int:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 1
     if os.environ.get('RANK', '0') == '0':
-        print(' '.join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+        print(summary_line(metrics))
     return 0
+
+
+def summary_line(metrics: dict, prefix: str = '') -> str:
+    """'top1=0.8110 loss=0.5123 ...'; nested results (per-class IoU) as 'per_class_iou.road=0.9012'."""
+    items = []
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            items.append(summary_line(value, f"{prefix}{key}."))
+        else:
+            items.append(f"{prefix}{key}={value:.4f}" if isinstance(value, float) else f"{prefix}{key}={value}")
+    return ' '.join(items)
 
 
 if __name__ == '__main__':

@@ -68,12 +68,17 @@ def create_segmentation_model(model_cfg: DictConfig, seg_cfg: DictConfig, num_cl
     """A SegmentationModel from the run config: ``model.*`` makes the backbone (any timm ViT, linvit_* included,
     created at ``img_size`` with ``dynamic_img_size=True`` and no classifier; ``model.pretrained_file`` loads
     classification weights into it), ``seg.*`` chooses the pyramid's blocks and width and the head."""
-    backbone = create_model_from_config(model_cfg, num_classes=0, img_size=img_size,
-                                        extra_kwargs={'dynamic_img_size': True})
-    if not (hasattr(backbone, 'forward_intermediates') and hasattr(backbone, 'blocks')
-            and hasattr(backbone, 'patch_embed')):
-        raise ValueError(f"model.name={model_cfg.name!r} is not a plain ViT (patch_embed, blocks, "
-                         f"forward_intermediates); segmentation takes linvit_* or timm's vit_* backbones")
+    not_a_vit = (f"model.name={model_cfg.name!r} is not a plain ViT (patch_embed, blocks, forward_intermediates, "
+                 f"dynamic_img_size); segmentation takes linvit_* or timm's vit_* backbones")
+    try:
+        backbone = create_model_from_config(model_cfg, num_classes=0, img_size=img_size,
+                                            extra_kwargs={'dynamic_img_size': True})
+    except TypeError as error:
+        if 'dynamic_img_size' in str(error):
+            raise ValueError(not_a_vit) from error
+        raise
+    if not all(hasattr(backbone, a) for a in ('forward_intermediates', 'blocks', 'patch_embed')):
+        raise ValueError(not_a_vit)
     return SegmentationModel(backbone, num_classes, head=seg_cfg.head, neck_dim=seg_cfg.neck_dim,
                              head_dim=seg_cfg.head_dim, feature_blocks=list(seg_cfg.feature_blocks))
 

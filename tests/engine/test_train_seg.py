@@ -1,0 +1,168 @@
+"""task=seg through the engine: built-in and folder data, metrics.json, pictures, eval-only, resume, compile, errors."""
+import csv
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from tiny_run import TINY_MODEL
+
+from linvit.engine import evaluate, load_config, train
+from linvit.engine.segmentation import create_segmentation_model
+
+TINY_SEG = ['task=seg', 'data.img_size=32', 'data.batch_size=8', 'data.num_workers=0', 'data.synthetic.train_size=32',
+            'data.synthetic.val_size=6', 'data.aug.scale_range=[0.75,1.25]', 'data.aug.color_jitter=0.0',
+            'seg.neck_dim=16', 'seg.head_dim=16', 'seg.eval.mode=whole', 'train.epochs=2', 'train.log_every=1',
+            'train.warmup_epochs=0.5', 'train.lr=2e-3', 'train.pictures=false', 'device=cpu']
+
+
+@pytest.fixture
+def seg_config(tmp_path):
+    def make(*overrides, out='run'):
+        return load_config(None, [*TINY_MODEL, *TINY_SEG, f'output_dir={tmp_path / out}', *overrides])
+    return make
+
+
+def _rows(run_dir, split):
+    with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:
+        return [row for row in csv.DictReader(f) if row['split'] == split]
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _assert_seg_metrics(metrics, class_names):
+    assert set(metrics) == {'miou', 'pixel_acc', 'per_class_iou', 'loss', 'pixels'}
+    assert 0 <= metrics['miou'] <= 1 and 0 <= metrics['pixel_acc'] <= 1 and math.isfinite(metrics['loss'])
+    assert list(metrics['per_class_iou']) == list(class_names)
+    present = [v for v in metrics['per_class_iou'].values() if v is not None]
+    assert present and all(0 <= v <= 1 for v in present)
+    assert metrics['miou'] == pytest.approx(sum(present) / len(present), rel=1e-9)
+
+
+def test_a_short_seg_run_writes_metrics_pictures_and_weights(seg_config):
+    cfg = seg_config('train.pictures=true')
+    metrics = train(cfg)
+    run = cfg.output_dir
+    for name in ('config.yaml', 'metrics.csv', 'metrics.json', 'last.pt', 'best.pt', 'model.safetensors',
+                 'curves.png'):
+        assert os.path.isfile(os.path.join(run, name)), name
+    assert sorted(os.listdir(os.path.join(run, 'pictures'))) == ['val_step000004.png', 'val_step000008.png']
+    written = _read_json(os.path.join(run, 'metrics.json'))
+    assert written == metrics
+    from linvit.data.synthetic_seg import SyntheticShapesSeg  # noqa: F401  (the built-in set's class names)
+    _assert_seg_metrics(written, ['background', 'circle-red', 'circle-blue', 'square-red', 'square-blue'])
+    assert written['pixels'] == 6 * 32 * 32  # the synthetic masks label every pixel
+    val = _rows(run, 'val')
+    assert [int(r['step']) for r in val] == [4, 8]
+    assert float(val[-1]['miou']) == pytest.approx(metrics['miou'], abs=1e-6)
+    train_rows = _rows(run, 'train')
+    assert all(float(r['peak_mem_mib']) > 50 for r in train_rows)
+    # model.safetensors loads into a segmentation model built from the same config
+    model = create_segmentation_model(cfg.model, cfg.seg, num_classes=5, img_size=32)
+    model.load_state_dict(load_file(os.path.join(run, 'model.safetensors')))
+
+
+def test_eval_only_reproduces_the_final_metrics_and_slide_mode_runs(seg_config, tmp_path):
+    cfg = seg_config()
+    metrics = train(cfg)
+    again = evaluate(cfg, os.path.join(cfg.output_dir, 'last.pt'), str(tmp_path / 'eval'))
+    assert again == pytest.approx(metrics, rel=1e-6)
+    slide = load_config(None, [*TINY_MODEL, *TINY_SEG, f'output_dir={tmp_path / "x"}', 'seg.eval.mode=slide',
+                               'seg.eval.window=16', 'seg.eval.stride=8'])
+    slid = evaluate(slide, os.path.join(cfg.output_dir, 'last.pt'), str(tmp_path / 'slide'))
+    assert slid['pixels'] == metrics['pixels'] and slid['miou'] != pytest.approx(metrics['miou'], abs=1e-9)
+
+
+def test_whole_image_mode_refuses_images_above_max_pixels(seg_config):
+    with pytest.raises(ValueError, match=r'seg.eval.mode=slide.*seg.eval.max_pixels|seg.eval.max_pixels'):
+        train(seg_config('seg.eval.max_pixels=1000', 'train.max_steps=1'))
+
+
+def test_seg_resume_follows_the_same_trajectory(seg_config):
+    extra = ['model.drop_path_rate=0.1', 'seg.dice_weight=0.5', 'data.num_workers=1']
+    whole = seg_config(*extra, out='whole')
+    full = train(whole)
+    cut = seg_config(*extra, 'train.max_steps=3', out='cut')
+    train(cut)
+    from linvit.engine.checkpoint import load_checkpoint
+    resumed = train(seg_config(*extra, out='cut'), resume=load_checkpoint(os.path.join(cut.output_dir, 'last.pt')))
+    losses = [float(r['loss']) for r in _rows(whole.output_dir, 'train')]
+    np.testing.assert_allclose([float(r['loss']) for r in _rows(cut.output_dir, 'train')], losses, rtol=1e-5)
+    assert resumed == pytest.approx(full, rel=1e-5)
+
+
+def test_compiled_seg_step_trains_like_the_eager_step(seg_config):
+    eager = seg_config('train.max_steps=2', 'seg.dice_weight=0.5', out='eager')
+    compiled = seg_config('train.max_steps=2', 'seg.dice_weight=0.5', 'train.compile=true', out='compiled')
+    train(eager)
+    train(compiled)
+    np.testing.assert_allclose([float(r['loss']) for r in _rows(compiled.output_dir, 'train')],
+                               [float(r['loss']) for r in _rows(eager.output_dir, 'train')], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- folders
+
+def write_seg_folder(root, sizes=((40, 48), (32, 32), (56, 40), (48, 64)), val_sizes=((72, 40), (40, 40))):
+    """Images of several sizes whose masks follow their content (class = brightest channel, ignore on dark pixels),
+    grey and RGBA images among them, and classes.txt."""
+    rng = np.random.default_rng(0)
+    for split, split_sizes in (('train', sizes), ('val', val_sizes)):
+        (root / split / 'images').mkdir(parents=True)
+        (root / split / 'masks').mkdir(parents=True)
+        for i, (h, w) in enumerate(split_sizes):
+            pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+            mask = pixels.argmax(axis=2).astype(np.uint8)
+            mask[pixels.max(axis=2) < 40] = 255
+            image = Image.fromarray(pixels)
+            if i == 1:
+                image = image.convert('RGBA')
+            image.save(root / split / 'images' / f'{split}{i}.png')
+            Image.fromarray(mask, mode='L').save(root / split / 'masks' / f'{split}{i}.png')
+    (root / 'classes.txt').write_text('red\ngreen\nblue\n')
+
+
+def test_training_on_image_and_mask_folders(seg_config, tmp_path):
+    root = tmp_path / 'data'
+    write_seg_folder(root)
+    cfg = seg_config('data.name=folder', f'data.root={root}', 'data.batch_size=2', 'seg.eval.mode=slide',
+                     'seg.eval.window=32', 'seg.eval.stride=16')
+    metrics = train(cfg)
+    _assert_seg_metrics(metrics, ['red', 'green', 'blue'])
+    with Image.open(root / 'val' / 'masks' / 'val0.png') as a, Image.open(root / 'val' / 'masks' / 'val1.png') as b:
+        labelled = sum(int((np.asarray(m) != 255).sum()) for m in (a, b))
+    assert metrics['pixels'] == labelled  # full-resolution validation, unlabelled pixels not counted
+
+
+def test_a_mask_of_the_wrong_size_stops_the_run_naming_the_file(seg_config, tmp_path):
+    root = tmp_path / 'data'
+    write_seg_folder(root)
+    Image.fromarray(np.zeros((10, 10), np.uint8), mode='L').save(root / 'val' / 'masks' / 'val1.png')
+    with pytest.raises(ValueError, match='val1.png'):
+        train(seg_config('data.name=folder', f'data.root={root}', 'data.batch_size=2', 'train.max_steps=1'))
+
+
+def test_unknown_seg_task_keys_are_named(seg_config):
+    from linvit.engine import ConfigError
+    with pytest.raises(ConfigError, match="did you mean 'seg.eval.mode'"):
+        seg_config('seg.eval.mod=slide')
+    with pytest.raises(ConfigError, match=r"seg.eval.mode='tiles' is not one of \['whole', 'slide'\]"):
+        seg_config('seg.eval.mode=tiles')
+
+
+def test_a_classifier_name_that_is_not_a_vit_is_refused():
+    cfg = load_config(None, ['task=seg', 'model.name=resnet18'])
+    with pytest.raises(ValueError, match="model.name='resnet18' is not a plain ViT"):
+        create_segmentation_model(cfg.model, cfg.seg, num_classes=3, img_size=32)
+
+
+def test_the_segmentation_model_is_trained_through_torch_autocast_bf16(seg_config):
+    metrics = train(seg_config('train.amp=bf16', 'train.max_steps=2', 'model.grad_checkpointing=true'))
+    assert math.isfinite(metrics['loss'])
+    assert torch.isfinite(torch.tensor(metrics['miou']))
