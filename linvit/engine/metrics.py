@@ -19,14 +19,28 @@ classes tie for the k-th place, torch.topk picks which of them are returned (an 
 necessarily the lowest index, and it may differ between devices), exactly like ``timm.utils.accuracy``. This never
 counts a tie optimistically: a model that outputs the same logit for every class scores one class per sample at
 top-1, not all of them.
+
+Semantic segmentation: a confusion matrix (rows = ground truth, columns = prediction) summed on the device.
+
+    meter = SegmentationMeter(num_classes=K, ignore_index=255)
+    for images, masks in loader:
+        logits = model(images)                                                       # [B, K, H, W]
+        loss_sum = F.cross_entropy(logits, masks, ignore_index=255, reduction='sum')
+        meter.update(logits, masks, loss_sum)
+    meter.reduce_()
+    meter.compute()    # {'miou': .., 'pixel_acc': .., 'loss': .., 'pixels': .., 'per_class_iou': [K floats]}
+
+mIoU follows mmsegmentation: IoU_c = TP / (TP + FP + FN) for every class whose union (ground truth or prediction)
+is non-empty; a class absent from both is NaN in ``per_class_iou`` and left out of the mean (nanmean).
 """
 import math
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ['topk_correct', 'ClassificationMeter']
+__all__ = ['topk_correct', 'ClassificationMeter', 'confusion_matrix', 'SegmentationMeter']
 
 
 def _check_ks(ks: Sequence[int]) -> None:
@@ -162,3 +176,206 @@ class ClassificationMeter:
         if count == 0:
             return {**{f'top{k}': math.nan for k in self.ks}, 'loss': math.nan, 'count': 0}
         return {**{f'top{k}': c / count for k, c in zip(self.ks, correct)}, 'loss': loss_sum / count, 'count': count}
+
+
+# --- semantic segmentation --------------------------------------------------------------------------------------
+
+_NO_BAD_VALUE = torch.iinfo(torch.int64).min   # "no out-of-range target seen", below any real value
+
+
+def _check_segmentation_batch(logits: torch.Tensor, targets: torch.Tensor, num_classes: int) -> None:
+    if logits.ndim != 4 or logits.shape[1] != num_classes:
+        raise ValueError(f'logits must be [B, K={num_classes}, H, W], got shape {tuple(logits.shape)}')
+    if targets.shape != logits.shape[:1] + logits.shape[2:]:
+        raise ValueError(f'targets must be [B, H, W] = {tuple(logits.shape[:1] + logits.shape[2:])} class indices, '
+                         f'got shape {tuple(targets.shape)}')
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f'targets must be integer class indices, got {targets.dtype}')
+
+
+def _confusion_counts(preds: torch.Tensor, targets: torch.Tensor, num_classes: int,
+                      ignore_index: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device-only counting, no host sync. preds [...] in 0..K-1, targets [...] of the same shape (any integer
+    dtype) -> (confusion int64 [K, K] (rows: target, columns: prediction), bad int64 [] = pixels whose target is
+    neither in 0..K-1 nor ignore_index, bad_value int64 [] = the largest such target, ``_NO_BAD_VALUE`` if none).
+    """
+    targets = targets.reshape(-1).long()
+    preds = preds.reshape(-1).long()
+    labelled = targets != ignore_index
+    in_range = (targets >= 0) & (targets < num_classes)
+    bad = labelled & ~in_range
+    cells = num_classes * num_classes
+    # every pixel lands in one bin: a confusion cell, "ignored" (cells) or "bad" (cells + 1)
+    bins = torch.where(in_range & labelled, targets * num_classes + preds, cells + bad.long())
+    # scatter_add_ rather than bincount: CUDA's bincount reads the input's min and max back to the host (two syncs)
+    counts = torch.zeros(cells + 2, dtype=torch.int64, device=targets.device)
+    counts.scatter_add_(0, bins, torch.ones((), dtype=torch.int64, device=targets.device).expand_as(bins))
+    # a fill, not torch.tensor(...): a copy from host memory would be a sync
+    no_bad = torch.full((), _NO_BAD_VALUE, dtype=torch.int64, device=targets.device)
+    bad_value = torch.where(bad, targets, no_bad).amax() if targets.numel() else no_bad
+    return counts[:cells].reshape(num_classes, num_classes), counts[cells + 1], bad_value
+
+
+def _bad_target_error(bad_value: int, bad_pixels: int, num_classes: int, ignore_index: int) -> ValueError:
+    return ValueError(f'target value {bad_value} is outside 0..{num_classes - 1} and is not ignore_index='
+                      f'{ignore_index} ({bad_pixels} such pixels); fix the masks or num_classes / ignore_index')
+
+
+def confusion_matrix(preds: torch.Tensor, targets: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """Pixel counts per (ground truth, prediction) pair: preds [...] int class indices, targets [...] int of the same
+    shape -> int64 [K, K] on the inputs' device, row = ground-truth class, column = predicted class.
+
+    Pixels whose target is ``ignore_index`` are not counted. A target outside 0..K-1 that is not ``ignore_index``, or
+    a prediction outside 0..K-1, raises ValueError naming the value. That check reads one flag back to the host (one
+    sync per call); ``SegmentationMeter`` counts without it and raises in ``compute`` instead.
+    """
+    if preds.shape != targets.shape:
+        raise ValueError(f'preds and targets must have the same shape, got {tuple(preds.shape)} and '
+                         f'{tuple(targets.shape)}')
+    for name, tensor in (('preds', preds), ('targets', targets)):
+        if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+            raise ValueError(f'{name} must be integer class indices, got {tensor.dtype}')
+    bad_preds = (preds < 0) | (preds >= num_classes)
+    confusion, bad, bad_value = _confusion_counts(preds.clamp(0, num_classes - 1), targets, num_classes, ignore_index)
+    # the one host sync: both checks in one read-back
+    any_bad_pred, bad_pixels = torch.stack([bad_preds.any().long(), bad]).tolist()
+    if bad_pixels:
+        raise _bad_target_error(int(bad_value), bad_pixels, num_classes, ignore_index)
+    if any_bad_pred:
+        raise ValueError(f'prediction value {int(preds[bad_preds][0])} is outside 0..{num_classes - 1}')
+    return confusion
+
+
+class SegmentationMeter:
+    """Confusion matrix, summed cross-entropy and pixel count over many batches, on the device without host syncs.
+
+    Counters (one device): confusion int64 [K, K] (rows: ground truth, columns: prediction; its sum is the number of
+    counted pixels), loss_sum float64 [] (float32 on MPS), and for targets outside 0..K-1 that are not
+    ``ignore_index``: bad_pixels int64 [] and bad_value int64 [] (the largest such value). Those are not raised in
+    ``update`` (that would need a host sync per batch, and in a distributed run one rank raising alone leaves the
+    others waiting in ``reduce_``): ``compute`` raises ValueError naming the value, on every rank.
+    Use: ``update`` per batch, ``reduce_`` once (sums over processes), then ``compute``.
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int = 255, device: Optional[torch.device] = None):
+        if int(num_classes) < 1:
+            raise ValueError(f'num_classes must be >= 1, got {num_classes}')
+        if 0 <= ignore_index < num_classes:
+            raise ValueError(f'ignore_index={ignore_index} is one of the {num_classes} classes 0..{num_classes - 1}')
+        self.num_classes = int(num_classes)
+        self.ignore_index = int(ignore_index)
+        self._device = device
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every update (and a previous ``reduce_``)."""
+        self._confusion: Optional[torch.Tensor] = None
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._bad_pixels: Optional[torch.Tensor] = None
+        self._bad_value: Optional[torch.Tensor] = None
+        self._reduced = False
+        if self._device is not None:
+            self._allocate(torch.device(self._device))
+
+    def _allocate(self, device: torch.device) -> None:
+        loss_dtype = torch.float32 if device.type == 'mps' else torch.float64
+        self._confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64, device=device)
+        self._loss_sum = torch.zeros((), dtype=loss_dtype, device=device)
+        self._bad_pixels = torch.zeros((), dtype=torch.int64, device=device)
+        self._bad_value = torch.full((), _NO_BAD_VALUE, dtype=torch.int64, device=device)
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, targets: torch.Tensor, loss_sum: torch.Tensor) -> None:
+        """Add one batch.
+
+        logits [B, K, H, W] (any float dtype; the prediction is ``logits.argmax(1)``); targets [B, H, W] integer
+        class indices (``ignore_index`` = unlabelled); loss_sum: 0-d tensor, the SUM of the per-pixel cross-entropy
+        over the batch's labelled pixels (``F.cross_entropy(..., ignore_index=..., reduction='sum')``). One device.
+        """
+        if self._reduced:
+            raise RuntimeError('SegmentationMeter.update after reduce_: the counters are already global; reset() '
+                               'first')
+        _check_segmentation_batch(logits, targets, self.num_classes)
+        if loss_sum.ndim != 0:
+            raise ValueError(f'loss_sum must be a 0-d tensor (the summed per-pixel loss), got {tuple(loss_sum.shape)}')
+        if self._confusion is None:
+            self._allocate(logits.device)
+        confusion, bad, bad_value = _confusion_counts(logits.argmax(dim=1), targets, self.num_classes,
+                                                      self.ignore_index)
+        self._confusion += confusion
+        self._bad_pixels += bad
+        torch.maximum(self._bad_value, bad_value, out=self._bad_value)
+        self._loss_sum += loss_sum.detach().to(self._loss_sum.dtype)
+
+    def _collective_device(self, group: Optional[dist.ProcessGroup]) -> torch.device:
+        if self._confusion is not None:
+            return self._confusion.device
+        # a process that saw no batch still has to take part, on a device its backend can reduce
+        if dist.get_backend(group) == 'nccl':
+            return torch.device('cuda', torch.cuda.current_device())
+        return torch.device('cpu')
+
+    @torch.no_grad()
+    def reduce_(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Sum the counters over the processes of ``group`` (all_reduce SUM; the bad target value: MAX), in place;
+        a no-op when torch.distributed is not initialized. Every process must call it, once, after the last
+        ``update``."""
+        if self._reduced:
+            raise RuntimeError('SegmentationMeter.reduce_ called twice: the counters would be summed again')
+        self._reduced = True
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if self._confusion is None:
+            self._allocate(self._collective_device(group))
+        # one SUM for all the counts (float64 holds integer counts exactly up to 2**53) and one MAX
+        cells = self.num_classes * self.num_classes
+        packed = torch.cat([self._confusion.double().reshape(-1), self._bad_pixels.double()[None],
+                            self._loss_sum.double()[None]])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(self._bad_value, op=dist.ReduceOp.MAX, group=group)
+        self._confusion.copy_(packed[:cells].round().reshape(self.num_classes, self.num_classes))
+        self._bad_pixels.copy_(packed[cells].round())
+        self._loss_sum.copy_(packed[cells + 1])
+
+    def confusion(self) -> torch.Tensor:
+        """The accumulated confusion matrix, int64 [K, K] (rows: ground truth, columns: prediction); zeros if empty."""
+        if self._confusion is None:
+            return torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64)
+        return self._confusion.clone()
+
+    def compute(self) -> Dict[str, Any]:
+        """{'miou': mean IoU over the classes present in ground truth or prediction, 'pixel_acc': correct / counted
+        pixels, 'loss': loss_sum / counted pixels, 'pixels': counted pixels (int), 'per_class_iou': [K] floats, NaN
+        for a class absent from both}. Fractions in [0, 1]; with no pixels they are NaN. One host sync. Raises
+        ValueError naming the value if any target was outside 0..K-1 and not ``ignore_index``."""
+        if self._confusion is None:
+            return _scores_from_confusion(np.zeros((self.num_classes, self.num_classes)), math.nan)
+        values = torch.cat([self._confusion.double().reshape(-1), self._bad_pixels.double()[None],
+                            self._bad_value.double()[None], self._loss_sum.double()[None]]).tolist()
+        cells = self.num_classes * self.num_classes
+        bad_pixels = int(values[cells])
+        if bad_pixels:
+            # the value itself from the int64 counter: float64 would round a huge one
+            raise _bad_target_error(int(self._bad_value), bad_pixels, self.num_classes, self.ignore_index)
+        confusion = np.asarray(values[:cells], dtype=np.float64).reshape(self.num_classes, self.num_classes)
+        return _scores_from_confusion(confusion, values[cells + 2])
+
+
+def _scores_from_confusion(confusion: np.ndarray, loss_sum: float) -> Dict[str, Any]:
+    """The ``SegmentationMeter.compute`` dict from a confusion matrix [K, K] (rows: ground truth, columns:
+    prediction) and the summed per-pixel loss. IoU_c = TP / (TP + FP + FN) = C[c, c] / (row_c + column_c - C[c, c]);
+    NaN where that union is 0; mIoU is their nanmean (NaN when every class is NaN)."""
+    confusion = np.asarray(confusion, dtype=np.float64)
+    true_positive = np.diag(confusion)
+    union = confusion.sum(axis=1) + confusion.sum(axis=0) - true_positive
+    with np.errstate(invalid='ignore', divide='ignore'):
+        per_class: List[float] = np.where(union > 0, true_positive / union, math.nan).tolist()
+    present = [iou for iou in per_class if not math.isnan(iou)]
+    pixels = int(round(confusion.sum()))
+    return {
+        'miou': sum(present) / len(present) if present else math.nan,
+        'pixel_acc': float(true_positive.sum()) / pixels if pixels else math.nan,
+        'loss': loss_sum / pixels if pixels else math.nan,
+        'pixels': pixels,
+        'per_class_iou': per_class,
+    }

@@ -1,4 +1,5 @@
-"""PNG pictures for a run directory: training curves from ``metrics.csv`` and a grid of predictions.
+"""PNG pictures for a run directory: training curves from ``metrics.csv``, a grid of predictions, and segmentation
+masks overlaid on their images.
 
 Figures are drawn on ``matplotlib.figure.Figure`` objects with the Agg renderer, never through pyplot: no global
 figure registry to leak memory over a long run, no GUI backend, safe outside the main thread. Files are written
@@ -8,14 +9,16 @@ import csv
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .checkpoint import atomic_write
 
-__all__ = ['CORRECT_COLOUR', 'WRONG_COLOUR', 'plot_curves', 'plot_prediction_grid']
+__all__ = ['CORRECT_COLOUR', 'WRONG_COLOUR', 'plot_curves', 'plot_prediction_grid', 'class_palette', 'overlay_mask',
+           'plot_segmentation_grid']
 
 CORRECT_COLOUR = '#1a7f37'
 WRONG_COLOUR = '#cf222e'
@@ -252,3 +255,173 @@ def plot_prediction_grid(images: torch.Tensor, mean: Sequence[float], std: Seque
         axes[0].text(0.5, 0.5, 'no images', ha='center', va='center')
     _save_png(fig, png_path, dpi=100)
     return titles
+
+
+# --- semantic segmentation ---------------------------------------------------------------------------------------
+
+#: matplotlib's tab20, its ten strong colours first and then their light partners, so that a few classes get
+#: clearly different hues (tab20 itself alternates strong and light versions of one hue)
+_TAB20_REORDERED = (
+    '#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f', '#bcbd22', '#17becf',
+    '#aec7e8', '#ffbb78', '#98df8a', '#ff9896', '#c5b0d5', '#c49c94', '#f7b6d2', '#c7c7c7', '#dbdb8d', '#9edae5',
+)
+#: images and masks larger than this (pixels, longer side) are shrunk for display: the PNG stays small and fast
+_MAX_DISPLAY_SIDE = 512
+#: above this many classes the legend lists only the classes present in the drawn masks
+_LEGEND_ALL_UP_TO = 20
+
+
+def _bit_interleaved_colour(index: int) -> Tuple[int, int, int]:
+    """PASCAL VOC's colour map: the bits of ``index`` dealt round-robin to R, G, B from the high bit down. A
+    bijection on 0..2**24 - 1, so distinct ids give distinct colours; channels of ids below 4096 are multiples of
+    16, which none of the tab20 colours is in every channel."""
+    r = g = b = 0
+    for shift in range(8):
+        r |= ((index >> (3 * shift)) & 1) << (7 - shift)
+        g |= ((index >> (3 * shift + 1)) & 1) << (7 - shift)
+        b |= ((index >> (3 * shift + 2)) & 1) << (7 - shift)
+    return r, g, b
+
+
+def class_palette(num_classes: int) -> np.ndarray:
+    """Fixed colours per class id, the same in every run: uint8 [num_classes, 3] RGB.
+
+    Class 0 is black (often the background); classes 1..20 get matplotlib's tab20 colours (the ten strong ones
+    first); classes from 21 on get PASCAL VOC's bit-interleaved colour of (id - 20). All distinct up to 4116 classes.
+    """
+    if num_classes < 0:
+        raise ValueError(f'num_classes must be >= 0, got {num_classes}')
+    colours = [(0, 0, 0)]
+    colours += [tuple(int(h[i:i + 2], 16) for i in (1, 3, 5)) for h in _TAB20_REORDERED]
+    colours += [_bit_interleaved_colour(i - len(colours) + 1) for i in range(len(colours), num_classes)]
+    return np.asarray(colours[:num_classes], dtype=np.uint8).reshape(num_classes, 3)
+
+
+def _as_numpy(array: Union[np.ndarray, torch.Tensor]) -> np.ndarray:
+    return array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
+
+
+def overlay_mask(image_rgb: Union[np.ndarray, torch.Tensor], mask: Union[np.ndarray, torch.Tensor],
+                 palette: np.ndarray, alpha: float = 0.5, ignore_index: int = 255) -> np.ndarray:
+    """Blend class colours into an image: image_rgb float [H, W, 3] in [0, 1], mask int [H, W] class ids, palette
+    uint8 [K, 3] -> float [H, W, 3]. A pixel of class c becomes (1 - alpha) * image + alpha * palette[c] / 255;
+    pixels whose mask is ``ignore_index`` keep the image unchanged. A mask value outside 0..K-1 (and not
+    ``ignore_index``) raises ValueError naming it."""
+    image = _as_numpy(image_rgb)
+    mask = _as_numpy(mask).astype(np.int64, copy=False)
+    if image.ndim != 3 or image.shape[-1] != 3 or mask.shape != image.shape[:2]:
+        raise ValueError(f'image_rgb must be [H, W, 3] and mask [H, W] of the same size, got {image.shape} and '
+                         f'{mask.shape}')
+    palette = np.asarray(palette)
+    labelled = mask != ignore_index
+    bad = labelled & ((mask < 0) | (mask >= len(palette)))
+    if bad.any():
+        raise ValueError(f'mask value {int(mask[bad][0])} is outside 0..{len(palette) - 1} and is not ignore_index='
+                         f'{ignore_index}')
+    image = image.astype(np.result_type(image.dtype, np.float32), copy=False)
+    colours = palette[np.where(labelled, mask, 0)].astype(image.dtype) / 255
+    return np.where(labelled[..., None], (1 - alpha) * image + alpha * colours, image)
+
+
+def _display_size(height: int, width: int) -> Tuple[int, int]:
+    scale = min(1.0, _MAX_DISPLAY_SIDE / max(height, width, 1))
+    return max(round(height * scale), 1), max(round(width * scale), 1)
+
+
+def _shrink_mask(mask: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
+    """Nearest-neighbour resize of mask [H, W] to ``size``: class ids are never blended into ids that aren't there.
+    Samples at the centres of the output pixels."""
+    rows = ((np.arange(size[0]) + 0.5) * mask.shape[0] / size[0]).astype(np.int64)
+    cols = ((np.arange(size[1]) + 0.5) * mask.shape[1] / size[1]).astype(np.int64)
+    return mask[rows[:, None], cols[None, :]]
+
+
+def _display_image(image: torch.Tensor, mean: Sequence[float], std: Sequence[float],
+                   size: Tuple[int, int]) -> np.ndarray:
+    """image [C, H, W] normalised -> RGB float [h, w, 3] in [0, 1] at ``size`` (area-averaged when shrunk)."""
+    image = torch.as_tensor(image).detach().to('cpu', torch.float32)[None]
+    if tuple(image.shape[-2:]) != size:
+        image = F.interpolate(image, size=size, mode='area')
+    picture = _unnormalise(image, mean, std)[0]
+    return np.repeat(picture, 3, axis=-1) if picture.shape[-1] == 1 else picture
+
+
+def _pixel_accuracy_text(true_mask: np.ndarray, pred_mask: np.ndarray, ignore_index: int) -> str:
+    labelled = true_mask != ignore_index
+    if not labelled.any():
+        return 'no labelled pixels'
+    return f'pixel acc {100 * float((pred_mask[labelled] == true_mask[labelled]).mean()):.1f}%'
+
+
+def _present_classes(masks: List[np.ndarray], num_classes: int, ignore_index: int) -> List[int]:
+    counts = np.zeros(num_classes, dtype=np.int64)
+    for mask in masks:
+        labels = mask[(mask != ignore_index) & (mask >= 0) & (mask < num_classes)]
+        counts += np.bincount(labels.reshape(-1), minlength=num_classes)[:num_classes]
+    return np.flatnonzero(counts).tolist()
+
+
+def _count_classes(class_names: Optional[Sequence[str]], masks: List[np.ndarray], ignore_index: int) -> int:
+    if class_names is not None:
+        return len(class_names)
+    labels = [int(m[m != ignore_index].max()) for m in masks if (m != ignore_index).any()]
+    return max(labels, default=0) + 1
+
+
+def plot_segmentation_grid(images: Union[torch.Tensor, Sequence[torch.Tensor]], mean: Sequence[float],
+                           std: Sequence[float], true_masks: Union[torch.Tensor, Sequence], pred_masks:
+                           Union[torch.Tensor, Sequence], class_names: Optional[Sequence[str]],
+                           png_path: os.PathLike, ignore_index: int = 255, max_images: int = 4,
+                           alpha: float = 0.5) -> List[str]:
+    """Draw the first ``max_images`` images with their ground truth and predicted masks into ``png_path``
+    (atomically).
+
+    images: [N, C, H, W] tensor or a list of [C, H, W] tensors (sizes may differ), normalised as (x - mean) / std
+    (C = 3, or 1 for grey); true_masks, pred_masks: [N, H, W] or lists of [H, W] integer class ids (tensors or
+    arrays), each the size of its image; class_names: id -> name (None: ids, K from the largest id). One row per
+    image: the image, the ground truth overlaid (``overlay_mask`` with ``class_palette`` colours, ``alpha``), the
+    prediction overlaid and titled with its pixel accuracy. Pixels whose ground truth is ``ignore_index`` are left
+    uncoloured (the plain image) in the ground-truth panel. Images with a side above 512 px are shrunk for display
+    (area average; masks nearest). A legend below the grid shows a colour patch and name per class: every class when
+    K <= 20, else those present in the drawn ground truth or predictions. Returns the legend labels, in order.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    count = min(len(images), max_images)
+    true_list = [_as_numpy(true_masks[i]).astype(np.int64, copy=False) for i in range(count)]
+    pred_list = [_as_numpy(pred_masks[i]).astype(np.int64, copy=False) for i in range(count)]
+    num_classes = _count_classes(class_names, true_list + pred_list, ignore_index)
+    palette = class_palette(num_classes)
+
+    fig = Figure(figsize=(3 * 2.6, 0.9 + 2.6 * max(count, 1)), layout='constrained')
+    axes = fig.subplots(max(count, 1), 3, squeeze=False)
+    for ax in axes.ravel():
+        ax.set_axis_off()
+    for row, (image, true_mask, pred_mask) in enumerate(zip(images, true_list, pred_list)):
+        if true_mask.shape != tuple(image.shape[-2:]) or pred_mask.shape != true_mask.shape:
+            raise ValueError(f'image {row} is {tuple(image.shape[-2:])} but its masks are {true_mask.shape} (truth) '
+                             f'and {pred_mask.shape} (prediction)')
+        size = _display_size(*true_mask.shape)
+        picture = _display_image(image, mean, std, size)
+        panels = [(picture, 'image'),
+                  (overlay_mask(picture, _shrink_mask(true_mask, size), palette, alpha, ignore_index), 'ground truth'),
+                  # accuracy from the full-size masks: shrinking would drop thin structures
+                  (overlay_mask(picture, _shrink_mask(pred_mask, size), palette, alpha, ignore_index),
+                   f'prediction ({_pixel_accuracy_text(true_mask, pred_mask, ignore_index)})')]
+        for ax, (pixels, title) in zip(axes[row], panels):
+            ax.imshow(np.clip(pixels, 0, 1), interpolation='nearest')
+            ax.set_title(title, fontsize=9)
+    if count == 0:
+        axes[0, 1].text(0.5, 0.5, 'no images', ha='center', va='center')
+
+    shown = range(num_classes) if num_classes <= _LEGEND_ALL_UP_TO else \
+        _present_classes(true_list + pred_list, num_classes, ignore_index)
+    labels = [_class_name(class_names, c) for c in shown]
+    if labels:
+        handles = [Patch(facecolor=palette[c] / 255, edgecolor='black', linewidth=0.5, label=label)
+                   for c, label in zip(shown, labels)]
+        fig.legend(handles=handles, loc='outside lower center', ncol=min(len(handles), 5), fontsize=8, frameon=False,
+                   title=f'classes (ignore_index {ignore_index}: uncoloured)', title_fontsize=8)
+    _save_png(fig, png_path, dpi=100)
+    return labels

@@ -33,7 +33,8 @@ def test_logits_have_the_input_size_and_every_parameter_learns(name):
     assert [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0] == []
 
 
-@pytest.mark.parametrize('blocks, expected_levels', [([], [0, 1, 2, 3]), ([1], [1, 1, 1, 1]), ([0, 0, 2, -1], [0, 0, 2, 3])],
+@pytest.mark.parametrize('blocks, expected_levels',
+                         [([], [0, 1, 2, 3]), ([1], [1, 1, 1, 1]), ([0, 0, 2, -1], [0, 0, 2, 3])],
                          ids=['default-4-spaced', 'vitdet-one-block', 'chosen-with-negative'])
 def test_pyramid_levels_come_from_the_named_blocks(blocks, expected_levels):
     backbone = tiny_backbone('linvit_tiny_patch16_224')
