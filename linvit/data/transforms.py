@@ -52,15 +52,7 @@ def _train_steps(aug_cfg: Any, img_size: int) -> list[A.BasicTransform]:
         steps = [A.RandomResizedCrop((img_size, img_size), scale=to_pair(aug_cfg.scale, 'aug.scale'))]
     else:
         steps = [A.Resize(img_size, img_size)]
-    if aug_cfg.hflip > 0:
-        steps.append(A.HorizontalFlip(p=float(aug_cfg.hflip)))
-    if aug_cfg.vflip > 0:
-        steps.append(A.VerticalFlip(p=float(aug_cfg.vflip)))
-    if aug_cfg.color_jitter > 0:
-        strength = float(aug_cfg.color_jitter)
-        # Hue stays fixed: for colour-coded content (the synthetic marks, medical stains) a hue shift changes meaning.
-        steps.append(A.ColorJitter(brightness=strength, contrast=strength, saturation=strength, hue=0.0, p=1.0))
-    return steps
+    return steps + _flip_and_colour_steps(aug_cfg)
 
 
 def build_seg_transforms(aug_cfg: Any, img_size: int, mean: Sequence[float], std: Sequence[float], ignore_index: int,
