@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo demo-cls test lint bench clean
 
 setup: $(STAMP)
 
@@ -17,8 +17,15 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
-# the main job: train a small linvit on the built-in synthetic task, evaluate it, write runs/demo
+# the main job: train a small linvit segmentation model on the built-in shapes task, evaluate it, write runs/demo_seg
 demo: $(STAMP)
+	$(PY) train.py --config configs/seg_demo.yaml
+	@echo "demo run: runs/demo_seg (metrics.json, curves.png, model.safetensors; tensorboard --logdir runs/demo_seg)"
+	@echo "pictures (image | ground truth | prediction): runs/demo_seg/pictures/"
+	@echo "next: python train.py --config configs/seg_folder.yaml data.root=/path/to/images_and_masks; make demo-cls"
+
+# the classification demo: a small linvit classifier on the built-in two-marks task, writes runs/demo
+demo-cls: $(STAMP)
 	$(PY) train.py --config configs/cls_demo.yaml
 	@echo "demo run: runs/demo (metrics.json, curves.png, pictures/, model.safetensors; tensorboard --logdir runs/demo)"
 	@echo "next: python train.py --config configs/cls_folder.yaml data.root=/path/to/imagefolder; make bench"

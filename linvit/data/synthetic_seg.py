@@ -6,10 +6,10 @@ Each image has, on a noisy grey background:
 - 2-4 grey *shapes*, filled circles or squares (side img_size/6 .. img_size/4, dark or bright grey), placed anywhere
   else without touching the key or each other.
 
-Classes: 0 ``background``, 1 ``circle-red``, 2 ``circle-blue``, 3 ``square-red``, 4 ``square-blue``. A shape's pixels
-take its kind (local: circle or square) combined with the KEY's colour (far away); key and background pixels are
-class 0. So a model that sees only the neighbourhood of a pixel is right on at most half of the shape pixels, and
-colour statistics alone cannot tell circles from squares: each shape must be related to a distant patch.
+Classes: 0 ``background``, 1 ``red-key``, 2 ``blue-key``: every shape's pixels take the class shown by the KEY's
+colour (far away), whatever the shape's kind, grey level or place; key and background pixels are class 0. So the
+pixels of a shape look the same in both classes: a model that sees only the neighbourhood of a pixel finds the
+shapes but is right about their class half of the time. Each shape must be related to a distant patch.
 
 Flips change no label. A random zoom-in crop can cut the key off the image, and then the colour half of every shape's
 class is unknowable: training samples whose key left the crop get their shape pixels set to ``ignore_index``
@@ -36,7 +36,7 @@ __all__ = ['SHAPE_KINDS', 'KEY_COLOURS', 'Shape', 'ShapesLayout', 'SyntheticShap
 
 SHAPE_KINDS = ('circle', 'square')
 KEY_COLOURS = tuple(MARK_COLOURS)          # ('red', 'blue'): far from any grey, like the classification marks
-NUM_CLASSES = 1 + len(SHAPE_KINDS) * len(KEY_COLOURS)
+NUM_CLASSES = 1 + len(KEY_COLOURS)
 _KEY_RGB = np.array(list(MARK_COLOURS.values()), dtype=np.int16)
 _SPLIT_IDS = {'train': 0, 'val': 1}
 _KEY_STREAM, _SAMPLE_STREAM = 0, 1
@@ -70,13 +70,13 @@ class ShapesLayout:
 
 
 def seg_class_names() -> list[str]:
-    """``['background', 'circle-red', 'circle-blue', 'square-red', 'square-blue']``."""
-    return ['background'] + [f'{kind}-{colour}' for kind in SHAPE_KINDS for colour in KEY_COLOURS]
+    """``['background', 'red-key', 'blue-key']``."""
+    return ['background'] + [f'{colour}-key' for colour in KEY_COLOURS]
 
 
-def shape_label(kind: int, key_colour: int) -> int:
-    """The class id of a shape's pixels: 1 + 2 * kind + key colour."""
-    return 1 + len(KEY_COLOURS) * kind + key_colour
+def shape_label(key_colour: int) -> int:
+    """The class id of a shape's pixels: 1 + the key's colour (the kind does not matter)."""
+    return 1 + key_colour
 
 
 def shape_pixels(side: int, kind: int) -> np.ndarray:
@@ -107,7 +107,7 @@ def render_shapes(rng: np.random.Generator, img_size: int, key_colour: int
         inside = shape_pixels(shape.side, shape.kind)
         rows, cols = slice(shape.top, shape.top + shape.side), slice(shape.left, shape.left + shape.side)
         image[rows, cols][inside] = shape.grey
-        mask[rows, cols][inside] = shape_label(shape.kind, key_colour)
+        mask[rows, cols][inside] = shape_label(key_colour)
     return image, mask, ShapesLayout(key, key_size, key_colour, tuple(shapes))
 
 

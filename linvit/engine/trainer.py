@@ -371,7 +371,7 @@ def _optimizer_step(cfg: DictConfig, c: Components) -> None:
     c.optimizer.zero_grad(set_to_none=True)
 
 
-def peak_memory_mb(device: torch.device) -> float:
+def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process so far, in MiB: CUDA tensors on ``device`` (the caching allocator's peak of
     allocated bytes), else the resident set size of the whole process (``ru_maxrss``: model, data and Python)."""
     if device.type == 'cuda':
@@ -393,7 +393,7 @@ def _train_row(window: _Window, progress: Progress, c: Components) -> Dict[str, 
     loss = all_reduce_mean(window.loss_sum / max(window.micro_batches, 1)).item()
     return {'epoch': progress.epoch, 'step': progress.step, 'split': 'train', 'loss': loss,
             'lr': _learning_rate(c.optimizer), 'img_per_s': window.images / elapsed,
-            'data_wait_frac': window.data_wait / elapsed, 'peak_mem_mib': peak_memory_mb(c.info.device)}
+            'data_wait_frac': window.data_wait / elapsed, 'peak_mem_mib': peak_memory_mib(c.info.device)}
 
 
 def _evaluate_and_record(cfg: DictConfig, c: Components, progress: Progress,

@@ -1,14 +1,10 @@
 """Top-k counts against hand-computed tables, the meter against direct computation, and a 2-process gloo reduction."""
-import json
 import math
-import multiprocessing
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from two_ranks import WORLD_SIZE, run_two_ranks
 
 from linvit.engine.metrics import ClassificationMeter, topk_correct
 
@@ -202,7 +198,7 @@ def test_meter_rejects_bad_input(loss, valid, message):
 
 # --- two processes ----------------------------------------------------------------------------------------------
 
-NUM_SAMPLES, WORLD_SIZE, KS = 15, 2, (1, 3)
+NUM_SAMPLES, KS = 15, (1, 3)
 
 
 def sampler_shards(logits, targets, empty_rank=None):
@@ -227,48 +223,22 @@ def sampler_shards(logits, targets, empty_rank=None):
     return shards
 
 
-def reduce_on_rank(rank, port, shards, result_path):
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=WORLD_SIZE,
-                            timeout=timedelta(seconds=30))
-    try:
-        meter = ClassificationMeter(ks=KS)
-        for logits, targets, losses, valid in shards[rank]:
-            meter.update(logits, targets, losses, valid=valid)
-        meter.reduce_()
-        with open(result_path, 'w') as f:
-            json.dump(meter.compute(), f)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+def reduce_on_rank(rank, shards):
+    meter = ClassificationMeter(ks=KS)
+    for logits, targets, losses, valid in shards[rank]:
+        meter.update(logits, targets, losses, valid=valid)
+    meter.reduce_()
+    return meter.compute()
 
 
 @pytest.mark.parametrize('empty_rank', [None, 1], ids=['padded-duplicate', 'rank1-without-data'])
 def test_two_processes_reduce_to_the_single_process_result(tmp_path, empty_rank):
     logits, targets = random_batch(NUM_SAMPLES, seed=1)
-    shards = sampler_shards(logits, targets, empty_rank)
-    port = free_port()
-    # fork: children start with torch imported and the data in memory (spawn would import everything again)
-    context = multiprocessing.get_context('fork')
-    workers = [context.Process(target=reduce_on_rank, args=(rank, port, shards, tmp_path / f'rank{rank}.json'))
-               for rank in range(WORLD_SIZE)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=60)
-    for worker in workers:
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
-    assert [worker.exitcode for worker in workers] == [0] * WORLD_SIZE
+    results = run_two_ranks(tmp_path, reduce_on_rank, sampler_shards(logits, targets, empty_rank))
 
     single = ClassificationMeter(ks=KS)
     single.update(logits, targets, F.cross_entropy(logits, targets, reduction='none'))
     expected = single.compute()
     assert_metrics_equal(expected, direct_metrics(logits, targets, KS))
-    for rank in range(WORLD_SIZE):
-        assert_metrics_equal(json.loads((tmp_path / f'rank{rank}.json').read_text()), expected)
+    for result in results:
+        assert_metrics_equal(result, expected)

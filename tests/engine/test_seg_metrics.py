@@ -1,16 +1,12 @@
 """Segmentation metrics: a confusion matrix and IoUs computed by hand, accumulation, bad targets, and a 2-process gloo
 reduction against the single-process meter."""
-import json
 import math
-import multiprocessing
-import socket
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from two_ranks import run_two_ranks
 
 from linvit.engine.metrics import SegmentationMeter, confusion_matrix
 
@@ -225,7 +221,7 @@ def test_meter_update_does_not_synchronise_with_the_host():
 
 # --- two processes ----------------------------------------------------------------------------------------------
 
-WORLD_SIZE, NUM_CLASSES = 2, 5
+NUM_CLASSES = 5
 
 
 def random_segmentation_data(seed=3):
@@ -239,46 +235,15 @@ def random_segmentation_data(seed=3):
     return logits, targets, losses
 
 
-def reduce_on_rank(rank, port, shards, result_path):
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=WORLD_SIZE,
-                            timeout=timedelta(seconds=30))
+def reduce_on_rank(rank, shards):
+    meter = SegmentationMeter(NUM_CLASSES, ignore_index=I)
+    for logits, targets, loss_sum in shards[rank]:
+        meter.update(logits, targets, loss_sum)
+    meter.reduce_()
     try:
-        meter = SegmentationMeter(NUM_CLASSES, ignore_index=I)
-        for logits, targets, loss_sum in shards[rank]:
-            meter.update(logits, targets, loss_sum)
-        meter.reduce_()
-        try:
-            result = meter.compute()
-        except ValueError as error:
-            result = {'error': str(error)}
-        with open(result_path, 'w') as f:
-            json.dump(result, f)   # NaN is written as NaN and read back as nan
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-def run_two_ranks(tmp_path, shards):
-    port = free_port()
-    # fork: children start with torch imported and the data in memory (spawn would import everything again)
-    context = multiprocessing.get_context('fork')
-    workers = [context.Process(target=reduce_on_rank, args=(rank, port, shards, tmp_path / f'rank{rank}.json'))
-               for rank in range(WORLD_SIZE)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=60)
-    for worker in workers:
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
-    assert [worker.exitcode for worker in workers] == [0] * WORLD_SIZE
-    return [json.loads((tmp_path / f'rank{rank}.json').read_text()) for rank in range(WORLD_SIZE)]
+        return meter.compute()
+    except ValueError as error:
+        return {'error': str(error)}
 
 
 @pytest.mark.parametrize('split', ['interleaved', 'rank1-without-data'])
@@ -287,7 +252,7 @@ def test_two_processes_reduce_to_the_single_process_result(tmp_path, split):
     indices = {0: [0, 2, 4], 1: [1, 3, 5]} if split == 'interleaved' else {0: list(range(6)), 1: []}
     shards = {rank: [(logits[i:i + 1], targets[i:i + 1], losses[i]) for i in index]
               for rank, index in indices.items()}
-    results = run_two_ranks(tmp_path, shards)
+    results = run_two_ranks(tmp_path, reduce_on_rank, shards)
 
     single = SegmentationMeter(NUM_CLASSES, ignore_index=I)
     single.update(logits, targets, losses.sum())
@@ -302,6 +267,6 @@ def test_a_bad_target_on_one_rank_raises_on_every_rank(tmp_path):
     logits, targets, losses = random_segmentation_data()
     targets[3, 0, 0] = 17
     shards = {0: [(logits[:3], targets[:3], losses[:3].sum())], 1: [(logits[3:], targets[3:], losses[3:].sum())]}
-    results = run_two_ranks(tmp_path, shards)
+    results = run_two_ranks(tmp_path, reduce_on_rank, shards)
     for result in results:
         assert 'target value 17 is outside 0..4' in result['error']

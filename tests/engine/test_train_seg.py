@@ -62,8 +62,7 @@ def test_a_short_seg_run_writes_metrics_pictures_and_weights(seg_config):
     assert sorted(os.listdir(os.path.join(run, 'pictures'))) == ['val_step000004.png', 'val_step000008.png']
     written = _read_json(os.path.join(run, 'metrics.json'))
     assert written == metrics
-    from linvit.data.synthetic_seg import SyntheticShapesSeg  # noqa: F401  (the built-in set's class names)
-    _assert_seg_metrics(written, ['background', 'circle-red', 'circle-blue', 'square-red', 'square-blue'])
+    _assert_seg_metrics(written, ['background', 'red-key', 'blue-key'])
     assert written['pixels'] == 6 * 32 * 32  # the synthetic masks label every pixel
     val = _rows(run, 'val')
     assert [int(r['step']) for r in val] == [4, 8]
@@ -71,7 +70,7 @@ def test_a_short_seg_run_writes_metrics_pictures_and_weights(seg_config):
     train_rows = _rows(run, 'train')
     assert all(float(r['peak_mem_mib']) > 50 for r in train_rows)
     # model.safetensors loads into a segmentation model built from the same config
-    model = create_segmentation_model(cfg.model, cfg.seg, num_classes=5, img_size=32)
+    model = create_segmentation_model(cfg.model, cfg.seg, num_classes=3, img_size=32)
     model.load_state_dict(load_file(os.path.join(run, 'model.safetensors')))
 
 
@@ -172,3 +171,18 @@ def test_the_segmentation_model_is_trained_through_torch_autocast_bf16(seg_confi
     metrics = train(seg_config('train.amp=bf16', 'train.max_steps=2', 'model.grad_checkpointing=true'))
     assert math.isfinite(metrics['loss'])
     assert torch.isfinite(torch.tensor(metrics['miou']))
+
+
+def test_pretrained_classifier_weights_load_into_the_backbone(tmp_path):
+    import timm
+    from safetensors.torch import save_file
+    torch.manual_seed(1)
+    classifier = timm.create_model('linvit_tiny_patch16_224', depth=2, embed_dim=48, num_heads=3, patch_size=8,
+                                   img_size=32, num_classes=7)
+    path = tmp_path / 'cls.safetensors'
+    save_file({k: v.contiguous() for k, v in classifier.state_dict().items()}, str(path))
+    cfg = load_config(None, [*TINY_MODEL, *TINY_SEG, f'model.pretrained_file={path}'])
+    model = create_segmentation_model(cfg.model, cfg.seg, num_classes=3, img_size=64)  # a larger grid than saved
+    for name, value in classifier.blocks.state_dict().items():
+        torch.testing.assert_close(model.backbone.blocks.state_dict()[name], value, rtol=0, atol=0)
+    assert model.backbone.pos_embed.shape[1] == classifier.pos_embed.shape[1] - 16 + 64  # 4x4 -> 8x8 grid (+cls)
