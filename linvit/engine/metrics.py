@@ -206,7 +206,8 @@ def _confusion_counts(preds: torch.Tensor, targets: torch.Tensor, num_classes: i
     bad = labelled & ~in_range
     cells = num_classes * num_classes
     # every pixel lands in one bin: a confusion cell, "ignored" (cells) or "bad" (cells + 1)
-    bins = torch.where(in_range & labelled, targets * num_classes + preds, cells + bad.long())
+    # in_range excludes ignore_index: __init__ refuses an ignore_index that is a class id
+    bins = torch.where(in_range, targets * num_classes + preds, cells + bad.long())
     # scatter_add_ rather than bincount: CUDA's bincount reads the input's min and max back to the host (two syncs)
     counts = torch.zeros(cells + 2, dtype=torch.int64, device=targets.device)
     counts.scatter_add_(0, bins, torch.ones((), dtype=torch.int64, device=targets.device).expand_as(bins))
