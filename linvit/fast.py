@@ -28,7 +28,8 @@ Resolution policy (shapes of the image batch [B, C, H, W]):
   divisibility message when not padding, which makes them constants). Other models are rejected with a
   ValueError rather than silently recompiled per size. Training caveat (torch 2.14): the backward of timm's
   antialiased bicubic position-embedding resampling has no meta kernel for symbolic sizes, so a dynamic training
-  step of a ViT with a learned position embedding fails to compile; train with static shapes (the default).
+  step of a ViT with a trainable learned position embedding cannot compile; ``compile_train_step`` rejects it up
+  front with a ValueError (train with static shapes, the default, or freeze the position embedding).
 
 Inductor options: unless a ``mode`` is given, every compile turns inductor's convolution-driven layout optimisation
 off (it made the attention features channels-last) and adds ``UnfuseCpuBiasAdd``, a post-grad pass that splits a
@@ -80,6 +81,22 @@ def _check_dynamic_hw(model: nn.Module) -> None:
                          f"{tuple(patch_embed.img_size)}, strict_img_size={patch_embed.strict_img_size}, "
                          f"dynamic_img_pad={patch_embed.dynamic_img_pad}), or use dynamic=False (one static graph "
                          f"per resolution)")
+
+
+def _check_dynamic_training(model: nn.Module) -> None:
+    """ValueError if a dynamic-shape training step of ``model`` would crash inductor: a trainable learned position
+    embedding that timm resamples per size (``dynamic_img_size``). In torch 2.14 the backward of that antialiased
+    bicubic resampling has no meta kernel for symbolic sizes, so the compile fails deep inside the compiler."""
+    for name, module in model.named_modules():
+        pos_embed = getattr(module, 'pos_embed', None)
+        resampled = getattr(module, 'dynamic_img_size', False)
+        if isinstance(pos_embed, nn.Parameter) and pos_embed.requires_grad and resampled:
+            where = f"{name}.pos_embed" if name else 'pos_embed'
+            raise ValueError(f"a dynamic=True training step cannot compile for a model whose learned position "
+                             f"embedding ({where}, resampled to each image size) is trained: in torch 2.14 the "
+                             f"backward of its antialiased bicubic resampling has no symbolic-size kernel. Use "
+                             f"dynamic=False (one static graph per image size), freeze it with "
+                             f"{where}.requires_grad_(False), or build the model with pos_embed='none'")
 
 
 def _mark_hw_dynamic(images: torch.Tensor) -> None:
@@ -232,6 +249,7 @@ class TrainStep:
                  dynamic: bool = False, fullgraph: bool = True, backend: Any = 'inductor') -> None:
         if compile and dynamic:
             _check_dynamic_hw(model)
+            _check_dynamic_training(model)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer

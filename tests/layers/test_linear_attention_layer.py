@@ -1,4 +1,7 @@
 """LinearAttention as a drop-in for timm's Attention: math, options, masks, errors, timm integration."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -6,7 +9,10 @@ from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 
 from linvit import LinearAttention, linear_attention_layer, load_softmax_state_dict
-from linvit.ops import FEATURE_MAPS, quadratic_linear_attention
+from linvit.ops import FEATURE_MAPS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared float64 references
+from references import linear_attention_layer_ref, rel_err  # noqa: E402
 
 DIM, HEADS = 48, 4
 
@@ -24,24 +30,12 @@ def _randomise(module: nn.Module, seed=0) -> nn.Module:
     return module
 
 
-def _layer_norm64(t: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    if isinstance(norm, nn.Identity):
-        return t
-    centred = t - t.mean(-1, keepdim=True)
-    normed = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + norm.eps)
-    return normed * norm.weight.double() + norm.bias.double()
+def _reference(layer: LinearAttention, x: torch.Tensor, num_heads: int = HEADS, **kwargs) -> torch.Tensor:
+    """The independent float64 forward (tests/references.py) from the layer's state_dict and the test's config.
 
-
-def _reference_layer_forward(layer: LinearAttention, x: torch.Tensor, key_mask=None) -> torch.Tensor:
-    """The layer's math written out in float64 with the quadratic attention formula."""
-    x = x.double()
-    b, n, _ = x.shape
-    w_qkv, b_qkv = layer.qkv.weight.double(), layer.qkv.bias.double()
-    qkv = (x @ w_qkv.T + b_qkv).reshape(b, n, 3, layer.num_heads, layer.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, v = _layer_norm64(qkv[0], layer.q_norm), _layer_norm64(qkv[1], layer.k_norm), qkv[2]
-    out = quadratic_linear_attention(q, k, v, feature_map=layer.feature_map_name, eps=layer.eps, key_mask=key_mask)
-    out = out.transpose(1, 2).reshape(b, n, layer.attn_dim)
-    return out @ layer.proj.weight.double().T + layer.proj.bias.double()
+    x: [B, N, DIM] -> [B, N, dim_out] float64; kwargs: feature_map, eps, key_mask, grid, num_prefix_tokens.
+    """
+    return linear_attention_layer_ref(layer.state_dict(), x, num_heads, **kwargs)
 
 
 @pytest.mark.parametrize('qk_norm', [False, True], ids=['plain', 'qk-norm'])
@@ -50,7 +44,7 @@ def test_layer_matches_float64_reference(feature_map, qk_norm):
     layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, feature_map=feature_map, qk_norm=qk_norm,
                                        norm_layer=nn.LayerNorm))
     x = _tokens()
-    ref = _reference_layer_forward(layer, x)
+    ref = _reference(layer, x, feature_map=feature_map)
     err = ((layer(x).double() - ref).norm() / ref.norm()).item()
     assert err <= 1e-5, f"rel err {err:.2e}"
     # without autograd the feature map is written in place into the qkv output: same result
@@ -61,6 +55,65 @@ def test_layer_matches_float64_reference(feature_map, qk_norm):
         scripted = torch.jit.script(layer)
         err = ((scripted(x).double() - ref).norm() / ref.norm()).item()
     assert err <= 1e-5, f"torchscript no-grad rel err {err:.2e}"
+
+
+# every option that changes the math, alone and together; parameters are random so no branch is a no-op
+# (LayerNorm weights/biases, gate and local-mix weights all far from identity / zero)
+OPTION_SETS = {
+    'plain': dict(),
+    'qk-norm': dict(qk_norm=True),
+    'scale-norm': dict(scale_norm=True),
+    'gated': dict(gated=True),
+    'local-mix': dict(local_mix=True),
+    'all': dict(qk_norm=True, scale_norm=True, gated=True, local_mix=True),
+}
+GRID, PREFIX = [3, 5], 1
+LAYER_TOL = 1e-5
+
+
+def _option_layer(feature_map: str, options: dict, eps: float = 1e-6, seed: int = 0) -> LinearAttention:
+    layer = LinearAttention(DIM, HEADS, qkv_bias=True, norm_layer=nn.LayerNorm, feature_map=feature_map, eps=eps,
+                            num_prefix_tokens=PREFIX, **options)
+    return _randomise(layer, seed=seed)
+
+
+def _assert_layer_close(layer: LinearAttention, x: torch.Tensor, ref: torch.Tensor, **forward_kwargs) -> None:
+    """Autograd path and no-grad path (in-place feature map / local-mix add) both within LAYER_TOL of ref."""
+    err = rel_err(layer(x, feat_size=GRID, **forward_kwargs), ref)
+    assert err <= LAYER_TOL, f"rel err {err:.2e} > {LAYER_TOL:.0e}"
+    with torch.no_grad():
+        err = rel_err(layer(x, feat_size=GRID, **forward_kwargs), ref)
+    assert err <= LAYER_TOL, f"no-grad rel err {err:.2e} > {LAYER_TOL:.0e}"
+
+
+@pytest.mark.parametrize('options', OPTION_SETS.values(), ids=OPTION_SETS.keys())
+@pytest.mark.parametrize('feature_map', sorted(FEATURE_MAPS))
+def test_layer_options_match_float64_reference(feature_map, options):
+    layer = _option_layer(feature_map, options)
+    x = _tokens(n=PREFIX + GRID[0] * GRID[1])
+    ref = _reference(layer, x, feature_map=feature_map, grid=GRID, num_prefix_tokens=PREFIX)
+    _assert_layer_close(layer, x, ref)
+
+
+@pytest.mark.parametrize('mask_kind', ['nomask', 'bool-BN', 'additive-B11N'])
+@pytest.mark.parametrize('feature_map', sorted(FEATURE_MAPS))
+def test_layer_with_all_options_and_large_eps_matches_reference(feature_map, mask_kind):
+    """eps = 0.5 (mean semantics visible at layer level), with and without a key mask, through every option."""
+    layer = _option_layer(feature_map, OPTION_SETS['all'], eps=0.5, seed=1)
+    x = _tokens(n=PREFIX + GRID[0] * GRID[1], seed=1)
+    keep = torch.rand(2, x.shape[1], generator=torch.Generator().manual_seed(2)) > 0.3
+    keep[:, 0] = True
+    if mask_kind == 'nomask':
+        attn_mask, key_weights = None, None
+    elif mask_kind == 'bool-BN':
+        attn_mask, key_weights = keep, keep
+    else:  # an additive logit mask: finite log-weights on kept keys, -inf on dropped ones
+        log_w = torch.randn(keep.shape, generator=torch.Generator().manual_seed(3)) * 0.5
+        attn_mask = log_w.masked_fill(~keep, -torch.inf)[:, None, None, :]
+        key_weights = torch.where(keep, log_w.double().exp(), 0.0)
+    ref = _reference(layer, x, feature_map=feature_map, eps=0.5, key_mask=key_weights, grid=GRID,
+                     num_prefix_tokens=PREFIX)
+    _assert_layer_close(layer, x, ref, attn_mask=attn_mask)
 
 
 def test_layer_key_padding_mask_matches_unpadded():

@@ -1,4 +1,7 @@
 """Feature maps against their closed forms in float64."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +16,9 @@ from linvit.ops import (
     register_feature_map,
     relu,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared float64 references
+from references import FEATURE_MAP_REFS  # noqa: E402
 
 
 def _sample(shape=(4, 7, 16), scale=3.0, seed=0) -> torch.Tensor:
@@ -65,6 +71,17 @@ def test_maps_are_non_negative_and_finite_on_zero_rows(name):
     assert y.shape == x.shape
     assert torch.isfinite(y).all()
     assert bool((y >= 0).all())
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['fp64', 'fp32'])
+@pytest.mark.parametrize('name', sorted(FEATURE_MAPS))
+def test_registered_maps_match_the_shared_references(name, dtype):
+    """The registry entries equal the formulas the attention tests use, incl. all-negative and all-zero rows."""
+    x = torch.cat([_sample(), -_sample(seed=1).abs(), torch.zeros(1, 7, 16, dtype=torch.float64)])
+    x[0, 0, :3] = torch.tensor([1e-3, -1e-3, 0.0])  # entries near the kink at 0
+    got = get_feature_map(name)(x.to(dtype)).double()
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(got, FEATURE_MAP_REFS[name](x), rtol=tol, atol=tol)
 
 
 def test_unknown_feature_map_lists_known_ones():

@@ -1,10 +1,21 @@
-"""linear_attention against the float64 quadratic formula: outputs, gradients, masks, half precision."""
+"""linear_attention against the float64 quadratic formula: outputs, gradients, masks, eps, half precision.
+
+The reference (tests/references.py) writes the feature maps and the mean normaliser from their formulas without
+importing linvit, so these tests also check the library's feature maps and its eps semantics.
+"""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from linvit.ops import FEATURE_MAPS, linear_attention, quadratic_linear_attention
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared float64 references
+from references import FEATURE_MAP_REFS, quadratic_attention_ref, rel_err  # noqa: E402
+
 MAPS = sorted(FEATURE_MAPS)
+EPS_VALUES = [1e-6, 1e-2, 0.5, 2.0]
 
 # (B, H, Nq, N, D, Dv): N=1, odd N, Dv != D, Nq != N (cross attention)
 SHAPES = [
@@ -30,10 +41,6 @@ def _qkv(shape, dtype=torch.float32, scale=1.0, seed=0):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
-
-
 def _random_key_mask(b, n, seed=1, heads=None):
     g = torch.Generator().manual_seed(seed)
     shape = (b, n) if heads is None else (b, heads, n)
@@ -43,13 +50,14 @@ def _random_key_mask(b, n, seed=1, heads=None):
 
 
 def _check_against_reference(shape, feature_map, key_mask=None, tol=1e-5):
+    """Output and q/k/v gradients of the fp32 op against the independent float64 reference (rel err <= tol)."""
     q, k, v = _qkv(shape)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_leaves = [t.double().clone().requires_grad_(True) for t in (q, k, v)]
     out = linear_attention(*leaves, feature_map=feature_map, key_mask=key_mask)
-    ref = quadratic_linear_attention(*ref_leaves, feature_map=feature_map, key_mask=key_mask)
+    ref = quadratic_attention_ref(*ref_leaves, feature_map=feature_map, key_mask=key_mask)
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    err = _rel_err(out, ref)
+    err = rel_err(out, ref)
     assert err <= tol, f"output rel err {err:.2e} > {tol:.0e}"
     grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     out.backward(grad_out.float())
@@ -82,6 +90,67 @@ def test_float_key_weights_match_reference(feature_map):
     weights = torch.rand(2, 23, generator=torch.Generator().manual_seed(3))
     weights[:, ::4] = 0.0
     _check_against_reference(shape, feature_map, key_mask=weights)
+
+
+# ---- eps: added to the MEAN normaliser (eps * count on the key sum), for every map and mask kind ----
+
+EPS_SHAPE = (2, 3, 9, 17, 16, 8)
+EPS_TOL = 1e-5
+MASK_KINDS = ['nomask', 'mask-BN', 'mask-BHN', 'weights']
+
+
+def _eps_key_mask(kind: str):
+    """None, bool [B, N], bool [B, H, N] or float weights [B, N] (some 0) for EPS_SHAPE."""
+    b, h, _, n, _, _ = EPS_SHAPE
+    if kind == 'nomask':
+        return None
+    if kind == 'weights':
+        weights = torch.rand(b, n, generator=torch.Generator().manual_seed(5)) * 2
+        weights[:, 1::5] = 0.0
+        return weights
+    return _random_key_mask(b, n, seed=4, heads=h if kind == 'mask-BHN' else None)
+
+
+@pytest.mark.parametrize('mask_kind', MASK_KINDS)
+@pytest.mark.parametrize('eps', EPS_VALUES)
+@pytest.mark.parametrize('feature_map', MAPS)
+def test_eps_is_added_to_the_mean_normaliser(feature_map, eps, mask_kind):
+    # small q, k (scale 0.5) keep the mean similarity ~1 so that eps moves the output visibly
+    q, k, v = _qkv(EPS_SHAPE, scale=0.5, seed=2)
+    mask = _eps_key_mask(mask_kind)
+    out = linear_attention(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
+    ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
+    err = rel_err(out, ref)
+    assert err <= EPS_TOL, f"eps={eps} {mask_kind}: rel err {err:.2e} > {EPS_TOL:.0e}"
+
+
+@pytest.mark.parametrize('mask_kind', MASK_KINDS)
+@pytest.mark.parametrize('eps', [e for e in EPS_VALUES if e >= 1e-2])
+@pytest.mark.parametrize('feature_map', MAPS)
+def test_eps_inputs_tell_mean_from_sum_normaliser(feature_map, eps, mask_kind):
+    """The inputs above are sensitive: eps on the plain key sum would miss the tolerance by >= 10x."""
+    q, k, v = _qkv(EPS_SHAPE, scale=0.5, seed=2)
+    mask = _eps_key_mask(mask_kind)
+    mean_ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
+    sum_ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask, mean=False)
+    margin = rel_err(sum_ref, mean_ref) / EPS_TOL
+    assert margin >= 10, f"eps={eps} {mask_kind}: sum vs mean differ by only {margin:.1f}x the tolerance"
+
+
+@pytest.mark.parametrize('eps', [1e-6, 0.5])
+@pytest.mark.parametrize('feature_map', MAPS)
+def test_library_reference_matches_independent_reference(feature_map, eps):
+    """linvit.ops.quadratic_linear_attention (other tests use it) agrees with the formula-only reference."""
+    q, k, v = _qkv(EPS_SHAPE, dtype=torch.float64, seed=3)
+    for mask_kind in MASK_KINDS:
+        mask = _eps_key_mask(mask_kind)
+        got = quadratic_linear_attention(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
+        ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12, msg=lambda m, kind=mask_kind: f"{kind}: {m}")
+
+
+def test_every_feature_map_has_an_independent_reference():
+    assert set(FEATURE_MAPS) <= set(FEATURE_MAP_REFS), "add the new map's formula to tests/references.py"
 
 
 @pytest.mark.parametrize('feature_map', MAPS)
@@ -181,7 +250,7 @@ def test_half_precision_at_65k_tokens(big_qkv, feature_map, dtype):
     out = linear_attention(q, k, v, feature_map=feature_map)
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
-    err = _rel_err(out, ref)
+    err = rel_err(out, ref)
     assert err <= 1e-2, f"B1-H2-N{HALF_N}-D32-{dtype}: rel err {err:.2e} vs fp32"
 
 
@@ -207,4 +276,4 @@ def test_half_precision_under_cpu_autocast(big_qkv, feature_map, dtype):
     assert inside_fp32_inputs.dtype == torch.float32
     torch.testing.assert_close(inside_fp32_inputs, ref, rtol=0, atol=0)
     assert torch.isfinite(inside).all()
-    assert _rel_err(inside, ref) <= 1e-2
+    assert rel_err(inside, ref) <= 1e-2

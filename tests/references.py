@@ -1,0 +1,158 @@
+"""Independent float64 references for the linear-attention tests, written from the formulas.
+
+Nothing here imports linvit: a wrong feature map, normaliser or layer option in the library cannot leak into the
+reference it is compared against. Everything computes in float64 and builds the full [Nq, N] similarity matrix.
+
+Test modules import this file as ``references`` (tests/ is put on sys.path by the importing module).
+"""
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+# ---- feature maps: x [..., D] -> [..., D], non-negative ----
+
+
+def elu1_ref(x: torch.Tensor) -> torch.Tensor:
+    """elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise."""
+    return torch.where(x > 0, x + 1.0, torch.exp(x))
+
+
+def relu_ref(x: torch.Tensor) -> torch.Tensor:
+    """max(x, 0)."""
+    return torch.where(x > 0, x, torch.zeros_like(x))
+
+
+def focused_ref(x: torch.Tensor, power: float = 3.0) -> torch.Tensor:
+    """||r|| * r^p / ||r^p|| with r = relu(x); rows with no positive entry map to zeros.
+
+    The zero rows are selected with a safe denominator so that gradients stay finite (0 / 0 never evaluated).
+    """
+    r = relu_ref(x)
+    rp = r ** power
+    rp_norm = rp.norm(dim=-1, keepdim=True)
+    has_positive = rp_norm > 0
+    safe = torch.where(has_positive, rp_norm, torch.ones_like(rp_norm))
+    return torch.where(has_positive, r.norm(dim=-1, keepdim=True) * rp / safe, torch.zeros_like(rp))
+
+
+FEATURE_MAP_REFS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    'elu1': elu1_ref,
+    'relu': relu_ref,
+    'focused': focused_ref,
+}
+
+
+# ---- attention ----
+
+
+def key_weights_ref(key_mask: Optional[torch.Tensor], b: int, h: int, n: int) -> torch.Tensor:
+    """key_mask None, [B, N] or [B, H, N] (bool keeps a key; float is its weight) -> float64 weights [B, H, N]."""
+    if key_mask is None:
+        return torch.ones(b, h, n, dtype=torch.float64)
+    w = key_mask.to(torch.float64)
+    if w.dim() == 2:
+        w = w[:, None, :]
+    return w.expand(b, h, n)
+
+
+def quadratic_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = 'elu1',
+                            eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None,
+                            mean: bool = True) -> torch.Tensor:
+    """phi(Q) phi(K)^T V / (phi(Q) phi(K)^T 1 + eps), both sums taken as means over the kept keys, in float64.
+
+    q: [B, H, Nq, D], k: [B, H, N, D], v: [B, H, N, Dv], key_mask: [B, N] or [B, H, N] -> [B, H, Nq, Dv].
+    A float mask weights each key's similarity and the mean divides by the total weight. Keys with weight 0 are
+    dropped before they touch the sums, so non-finite padding cannot leak in. ``mean=False`` gives the sum
+    semantics (eps added to the plain sum), which the tests use only to show their inputs tell the two apart.
+    """
+    phi = FEATURE_MAP_REFS[feature_map]
+    q, k, v = q.double(), k.double(), v.double()
+    b, h, n = k.shape[0], k.shape[1], k.shape[2]
+    w = key_weights_ref(key_mask, b, h, n)  # [B, H, N]
+    kept = w > 0
+    phi_k = torch.where(kept[..., None], phi(k), torch.zeros_like(k))
+    v = torch.where(kept[..., None], v, torch.zeros_like(v))
+    sim = (phi(q) @ phi_k.transpose(-2, -1)) * w[:, :, None, :]  # [B, H, Nq, N]
+    num = sim @ v  # [B, H, Nq, Dv]
+    den = sim.sum(-1, keepdim=True)  # [B, H, Nq, 1]
+    if mean:
+        count = w.sum(-1)[..., None, None]  # [B, H, 1, 1]
+        count = torch.where(count > 0, count, torch.ones_like(count))  # all keys dropped: num = den = 0 anyway
+        num, den = num / count, den / count
+    return num / (den + eps)
+
+
+# ---- the LinearAttention layer ----
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim (biased variance), float64."""
+    centred = x - x.mean(-1, keepdim=True)
+    out = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + eps) * weight.double()
+    return out if bias is None else out + bias.double()
+
+
+def linear_ref(x: torch.Tensor, state: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """x @ W^T + b for the Linear stored as ``name.weight`` / ``name.bias`` in state (bias optional)."""
+    out = x @ state[f'{name}.weight'].double().T
+    bias = state.get(f'{name}.bias')
+    return out if bias is None else out + bias.double()
+
+
+def local_mix_ref(v_tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, grid: List[int],
+                  num_prefix_tokens: int) -> torch.Tensor:
+    """Depthwise k x k neighbourhood sum (zero padding) over the patch grid, as shifted sums, no convolution op.
+
+    v_tokens: [B, N, C] with N = num_prefix_tokens + gh * gw; weight: [C, 1, k, k]; bias: [C] -> [B, N, C] with
+    zeros for the prefix tokens.
+    """
+    b, n, c = v_tokens.shape
+    gh, gw = grid
+    k = weight.shape[-1]
+    r = k // 2
+    patches = v_tokens[:, num_prefix_tokens:].reshape(b, gh, gw, c)
+    padded = F.pad(patches, (0, 0, r, r, r, r))  # zero rows/columns around the grid: [B, gh + 2r, gw + 2r, C]
+    out = bias.double().expand(b, gh, gw, c).clone()
+    for di in range(k):
+        for dj in range(k):
+            # output (i, j) reads input (i + di - r, j + dj - r), i.e. padded (i + di, j + dj): cross-correlation
+            out = out + weight[:, 0, di, dj].double() * padded[:, di:di + gh, dj:dj + gw]
+    return torch.cat([torch.zeros(b, num_prefix_tokens, c, dtype=torch.float64), out.reshape(b, gh * gw, c)], 1)
+
+
+def linear_attention_layer_ref(state: Dict[str, torch.Tensor], x: torch.Tensor, num_heads: int,
+                               feature_map: str = 'elu1', eps: float = 1e-6, norm_eps: float = 1e-5,
+                               key_mask: Optional[torch.Tensor] = None, grid: Optional[List[int]] = None,
+                               num_prefix_tokens: int = 1) -> torch.Tensor:
+    """LinearAttention's forward in float64 from its state_dict, written from timm's Attention plus the math.
+
+    x: [B, N, dim], key_mask: [B, N] or [B, H, N] weights -> [B, N, dim_out]. Options are read from which
+    parameters exist: ``q_norm.weight`` (qk_norm, LayerNorm), ``local_mix.conv.weight`` (depthwise branch on V,
+    needs ``grid``), ``norm.weight`` (scale_norm, LayerNorm on the attention output), ``gate.weight`` (sigmoid
+    gate computed from x). Order as in timm: attention (+ local term), norm, gate, proj.
+    """
+    x = x.double()
+    b, n, _ = x.shape
+    attn_dim = state['qkv.weight'].shape[0] // 3
+    head_dim = attn_dim // num_heads
+    qkv = linear_ref(x, state, 'qkv')  # [B, N, 3 * H * Dh], ordered (q|k|v, head, d)
+    q, k, v = (t.reshape(b, n, num_heads, head_dim).transpose(1, 2) for t in qkv.split(attn_dim, dim=-1))
+    if 'q_norm.weight' in state:
+        q = layer_norm_ref(q, state['q_norm.weight'], state.get('q_norm.bias'), norm_eps)
+        k = layer_norm_ref(k, state['k_norm.weight'], state.get('k_norm.bias'), norm_eps)
+    out = quadratic_attention_ref(q, k, v, feature_map, eps, key_mask)  # [B, H, N, Dh]
+    out = out.transpose(1, 2).reshape(b, n, attn_dim)
+    if 'local_mix.conv.weight' in state:
+        out = out + local_mix_ref(qkv[..., 2 * attn_dim:], state['local_mix.conv.weight'],
+                                  state['local_mix.conv.bias'], grid, num_prefix_tokens)
+    if 'norm.weight' in state:
+        out = layer_norm_ref(out, state['norm.weight'], state.get('norm.bias'), norm_eps)
+    if 'gate.weight' in state:
+        out = out * torch.sigmoid(linear_ref(x, state, 'gate'))
+    return linear_ref(out, state, 'proj')
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| in float64 (Frobenius norms over the whole tensor)."""
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
