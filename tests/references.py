@@ -3,7 +3,7 @@
 Nothing here imports linvit: a wrong feature map, normaliser or layer option in the library cannot leak into the
 reference it is compared against. Everything computes in float64 and builds the full [Nq, N] similarity matrix.
 
-Test modules import this file as ``references`` (tests/ is put on sys.path by the importing module).
+Test modules import this file as ``references``: pytest puts tests/ on sys.path (``pythonpath`` in pyproject.toml).
 """
 from typing import Callable, Dict, List, Optional
 

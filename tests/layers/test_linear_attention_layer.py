@@ -1,18 +1,14 @@
 """LinearAttention as a drop-in for timm's Attention: math, options, masks, errors, timm integration."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from references import linear_attention_layer_ref, rel_err
 from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 
 from linvit import LinearAttention, linear_attention_layer, load_softmax_state_dict
 from linvit.ops import FEATURE_MAPS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared float64 references
-from references import linear_attention_layer_ref, rel_err  # noqa: E402
 
 DIM, HEADS = 48, 4
 
@@ -51,6 +47,16 @@ def test_layer_matches_float64_reference(feature_map, qk_norm):
     with torch.inference_mode():
         err = ((layer(x).double() - ref).norm() / ref.norm()).item()
     assert err <= 1e-5, f"inference-mode rel err {err:.2e}"
+
+
+@pytest.mark.compiler
+@pytest.mark.parametrize('qk_norm', [False, True], ids=['plain', 'qk-norm'])
+@pytest.mark.parametrize('feature_map', sorted(FEATURE_MAPS))
+def test_scripted_layer_matches_float64_reference(feature_map, qk_norm):
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, feature_map=feature_map, qk_norm=qk_norm,
+                                       norm_layer=nn.LayerNorm))
+    x = _tokens()
+    ref = _reference(layer, x, feature_map=feature_map)
     with torch.no_grad():
         scripted = torch.jit.script(layer)
         err = ((scripted(x).double() - ref).norm() / ref.norm()).item()
@@ -255,6 +261,7 @@ def test_vit_with_linear_attention_forward_backward(options):
         assert p.grad.abs().sum() > 0, f"{name} got a zero gradient"
 
 
+@pytest.mark.compiler
 def test_vit_torchscript_and_fx_match_eager():
     model = _randomise(_vit(linear_attention_layer(local_mix=True))).eval()
     x = torch.randn(2, 3, 64, 64)
@@ -266,6 +273,7 @@ def test_vit_torchscript_and_fx_match_eager():
     torch.testing.assert_close(torch.fx.symbolic_trace(model)(x), expected, rtol=0, atol=0)
 
 
+@pytest.mark.compiler
 def test_vit_compiles_without_graph_breaks():
     model = _randomise(_vit(linear_attention_layer(local_mix=True))).eval()
     x = torch.randn(2, 3, 64, 64)

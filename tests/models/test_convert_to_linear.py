@@ -132,6 +132,7 @@ def test_device_dtype_and_training_mode_follow_the_model():
     assert all(m.training for m in half.modules())
 
 
+@pytest.mark.compiler
 def test_torchscript_of_a_converted_model():
     model = _create('vit_tiny_patch16_224', depth=2)
     convert_to_linear(model, local_mix=True, softmax_blocks=(1,))

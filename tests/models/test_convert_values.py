@@ -2,7 +2,8 @@
 
 The reference is a float64 copy of the original timm model (made before conversion) whose every
 ``timm.layers.Attention`` forward is replaced by linear attention written out here from that module's own
-submodules (qkv, q_norm, k_norm, norm, gate, proj): phi = elu1 = where(x > 0, x + 1, exp(x)) and
+submodules (qkv, q_norm, k_norm, norm, gate, proj) and the shared float64 references of tests/references.py
+(``quadratic_attention_ref`` with phi = elu1 = where(x > 0, x + 1, exp(x)), ``local_mix_ref`` as shifted sums):
 
     out_i = mean_j s_ij v_j / (mean_j s_ij + eps),   s_ij = phi(q_i)^T phi(k_j),   means over the (kept) keys.
 
@@ -19,7 +20,7 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from references import local_mix_ref, quadratic_attention_ref
 from timm.layers import Attention, AttentionPoolLatent, LayerScale
 from timm.models.vision_transformer import ParallelThingsBlock, ResPostBlock, VisionTransformer
 
@@ -66,38 +67,6 @@ CONFIGS = {
 # ---------------------------------------------------------------------------------------------- reference
 
 
-def elu1_reference(x: torch.Tensor) -> torch.Tensor:
-    """The documented closed form of 'elu1': x + 1 for x > 0, exp(x) otherwise. [..., D] -> [..., D]."""
-    return torch.where(x > 0, x + 1, torch.exp(x))
-
-
-def linear_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               key_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Quadratic mean-normalised linear attention. q, k, v [B, H, N, D]; key_weights [B, N] (>= 0) or None.
-
-    Returns [B, H, N, D]: sum_j w_j s_ij v_j / (sum_j w_j s_ij + eps * sum_j w_j), i.e. the means over the kept
-    keys of the module docstring (w_j = 1 without a mask).
-    """
-    sim = elu1_reference(q) @ elu1_reference(k).transpose(-1, -2)  # [B, H, N, N]
-    if key_weights is None:
-        key_weights = torch.ones(k.shape[0], k.shape[2], dtype=k.dtype)
-    w = key_weights.to(k.dtype)[:, None, None, :]  # [B, 1, 1, N]
-    sim = sim * w
-    count = w.sum(-1, keepdim=True)
-    return (sim @ v) / (sim.sum(-1, keepdim=True) + EPS * count)
-
-
-def local_term_reference(v: torch.Tensor, conv: Tuple[torch.Tensor, torch.Tensor], num_prefix_tokens: int,
-                         grid: Tuple[int, int]) -> torch.Tensor:
-    """Depthwise conv (weight [C, 1, k, k], bias [C]) over the patch values v [B, H, N, D], laid out row-major on
-    ``grid`` after the prefix tokens, channels head-major (c = h * D + d). Returns [B, N, H * D], prefix rows 0."""
-    b, h, n, d = v.shape
-    weight, bias = conv
-    patches = v[:, :, num_prefix_tokens:].permute(0, 1, 3, 2).reshape(b, h * d, grid[0], grid[1])
-    local = F.conv2d(patches, weight, bias, padding=weight.shape[-1] // 2, groups=h * d)
-    return F.pad(local.flatten(2).transpose(1, 2), (0, 0, num_prefix_tokens, 0))
-
-
 def attention_forward_reference(attn: Attention, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                                 is_causal: bool = False, local=None) -> torch.Tensor:
     """Stand-in for ``Attention.forward`` (float64): x [B, N, C] -> [B, N, C_out] with linear attention.
@@ -110,11 +79,12 @@ def attention_forward_reference(attn: Attention, x: torch.Tensor, attn_mask: Opt
     qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
-    key_weights = None if attn_mask is None else attn_mask.reshape(b, n)
-    out = linear_attention_reference(q, k, v, key_weights).transpose(1, 2).reshape(b, n, attn.attn_dim)
+    key_mask = None if attn_mask is None else attn_mask.reshape(b, n)
+    out = quadratic_attention_ref(q, k, v, 'elu1', EPS, key_mask).transpose(1, 2).reshape(b, n, attn.attn_dim)
     if local is not None:
         weight, bias, num_prefix_tokens, grid = local
-        out = out + local_term_reference(v, (weight, bias), num_prefix_tokens, grid)
+        v_tokens = v.transpose(1, 2).reshape(b, n, attn.attn_dim)  # channels head-major, as LinearAttention's
+        out = out + local_mix_ref(v_tokens, weight, bias, grid, num_prefix_tokens)
     out = attn.norm(out)
     if attn.gate is not None:
         out = out * attn.gate(x).sigmoid()

@@ -369,6 +369,7 @@ def test_grad_checkpointing_keeps_outputs_and_gradients():
 
 # ---------------------------------------------------------------- torchscript, fx, compile
 
+@pytest.mark.compiler
 def test_torchscript_at_a_non_square_size():
     model = _tiny(dynamic_img_size=True, softmax_blocks=(1,), reg_tokens=2).eval()
     scripted = torch.jit.script(model)
@@ -377,6 +378,7 @@ def test_torchscript_at_a_non_square_size():
         torch.testing.assert_close(scripted(x), model(x))
 
 
+@pytest.mark.compiler
 def test_fx_traces_static_and_dynamic_models():
     static = _tiny(depth=2, softmax_blocks=(0,)).eval()
     traced = torch.fx.symbolic_trace(static)
@@ -393,6 +395,7 @@ def test_fx_traces_static_and_dynamic_models():
         assert features['blocks.1'].shape == (1, 1 + 60, 192)
 
 
+@pytest.mark.compiler
 def test_torch_compile_fullgraph():
     model = _tiny(dynamic_img_size=True, depth=2, softmax_blocks=(1,)).eval()
     compiled = torch.compile(model, backend='eager', fullgraph=True)

@@ -86,6 +86,7 @@ def test_unknown_head_is_named():
         SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=3, head='fancy')
 
 
+@pytest.mark.compiler
 @pytest.mark.parametrize('name', BACKBONES)
 def test_forward_and_loss_compile_without_graph_breaks(name):
     model = SegmentationModel(tiny_backbone(name), num_classes=4, neck_dim=16, head_dim=16)

@@ -1,9 +1,8 @@
 """Feature maps against their closed forms in float64."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from references import FEATURE_MAP_REFS
 
 from linvit.ops import (
     FEATURE_MAPS,
@@ -16,9 +15,6 @@ from linvit.ops import (
     register_feature_map,
     relu,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared float64 references
-from references import FEATURE_MAP_REFS  # noqa: E402
 
 
 def _sample(shape=(4, 7, 16), scale=3.0, seed=0) -> torch.Tensor:

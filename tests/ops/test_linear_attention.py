@@ -3,16 +3,12 @@
 The reference (tests/references.py) writes the feature maps and the mean normaliser from their formulas without
 importing linvit, so these tests also check the library's feature maps and its eps semantics.
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from references import FEATURE_MAP_REFS, quadratic_attention_ref, rel_err
 
 from linvit.ops import FEATURE_MAPS, linear_attention, quadratic_linear_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared float64 references
-from references import FEATURE_MAP_REFS, quadratic_attention_ref, rel_err  # noqa: E402
 
 MAPS = sorted(FEATURE_MAPS)
 EPS_VALUES = [1e-6, 1e-2, 0.5, 2.0]
