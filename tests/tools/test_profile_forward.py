@@ -1,6 +1,9 @@
 """tools/profile_forward.py: a preset of profile_resolution.py (one size, eager, batch 1) whose failures are shown."""
 import csv
 
+import pytest
+from scripted_clock import ScriptedClock, float_cells, in_process
+
 
 def test_preset_is_linvit_vs_vit_small_with_floors_at_one_size_eager_batch_1(prof, forward):
     args = prof.parse_args(forward.preset_argv('768x1280', 1, 3, '/tmp/out', []))
@@ -14,17 +17,10 @@ def test_preset_is_linvit_vs_vit_small_with_floors_at_one_size_eager_batch_1(pro
     assert (passed_on.floors, passed_on.threads) == ('none', 2)
 
 
-def _in_process(prof):
-    """run_config without a subprocess: the same result fields, measured (or failing) in this process."""
-    def run_config(config, timeout, retain_freed_memory=False):
-        return {**prof.base_row(config), **prof.child_result(config)}
-    return run_config
-
-
 def test_a_size_the_patch_does_not_divide_fails_with_the_models_message(prof, forward, tmp_path, capsys,
                                                                        monkeypatch):
     monkeypatch.setattr(forward, 'load_profile_resolution', lambda: prof)
-    monkeypatch.setattr(prof, 'run_config', _in_process(prof))
+    monkeypatch.setattr(prof, 'run_config', in_process(prof))
     status = forward.main(['--size', '200', '--repeats', '1', '--out', str(tmp_path),
                            '--models', 'linvit_small_patch16_512:depth=1', '--floors', 'none'])
     printed = capsys.readouterr().out
@@ -34,3 +30,24 @@ def test_a_size_the_patch_does_not_divide_fails_with_the_models_message(prof, fo
                              '200x200 is not divisible by the patch size 16x16')
     [row] = csv.DictReader((tmp_path / 'profile.csv').open())
     assert row['status'] == 'error' and row['error'].startswith('ValueError: image size 200x200')
+
+
+def test_the_preset_times_one_image_per_call_at_the_given_size(prof, forward, tmp_path, capsys, monkeypatch):
+    """With a scripted clock the printed img/s and ratios are known: the preset's size, batch 1 and repeats reach
+    the models (their own options replace the preset's ViT-S models to keep the test small)."""
+    ms = {('linvit_tiny_patch16_224', False): 40., ('linvit_tiny_patch16_224', True): 20.,
+          ('vit_tiny_patch16_224', False): 80.}
+    clock = ScriptedClock(lambda name, floor, h, w, call: 1e3 if call == 0 else ms[name, floor])
+    clock.install(monkeypatch, prof)
+    monkeypatch.setattr(forward, 'load_profile_resolution', lambda: prof)
+    monkeypatch.setattr(prof, 'run_config', in_process(prof))
+    models = ['linvit_tiny_patch16_224:depth=1', 'vit_tiny_patch16_224:depth=1']
+    assert forward.main(['--size', '32x48', '--repeats', '2', '--out', str(tmp_path), '--models', *models]) == 0
+    assert sorted(set(clock.inputs)) == [('linvit_tiny_patch16_224', False, (1, 3, 32, 48)),
+                                         ('linvit_tiny_patch16_224', True, (1, 3, 32, 48)),
+                                         ('vit_tiny_patch16_224', False, (1, 3, 32, 48))]
+    assert len(clock.inputs) == 3 * (1 + 2)  # one warm-up and two timed forwards per model
+    table = capsys.readouterr().out.split(f"## {models[0]} vs {models[1]}")[1]
+    [cells] = [line.split() for line in table.splitlines() if line.split()[:1] == ['32x48']]
+    # size, tokens, img/s of linvit, floor, softmax; linvit/floor, linvit/softmax
+    assert float_cells(' '.join(cells[1:]))[:6] == pytest.approx([7, 25., 50., 12.5, 0.5, 2.], abs=5e-3)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from scripted_clock import ScriptedClock, float_cells, in_process
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
@@ -288,3 +289,65 @@ def test_retain_freed_memory_reaches_the_child_and_the_csv(prof):
     assert (retained['status'], retained['allocator']) == ('ok', 'retain')
     assert (inherited['status'], inherited['allocator']) == ('ok', prof.allocator_setting())  # the parent's own
     assert 'allocator' in prof.CSV_FIELDS
+
+
+# ---------------------------------------------------------------- measured values against a scripted clock
+
+# 2 warm-up calls, then 10 timed: median (30 + 35) / 2, nearest-rank p90 the 9th smallest (50, not the largest)
+FORWARD_MS = [500., 50., 30., 10., 20., 50., 40., 35., 25., 15., 45., 60.]
+
+
+@pytest.mark.parametrize('task', ['infer', 'train'])
+@pytest.mark.parametrize('spec, floor, tokens', [
+    ('linvit_tiny_patch16_224:depth=1,reg_tokens=4', False, 1 + 4 + 2 * 3),  # class token, registers, 2x3 patches
+    ('linvit_tiny_patch16_224:depth=1,reg_tokens=4', True, 1 + 4 + 2 * 3),
+    ('vit_tiny_patch16_224:depth=1,class_token=False,global_pool=avg', False, 2 * 3),
+])
+def test_measure_reports_the_forward_times_per_image_and_the_token_count(prof, monkeypatch, spec, floor, tokens,
+                                                                         task):
+    clock = ScriptedClock(lambda name, is_floor, h, w, i: FORWARD_MS[i])
+    clock.install(monkeypatch, prof)
+    model = prof.parse_model_spec(spec)
+    config = prof.Config(model.as_floor() if floor else model, 32, 48, 2, 'fp32', 'eager', task, 'cpu', 2, 10)
+    result = prof.child_result(config)
+    assert result['status'] == 'ok', result.get('error')
+    assert result['tokens'] == tokens
+    assert (result['first_call_ms'], result['median_ms'], result['p90_ms']) == pytest.approx((500., 32.5, 50.))
+    assert result['img_per_s'] == pytest.approx(2 / 0.0325)  # batch 2 in 32.5 ms
+    # the model (its floor when asked) saw [batch, 3, H, W] images, warm-up + repeats times
+    assert clock.inputs == [(model.name, floor, (2, 3, 32, 48))] * 12
+
+
+# milliseconds of one forward by (model, floor, image side); warm-up calls take 1 s, timed calls vary around these
+TABLE_MS = {('linvit_tiny_patch16_224', False, 32): 20., ('linvit_tiny_patch16_224', True, 32): 10.,
+            ('vit_tiny_patch16_224', False, 32): 10., ('linvit_tiny_patch16_224', False, 64): 60.,
+            ('linvit_tiny_patch16_224', True, 64): 40., ('vit_tiny_patch16_224', False, 64): 100.}
+
+
+def table_forward_ms(name, floor, height, width, call):
+    return 1e3 if call == 0 else TABLE_MS[name, floor, height] * [1.2, 1.0, 0.8][(call - 1) % 3]
+
+
+def test_printed_table_and_csv_are_the_scripted_throughputs(prof, tmp_path, capsys, monkeypatch):
+    ScriptedClock(table_forward_ms).install(monkeypatch, prof)
+    monkeypatch.setattr(prof, 'run_config', in_process(prof))
+    models = ['linvit_tiny_patch16_224:depth=1,local_mix=False', 'vit_tiny_patch16_224:depth=1']
+    assert prof.main(['--models', *models, '--sizes', '32', '64', '--mode', 'eager', '--floors', 'linear',
+                      '--warmup', '1', '--repeats', '3', '--out', str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    rows = {(r['model'], int(r['height'])): r for r in csv.DictReader((tmp_path / 'profile.csv').open())}
+    for (name, floor, side), ms in TABLE_MS.items():
+        label = next(m for m in models if m.startswith(name))
+        row = rows[f"floor({label})" if floor else label, side]
+        assert int(row['tokens']) == (side // 16) ** 2 + 1
+        assert [float(row[k]) for k in ('median_ms', 'p90_ms', 'img_per_s', 'first_call_ms')] == pytest.approx(
+            [ms, 1.2 * ms, 1e3 / ms, 1e3])
+    table = printed.split(f"## {models[0]} vs {models[1]}")[1]
+    lines = {line.split()[0]: line for line in table.splitlines() if line.strip()[:1].isdigit()}
+    # size, tokens, img/s of linvit, floor, softmax; linvit/floor, linvit/softmax; then memory added (MiB)
+    assert float_cells(lines['32'])[:7] == pytest.approx([32, 5, 50., 100., 100., 0.5, 0.5], abs=5e-3)
+    assert float_cells(lines['64'])[:7] == pytest.approx([64, 17, 1e3 / 60, 25., 10., 40 / 60, 100 / 60], abs=5e-3)
+    for side in ('32', '64'):
+        assert float_cells(lines[side])[7:] == [round(float(rows[m, int(side)]['added_mem_mib'])) for m in models]
+    assert f"crossover: {models[0]} beats {models[1]} from 64 px (17 tokens) on" in table
+    assert 'time growth 32 -> 64 px (4x tokens): linvit 3.00x, floor 4.00x, softmax 10.00x' in table
