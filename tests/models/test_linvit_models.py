@@ -66,6 +66,21 @@ def test_default_cfg_has_no_weight_source(name):
 
 
 @pytest.mark.parametrize('name', MODEL_NAMES)
+def test_default_cfg_is_timms_vit_data_config(name):
+    """timm's data pipeline (resolve_data_config, create_transform) and its pretrained loading read these fields:
+    they match timm's own ViT-S/16 (augreg) config, sized for the model, and name the model's real modules."""
+    cfg = timm.models.get_pretrained_cfg(name).to_dict()
+    vit = timm.models.get_pretrained_cfg('vit_small_patch16_224.augreg_in21k_ft_in1k').to_dict()
+    same = ('num_classes', 'pool_size', 'interpolation', 'mean', 'std', 'first_conv', 'classifier', 'license')
+    assert {k: cfg[k] for k in same} == {k: vit[k] for k in same}
+    high_res = EXPECTED[name][2] > 224  # dynamic_img_size models: any size, evaluated without a centre crop
+    assert (cfg['crop_pct'], cfg['fixed_input_size']) == ((1.0, False) if high_res else (0.9, True))
+    model = timm.create_model(name, depth=1, num_classes=7)
+    assert isinstance(model.get_submodule(cfg['first_conv']), torch.nn.Conv2d)
+    assert model.get_submodule(cfg['classifier']).out_features == 7
+
+
+@pytest.mark.parametrize('name', MODEL_NAMES)
 def test_model_default_size_forward_backward(name):
     embed_dim, heads, size = EXPECTED[name]
     torch.manual_seed(0)
@@ -256,6 +271,8 @@ def test_size_error_on_a_fixed_size_model_suggests_only_fixes_that_work(size):
     suggested = dict(dynamic_img_size=True, dynamic_img_pad=True) if 'dynamic_img_pad=True' in message \
         else dict(dynamic_img_size=True)
     assert (size[0] % 16 == 0 and size[1] % 16 == 0) == ('dynamic_img_pad' not in message)
+    if 'dynamic_img_pad' in message:  # the pixels a fixed size would lose, as timm's strided convolution does
+        assert f"drops the {size[0] % 16} bottom rows and {size[1] % 16} right columns" in message
     assert _tiny(depth=1, **suggested)(_images(1, *size)).shape == (1, 1000)
 
 
@@ -277,6 +294,15 @@ def test_dynamic_size_resamples_the_position_embedding():
     x = _images(1, 96, 160)
     with torch.no_grad():
         torch.testing.assert_close(dynamic(x), fixed(x))
+
+
+def test_set_input_size_changes_the_patch_size_too():
+    model = _tiny(depth=2).eval()
+    model.set_input_size(img_size=(64, 96), patch_size=(8, 8))
+    assert model.patch_embed.patch_size == (8, 8) and model.patch_embed.proj.weight.shape[-2:] == (8, 8)
+    assert model.pos_embed.shape[1] == 1 + 8 * 12
+    assert {b.attn.local_mix.grid_size for b in model.blocks} == {(8, 12)}
+    assert model.forward_features(_images(1, 64, 96)).shape == (1, 1 + 8 * 12, 192)
 
 
 def test_set_input_size_updates_grid_and_position_embedding():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 
 import linvit  # noqa: F401  (registers linvit_* with timm)
 from linvit.engine.segmentation import SegmentationLoss, dice_loss
@@ -52,6 +53,81 @@ def test_pyramid_levels_come_from_the_named_blocks(blocks, expected_levels):
     if len(set(expected_levels)) > 1:
         wrong = model.neck([every_block[DEPTH - 1 - i] for i in expected_levels])
         assert not torch.allclose(wrong[0], pyramid[0], atol=1e-3)
+
+
+# ---------------------------------------------------------------- neck and head against a float64 reference
+
+# every parameter of the neck and head (ViTDet's simple feature pyramid, SegFormer's all-MLP decoder): convolutions
+# followed by a LayerNorm carry no bias
+NECK_HEAD_PARAMETERS = sorted(
+    [f'neck.input_norms.{i}.{p}' for i in range(4) for p in ('weight', 'bias')]
+    + [f'neck.rescales.0.{j}.{p}' for j in (0, 1, 3) for p in ('weight', 'bias')]
+    + ['neck.rescales.1.weight', 'neck.rescales.1.bias']
+    + [f'neck.projections.{i}.{j}.weight' for i in range(4) for j in range(4)]
+    + [f'neck.projections.{i}.{j}.bias' for i in range(4) for j in (1, 3)]
+    + [f'head.projections.{i}.{p}' for i in range(4) for p in ('weight', 'bias')]
+    + ['head.fuse.0.weight', 'head.fuse.1.weight', 'head.fuse.1.bias', 'head.classifier.weight',
+       'head.classifier.bias'])
+
+
+def layer_norm_2d_ref(x, weight, bias, eps=1e-6):
+    """LayerNorm over the channels of [B, C, H, W] at every pixel (biased variance), float64."""
+    mean = x.mean(1, keepdim=True)
+    var = (x - mean).square().mean(1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight[:, None, None] + bias[:, None, None]
+
+
+def gelu_ref(x):
+    return 0.5 * x * (1 + torch.erf(x / 2 ** 0.5))
+
+
+def neck_and_head_ref(state, features, out_size):
+    """ViTDet's pyramid and SegFormer's head from the state dict, float64: 4 maps [B, C, h, w] at the patch stride
+    -> logits [B, K, *out_size]. Resampling: x4 = deconv, LN, GELU, deconv; x2 = deconv; x1; x0.5 = 2x2 max pool."""
+    w = {k: v.double() for k, v in state.items()}
+    pyramid = []
+    for i, x in enumerate(features):
+        x = layer_norm_2d_ref(x.double(), w[f'neck.input_norms.{i}.weight'], w[f'neck.input_norms.{i}.bias'])
+        if i == 0:
+            x = F.conv_transpose2d(x, w['neck.rescales.0.0.weight'], w['neck.rescales.0.0.bias'], stride=2)
+            x = gelu_ref(layer_norm_2d_ref(x, w['neck.rescales.0.1.weight'], w['neck.rescales.0.1.bias']))
+            x = F.conv_transpose2d(x, w['neck.rescales.0.3.weight'], w['neck.rescales.0.3.bias'], stride=2)
+        elif i == 1:
+            x = F.conv_transpose2d(x, w['neck.rescales.1.weight'], w['neck.rescales.1.bias'], stride=2)
+        elif i == 3:
+            x = F.max_pool2d(x, 2)
+        p = f'neck.projections.{i}'
+        x = layer_norm_2d_ref(F.conv2d(x, w[f'{p}.0.weight']), w[f'{p}.1.weight'], w[f'{p}.1.bias'])
+        x = layer_norm_2d_ref(F.conv2d(x, w[f'{p}.2.weight'], padding=1), w[f'{p}.3.weight'], w[f'{p}.3.bias'])
+        pyramid.append(x)
+    size = pyramid[0].shape[-2:]
+    levels = [F.conv2d(x, w[f'head.projections.{i}.weight'], w[f'head.projections.{i}.bias'])
+              for i, x in enumerate(pyramid)]
+    levels = [F.interpolate(x, size=size, mode='bilinear', align_corners=False) for x in levels]
+    fused = F.conv2d(torch.cat(levels, 1), w['head.fuse.0.weight'])
+    fused = gelu_ref(layer_norm_2d_ref(fused, w['head.fuse.1.weight'], w['head.fuse.1.bias']))
+    logits = F.conv2d(fused, w['head.classifier.weight'], w['head.classifier.bias'])
+    return F.interpolate(logits, size=out_size, mode='bilinear', align_corners=False)
+
+
+def test_neck_and_head_match_a_float64_reference_written_from_the_papers():
+    model = SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=5, neck_dim=16, head_dim=12)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith('backbone.')}
+    assert sorted(state) == NECK_HEAD_PARAMETERS
+    torch.manual_seed(1)
+    with torch.no_grad():  # no LayerNorm is an identity, no bias zero
+        for name, p in model.named_parameters():
+            if not name.startswith('backbone.'):
+                p.add_(torch.randn_like(p) * 0.3)
+    model.eval()
+    images = torch.randn(2, 3, 40, 56)  # a 5 x 7 grid: odd sides, so max pooling drops a row and a column
+    with torch.no_grad():
+        features = model.backbone.forward_intermediates(images, indices=model.take_blocks, norm=False,
+                                                        intermediates_only=True)
+        expected = neck_and_head_ref(model.state_dict(), features, (40, 56))
+        logits = model(images).double()
+    err = ((logits - expected).norm() / expected.norm()).item()
+    assert err < 1e-5, f"rel err {err:.2e}"
 
 
 def test_pyramid_strides_are_quarter_half_one_and_two_patches():

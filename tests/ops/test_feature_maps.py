@@ -88,6 +88,16 @@ def test_unknown_feature_map_lists_known_ones():
     assert 'softmaxish' in str(info.value)
 
 
+def test_registered_feature_map_is_resolved_by_name(monkeypatch):
+    monkeypatch.setattr('linvit.ops.feature_maps.FEATURE_MAPS', dict(FEATURE_MAPS))  # registration is global
+
+    def softplus(x):
+        return torch.nn.functional.softplus(x)
+
+    assert register_feature_map('test_softplus', softplus) is softplus
+    assert get_feature_map('test_softplus') is softplus and 'test_softplus' in list_feature_maps()
+
+
 def test_register_feature_map_rejects_duplicates():
     with pytest.raises(ValueError, match='elu1'):
         register_feature_map('elu1', elu1)

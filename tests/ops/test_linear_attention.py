@@ -145,6 +145,24 @@ def test_library_reference_matches_independent_reference(feature_map, eps):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12, msg=lambda m, kind=mask_kind: f"{kind}: {m}")
 
 
+def test_library_reference_defaults_callables_light_weights_and_non_finite_padding():
+    """The library reference's defaults (elu1, eps 1e-6), a feature map passed as a function, key weights that sum
+    to less than 1 (the mean divides by that sum, not by max(sum, 1)), and inf values under zero-weight keys."""
+    q, k, v = _qkv(EPS_SHAPE, dtype=torch.float64, seed=6)
+    ref = quadratic_attention_ref(q, k, v, feature_map='elu1', eps=1e-6)
+    torch.testing.assert_close(quadratic_linear_attention(q, k, v), ref, rtol=1e-12, atol=1e-12)
+    relu_fn = FEATURE_MAPS['relu']
+    torch.testing.assert_close(quadratic_linear_attention(q, k, v, feature_map=relu_fn, eps=0.5),
+                               quadratic_attention_ref(q, k, v, feature_map='relu', eps=0.5), rtol=1e-12, atol=1e-12)
+    weights = torch.full((EPS_SHAPE[0], EPS_SHAPE[3]), 0.02, dtype=torch.float64)  # 17 keys: total weight 0.34
+    weights[:, ::4] = 0.0
+    v_padded = v.clone()
+    v_padded[:, :, ::4] = float('inf')  # what padded tokens may hold; a zero weight must drop them
+    got = quadratic_linear_attention(q, k, v_padded, eps=0.5, key_mask=weights)
+    ref = quadratic_attention_ref(q, k, v, eps=0.5, key_mask=weights)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_every_feature_map_has_an_independent_reference():
     assert set(FEATURE_MAPS) <= set(FEATURE_MAP_REFS), "add the new map's formula to tests/references.py"
 
