@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 PYTEST_ARGS ?=
+MUTATION_WORKERS ?= 2
 
-.PHONY: setup demo demo-cls test lint bench clean
+.PHONY: setup demo demo-cls test lint bench mutation clean
 
 setup: $(STAMP)
 
@@ -38,6 +39,19 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py
+
+# mutation testing, not part of make test (about an hour on 2 cores): mutmut mutates linvit/ops, linvit/layers and
+# linvit/models one change at a time and runs the tests that cover each change (.ci/mutation/setup.cfg), in a fresh
+# copy of the tracked tree under build/mutation. Survivors: cd build/mutation && ../../.venv/bin/mutmut results;
+# the ones accepted as equivalent are listed, with reasons, in .ci/mutation/equivalent_mutants.md.
+MUTATION_DIR := build/mutation
+mutation: $(STAMP)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) mutmut
+	rm -rf $(MUTATION_DIR) && mkdir -p $(MUTATION_DIR)
+	git ls-files -z | tar --null -T - -cf - | tar -xf - -C $(MUTATION_DIR)
+	cp .ci/mutation/setup.cfg $(MUTATION_DIR)/setup.cfg
+	cd $(MUTATION_DIR) && ../../$(VENV)/bin/mutmut run --max-children $(MUTATION_WORKERS)
+	$(PY) .ci/mutation/score.py $(MUTATION_DIR)/mutants .ci/mutation/equivalent_mutants.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,4 +1,5 @@
 """LinearAttention as a drop-in for timm's Attention: math, options, masks, errors, timm integration."""
+import logging
 
 import pytest
 import torch
@@ -304,6 +305,17 @@ def test_softmax_state_dict_with_wrong_keys_is_rejected():
     sd['blocks.0.attn.extra'] = torch.zeros(1)
     with pytest.raises(RuntimeError, match=r"unexpected keys \['blocks.0.attn.extra'\]"):
         load_softmax_state_dict(linear, sd)
+    # a key the softmax model does have is never optional
+    sd = {k: v for k, v in _vit(Attention).state_dict().items() if k != 'blocks.1.attn.qkv.weight'}
+    with pytest.raises(RuntimeError, match=r"missing keys \['blocks.1.attn.qkv.weight'\], unexpected keys \[\]"):
+        load_softmax_state_dict(linear, sd)
+
+
+def test_kept_linear_only_parameters_are_logged_by_name(caplog):
+    linear = _vit(linear_attention_layer(local_mix=True))
+    with caplog.at_level(logging.INFO, logger='linvit.layers.weights'):
+        kept = load_softmax_state_dict(linear, _vit(Attention).state_dict())
+    assert caplog.messages == ["kept initial values of linear-attention-only parameters: " + ", ".join(kept)]
 
 
 def test_autocast_bf16_layer_is_finite_and_close():

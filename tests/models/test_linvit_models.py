@@ -13,6 +13,7 @@ from timm.models import create_feature_extractor
 import linvit
 from linvit import LinearAttention, load_softmax_state_dict
 from linvit.models import LinearAttentionBlock, LinearVisionTransformer, SoftmaxAttentionBlock
+from linvit.models.linvit import check_image_size
 from linvit.ops import FEATURE_MAPS
 
 MODEL_NAMES = timm.list_models('linvit_*')
@@ -228,6 +229,17 @@ def test_all_softmax_blocks_reproduce_timm_vit_exactly():
     x = _images(2, 224, 224)
     with torch.no_grad():
         assert torch.equal(model(x), vit(x))
+        # a key mask (second image: its last 50 patch tokens are padding) reaches every softmax block as in timm
+        keep = torch.ones(2, 1 + 4 + 196, dtype=torch.bool)
+        keep[1, -50:] = False
+        mask = keep[:, None, None, :]
+        masked = model.forward_features(x, attn_mask=mask)
+        assert torch.equal(masked, vit.forward_features(x, attn_mask=mask))
+        assert not torch.allclose(masked[1], model.forward_features(x)[1])
+        # and a block called on its own (timm's Block API) is not causal unless asked
+        tokens = torch.randn(2, 9, 192)
+        assert torch.equal(model.blocks[0](tokens), vit.blocks[0](tokens))
+        assert not torch.allclose(model.blocks[0](tokens), vit.blocks[0](tokens, is_causal=True))
 
 
 def test_block_fn_and_attn_layer_are_chosen_by_linvit():
@@ -274,6 +286,21 @@ def test_size_error_on_a_fixed_size_model_suggests_only_fixes_that_work(size):
     if 'dynamic_img_pad' in message:  # the pixels a fixed size would lose, as timm's strided convolution does
         assert f"drops the {size[0] % 16} bottom rows and {size[1] % 16} right columns" in message
     assert _tiny(depth=1, **suggested)(_images(1, *size)).shape == (1, 1000)
+
+
+def test_check_image_size_raises_what_the_forward_raises():
+    """linvit.fast checks sizes with it before entering compiled code: same error as the eager forward."""
+    for model, size in ((_tiny(depth=1), (200, 224)), (_tiny(depth=1, dynamic_img_size=True), (100, 160))):
+        with pytest.raises(ValueError) as eager:
+            model(_images(1, *size))
+        with pytest.raises(ValueError) as checked:
+            check_image_size(model, _images(1, *size))
+        assert str(checked.value) == str(eager.value)
+        check_image_size(model, _images(1, 224, 224))  # a size the model takes passes
+    with pytest.raises(ValueError, match=r"LinearVisionTransformer expects images of shape \[B, C, H, W\], got "
+                                         r"\[3, 224, 224\]"):
+        check_image_size(_tiny(depth=1), torch.randn(3, 224, 224))
+    check_image_size(torch.nn.Linear(2, 2), torch.randn(3, 5))  # no timm patch_embed: nothing to check
 
 
 def test_dynamic_pad_takes_any_size():
@@ -446,8 +473,25 @@ def test_overlay_file_without_pretrained_warns_that_it_is_ignored(tmp_path):
 
 def test_missing_weights_file_is_named(tmp_path):
     missing = tmp_path / 'missing.pth'
-    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+    with pytest.raises(FileNotFoundError, match=f"pretrained_cfg_overlay file {re.escape(repr(str(missing)))} does "
+                                                f"not exist"):
         timm.create_model(TINY, depth=1, pretrained=True, pretrained_cfg_overlay=dict(file=str(missing)))
+    # timm's other way to give the source: a whole pretrained_cfg
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        timm.create_model(TINY, depth=1, pretrained=True, pretrained_cfg=dict(file=str(missing)))
+
+
+def test_deit3_checkpoint_layer_scale_names_are_adapted(tmp_path):
+    """Older DeiT-III / BEiT checkpoints name layer scale 'gamma_1' / 'gamma_2'; timm maps them to ls1/ls2."""
+    torch.manual_seed(0)
+    source = timm.create_model('vit_tiny_patch16_224', depth=2, init_values=0.1).state_dict()
+    for key in [k for k in source if '.ls' in k]:
+        source[key.replace('ls1.gamma', 'gamma_1').replace('ls2.gamma', 'gamma_2')] = source.pop(key) + 0.5
+    path = tmp_path / 'deit3.pth'
+    torch.save(source, path)
+    model = timm.create_model(TINY, depth=2, init_values=0.1, pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(path)))
+    torch.testing.assert_close(model.blocks[1].ls2.gamma, source['blocks.1.gamma_2'], rtol=0, atol=0)
 
 
 def test_softmax_vit_small_state_dict_loads_strictly_except_local_mix():
@@ -472,7 +516,8 @@ def test_softmax_checkpoint_file_loads_with_resampled_pos_embed(tmp_path, caplog
     with caplog.at_level(logging.INFO, logger='linvit.models.linvit'):
         model = timm.create_model('linvit_small_patch16_512', pretrained=True,
                                   pretrained_cfg_overlay=dict(file=str(path)))
-    assert 'blocks.11.attn.local_mix.conv.weight' in caplog.text
+    assert caplog.messages == ["softmax checkpoint: kept the initial values of linear-only tensors "
+                               + ', '.join(sorted(k for k in model.state_dict() if 'local_mix' in k))]
     state = model.state_dict()
     expected_pos = resample_abs_pos_embed(source['pos_embed'], new_size=(32, 32), old_size=(14, 14),
                                           num_prefix_tokens=1, antialias=True)

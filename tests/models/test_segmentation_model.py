@@ -114,6 +114,16 @@ def test_neck_and_head_match_a_float64_reference_written_from_the_papers():
     model = SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=5, neck_dim=16, head_dim=12)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith('backbone.')}
     assert sorted(state) == NECK_HEAD_PARAMETERS
+    # kernel sizes: 2x2 stride-2 deconvolutions, 1x1 then 3x3 projections, 1x1 head convolutions
+    assert state['neck.rescales.0.0.weight'].shape == (WIDTH, WIDTH // 2, 2, 2)
+    assert state['neck.rescales.0.3.weight'].shape == (WIDTH // 2, WIDTH // 4, 2, 2)
+    assert state['neck.rescales.1.weight'].shape == (WIDTH, WIDTH // 2, 2, 2)
+    assert [state[f'neck.projections.{i}.0.weight'].shape for i in range(4)] == [
+        (16, WIDTH // 4, 1, 1), (16, WIDTH // 2, 1, 1), (16, WIDTH, 1, 1), (16, WIDTH, 1, 1)]
+    assert {state[f'neck.projections.{i}.2.weight'].shape for i in range(4)} == {(16, 16, 3, 3)}
+    assert {state[f'head.projections.{i}.weight'].shape for i in range(4)} == {(12, 16, 1, 1)}
+    assert state['head.fuse.0.weight'].shape == (12, 4 * 12, 1, 1)
+    assert state['head.classifier.weight'].shape == (5, 12, 1, 1)
     torch.manual_seed(1)
     with torch.no_grad():  # no LayerNorm is an identity, no bias zero
         for name, p in model.named_parameters():
@@ -137,11 +147,23 @@ def test_pyramid_strides_are_quarter_half_one_and_two_patches():
     assert all(level.shape[1] == 16 for level in pyramid)
 
 
-def test_unused_blocks_norm_and_classifier_are_pruned():
-    model = SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=3, feature_blocks=[1])
+@pytest.mark.parametrize('name', BACKBONES)
+def test_unused_blocks_norm_and_classifier_are_pruned(name):
+    backbone = timm.create_model(name, num_classes=10, img_size=32, dynamic_img_size=True, depth=DEPTH,
+                                 embed_dim=WIDTH, num_heads=HEADS, patch_size=PATCH)  # with its classifier
+    model = SegmentationModel(backbone, num_classes=3, feature_blocks=[1])
     assert len(model.backbone.blocks) == 2
-    assert isinstance(model.backbone.norm, torch.nn.Identity)
-    assert model.input_multiple == PATCH
+    assert isinstance(model.backbone.norm, torch.nn.Identity) and isinstance(model.backbone.head, torch.nn.Identity)
+    assert not [k for k in model.state_dict() if k.startswith(('backbone.norm', 'backbone.head'))]
+    assert model.input_multiple == PATCH and model.num_classes == 3
+
+
+def test_defaults_are_128_wide_and_one_class_is_allowed():
+    model = SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=1)
+    assert model.neck.projections[0][0].out_channels == 128 and model.head.fuse[0].out_channels == 128
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 1, 32, 32)
+    with pytest.raises(ValueError, match='a segmentation model needs num_classes >= 1, got 0'):
+        SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=0)
 
 
 def test_default_feature_blocks_are_evenly_spaced():
@@ -151,10 +173,17 @@ def test_default_feature_blocks_are_evenly_spaced():
 
 
 @pytest.mark.parametrize('blocks, message', [([0, 1], 'must name 1 block'), ([7], 'block 7 does not exist'),
-                                             ([-5], 'block -5 does not exist')])
+                                             ([-5], 'block -5 does not exist'), ([4], 'block 4 does not exist')])
 def test_bad_feature_blocks_are_named(blocks, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as error:
         SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=3, feature_blocks=blocks)
+    if 'exist' in message:
+        assert str(error.value).endswith(f"in a backbone of depth {DEPTH} (valid: 0..3 or -4..-1)")
+
+
+def test_the_first_and_last_blocks_can_be_named_from_either_end():
+    model = SegmentationModel(tiny_backbone('linvit_tiny_patch16_224'), num_classes=3, feature_blocks=[-4, 0, 3, -1])
+    assert model.level_blocks == [0, 0, 3, 3]
 
 
 def test_unknown_head_is_named():
