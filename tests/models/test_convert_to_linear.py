@@ -1,5 +1,7 @@
 """convert_to_linear on timm softmax models: tensors kept bit for bit, the converted math against the quadratic
 reference and against the linvit model, hybrids, token layouts, and clear errors for what cannot be converted."""
+import logging
+
 import pytest
 import timm
 import torch
@@ -202,7 +204,24 @@ def test_local_mix_needs_a_token_layout():
             super().__init__()
             self.attn = Attention(32, num_heads=4)
 
-    with pytest.raises(ValueError, match='local_mix needs the token layout'):
+    with pytest.raises(ValueError, match='local_mix needs the token layout, but Mixer has no num_prefix_tokens'):
         convert_to_linear(Mixer(), local_mix=True)
+    with_prefix_only = Mixer()
+    with_prefix_only.num_prefix_tokens = 1  # but no patch_embed.grid_size
+    with pytest.raises(ValueError, match='local_mix needs the token layout'):
+        convert_to_linear(with_prefix_only, local_mix=True)
     model = convert_to_linear(Mixer())
     assert isinstance(model.attn, LinearAttention)
+
+
+def test_local_mix_takes_the_models_non_square_grid_and_warns_only_for_dynamic_sizes(caplog):
+    fixed = _create('vit_tiny_patch16_224', depth=1, img_size=(32, 48))
+    with caplog.at_level(logging.WARNING, logger='linvit.models.convert'):
+        convert_to_linear(fixed, local_mix=True)
+    assert fixed.blocks[0].attn.local_mix.grid_size == (2, 3) and caplog.messages == []
+    dynamic = _create('vit_tiny_patch16_224', depth=1, img_size=(32, 48), dynamic_img_size=True)
+    with caplog.at_level(logging.WARNING, logger='linvit.models.convert'):
+        convert_to_linear(dynamic, local_mix=True)
+    assert caplog.messages == [
+        "local_mix on a converted VisionTransformer finds the patch grid from grid_size (2, 3) or a square token "
+        "count; other non-square sizes raise. Load the weights into a linvit_* model for those."]

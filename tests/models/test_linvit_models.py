@@ -242,6 +242,55 @@ def test_all_softmax_blocks_reproduce_timm_vit_exactly():
         assert not torch.allclose(model.blocks[0](tokens), vit.blocks[0](tokens, is_causal=True))
 
 
+@pytest.mark.parametrize('options', [
+    dict(indices=[0, 2], norm=True, return_prefix_tokens=True),
+    dict(indices=1, stop_early=True, intermediates_only=True, output_fmt='NLC'),
+    dict(indices=[1], return_prefix_tokens=True, output_dict=True),
+    dict(indices=3, masked=True),
+    dict(indices=[0, 3], checkpointing=True, norm=True),
+], ids=['norm-prefix', 'stop-early-nlc', 'dict', 'key-mask', 'grad-checkpointing'])
+def test_forward_intermediates_match_timm_vit(options):
+    """With every block softmax, linvit's forward_intermediates must return exactly what timm's ViT returns."""
+    options = dict(options)
+    masked, checkpointing = options.pop('masked', False), options.pop('checkpointing', False)
+    torch.manual_seed(0)
+    kwargs = dict(depth=4, reg_tokens=2, dynamic_img_size=True)
+    vit = timm.create_model('vit_tiny_patch16_224', **kwargs).eval()
+    model = _tiny(softmax_blocks=range(4), local_mix=False, **kwargs).eval()
+    model.load_state_dict(vit.state_dict(), strict=True)
+    if checkpointing:
+        vit.set_grad_checkpointing(True)
+        model.set_grad_checkpointing(True)
+    x = _images(2, 64, 96)
+    if masked:
+        keep = torch.ones(2, 1 + 2 + 24, dtype=torch.bool)
+        keep[1, -7:] = False
+        options['attn_mask'] = keep[:, None, None, :]
+    with torch.no_grad():
+        got, want = model.forward_intermediates(x, **options), vit.forward_intermediates(x, **options)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if masked:
+        unmasked = model.forward_intermediates(x, indices=3)[1][0]
+        assert not torch.allclose(got[1][0][1], unmasked[1])
+
+
+def test_grad_checkpointing_passes_the_grid_and_mask_to_linear_blocks():
+    """Linear blocks with local mixing need the patch grid (a non-square one here) through the checkpoint too."""
+    model = _tiny(depth=2, dynamic_img_size=True, reg_tokens=1).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.local_mix.conv.weight.normal_()
+    x = _images(2, 64, 96)
+    keep = torch.ones(2, 1 + 1 + 24, dtype=torch.bool)
+    keep[0, -5:] = False
+    mask = keep[:, None, None, :]
+    with torch.no_grad():
+        plain = model.forward_intermediates(x, attn_mask=mask)
+        model.set_grad_checkpointing(True)
+        checkpointed = model.forward_intermediates(x, attn_mask=mask)
+    torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
+
+
 def test_block_fn_and_attn_layer_are_chosen_by_linvit():
     for key in ('block_fn', 'attn_layer'):
         with pytest.raises(ValueError, match=key):

@@ -124,3 +124,12 @@ def test_maps_without_inplace_form_report_none():
     assert get_inplace_feature_map('focused') is None
     with pytest.raises(ValueError, match='softmaxish'):
         get_inplace_feature_map('softmaxish')
+
+
+def test_focused_keeps_its_direction_for_tiny_float32_inputs():
+    """r^3 of values near 1e-15 underflows float32: the map scales rows by their max before the power."""
+    x = _sample(shape=(3, 16)) * 1e-15
+    expected = FEATURE_MAP_REFS['focused'](x)  # float64
+    got = focused(x.float()).double()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-21)
+    assert (expected.abs().amax(-1) > 1e-16).all()  # not a zero row in disguise
