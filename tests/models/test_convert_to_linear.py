@@ -174,6 +174,36 @@ def test_other_attention_is_rejected_by_path_and_class(build, path, cls):
     assert not any(isinstance(m, LinearAttention) for m in model.modules()), "model changed before the error"
 
 
+class Mixer(nn.Module):
+    """Token mixing under a name no rule knows: only its place (a block's ``attn``) tells what it is."""
+
+    def forward(self, x):
+        return x
+
+
+class CrossAttention(Mixer):
+    pass
+
+
+class WindowAttn(Mixer):
+    pass
+
+
+class AttentionWithRelPos(Mixer):
+    pass
+
+
+@pytest.mark.parametrize('path, module', [
+    ('blocks.0.attn', Mixer()), ('blocks.0.cross', CrossAttention()), ('mixer', WindowAttn()),
+    ('pool', AttentionWithRelPos())])
+def test_attention_is_recognised_by_its_place_or_any_of_its_class_name_patterns(path, module):
+    model = _create('vit_tiny_patch16_224', depth=1)
+    parent, _, child = path.rpartition('.')
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+    with pytest.raises(ValueError, match=rf'cannot convert {path} \(.*{type(module).__name__}\)'):
+        convert_to_linear(model)
+
+
 def test_models_without_attention_are_rejected():
     with pytest.raises(ValueError, match=r'no timm.layers.Attention in timm.models.convnext.ConvNeXt'):
         convert_to_linear(_create('convnext_atto'))

@@ -25,6 +25,7 @@ from timm.layers import Attention, AttentionPoolLatent, LayerScale
 from timm.models.vision_transformer import ParallelThingsBlock, ResPostBlock, VisionTransformer
 
 from linvit import LinearAttention, convert_to_linear
+from linvit.models.convert import linear_attention_from_softmax
 
 EPS = 1e-6  # LinearAttention's documented default eps
 RTOL = 1e-5  # float32 model vs float64 reference: max |error| <= RTOL * max |reference|
@@ -330,3 +331,22 @@ def test_dynamic_img_size_at_a_non_square_size_and_intermediates():
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out.shape[-2:] == (6, 5)
         assert_matches(out, ref, f'intermediate {i}')
+
+
+def test_one_attention_with_its_own_head_dim_output_width_and_no_biases():
+    """linear_attention_from_softmax on a timm Attention whose head dim is not dim / heads and whose output width
+    differs from its input; its defaults add no local mixing."""
+    torch.manual_seed(0)
+    attn = Attention(32, num_heads=2, attn_head_dim=8, dim_out=24, qkv_bias=False, proj_bias=False, gated=True)
+    reference = copy.deepcopy(attn).double()
+    reference.forward = types.MethodType(attention_forward_reference, reference)
+    linear = linear_attention_from_softmax(attn)
+    assert linear.local_mix is None and linear.training  # the mode of attn (a new module trains)
+    x = torch.randn(2, 7, 32)
+    out = linear.eval()(x)
+    assert out.shape == (2, 7, 24)
+    torch.testing.assert_close(out.double(), reference(x.double()), rtol=1e-5, atol=1e-5)
+    mixed = linear_attention_from_softmax(copy.deepcopy(attn), local_mix=True, grid_size=(2, 3))
+    assert (mixed.local_mix.conv.kernel_size, mixed.local_mix.num_prefix_tokens) == ((3, 3), 1)
+    with pytest.raises(ValueError, match=r'expected timm.layers.Attention, got torch.nn.modules.linear.Linear'):
+        linear_attention_from_softmax(nn.Linear(2, 2))
