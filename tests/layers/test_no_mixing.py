@@ -16,6 +16,7 @@ OPTIONS = {
     'no-proj-bias': dict(proj_bias=False),
     'scale-norm': dict(scale_norm=True, norm_layer=nn.LayerNorm),
     'gated': dict(gated=True, qkv_bias=True),
+    'gated-no-bias': dict(gated=True),
     'head-dim-and-dim-out': dict(attn_head_dim=5, dim_out=10),
     'all': dict(qkv_bias=True, scale_norm=True, norm_layer=nn.LayerNorm, gated=True, attn_head_dim=6, dim_out=7),
 }
@@ -51,6 +52,13 @@ def test_floor_is_the_projected_values(options):
 def test_floor_has_timms_attention_parameters(options):
     floor, softmax = NoMixingAttention(DIM, HEADS, **options), Attention(DIM, HEADS, **options)
     assert {k: v.shape for k, v in floor.state_dict().items()} == {k: v.shape for k, v in softmax.state_dict().items()}
+    floor.load_state_dict(softmax.state_dict(), strict=True)
+
+
+def test_floor_defaults_are_timms():
+    """Built with timm Attention's defaults (8 heads), the floor has its parameters."""
+    floor, softmax = NoMixingAttention(32), Attention(32)
+    assert floor.attn_dim == 32 and floor.qkv.bias is None and floor.gate is None
     floor.load_state_dict(softmax.state_dict(), strict=True)
 
 

@@ -105,6 +105,10 @@ def test_model_non_square_forward_backward(name):
 def test_model_builds_on_meta_device(name):
     model = timm.create_model(name, device='meta')
     assert {p.device.type for p in model.parameters()} == {'meta'}
+    # the architecture its name promises: ViT widths, 12 blocks, 16 px patches
+    embed_dim, heads, _ = EXPECTED[name]
+    assert (model.embed_dim, len(model.blocks), model.blocks[0].attn.num_heads) == (embed_dim, 12, heads)
+    assert model.patch_embed.patch_size == (16, 16)
 
 
 @pytest.mark.parametrize('name', MODEL_NAMES)
@@ -350,6 +354,7 @@ def test_check_image_size_raises_what_the_forward_raises():
                                          r"\[3, 224, 224\]"):
         check_image_size(_tiny(depth=1), torch.randn(3, 224, 224))
     check_image_size(torch.nn.Linear(2, 2), torch.randn(3, 5))  # no timm patch_embed: nothing to check
+    check_image_size(_tiny(depth=1, dynamic_img_size=True, dynamic_img_pad=True), _images(1, 100, 150))  # padded
 
 
 def test_dynamic_pad_takes_any_size():
