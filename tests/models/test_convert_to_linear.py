@@ -255,3 +255,19 @@ def test_local_mix_takes_the_models_non_square_grid_and_warns_only_for_dynamic_s
     assert caplog.messages == [
         "local_mix on a converted VisionTransformer finds the patch grid from grid_size (2, 3) or a square token "
         "count; other non-square sizes raise. Load the weights into a linvit_* model for those."]
+
+
+def test_a_token_layout_without_dynamic_sizes_converts_without_a_warning(caplog):
+    """A ViT-like model that has the layout but no dynamic_img_size attribute is a fixed-size model."""
+    class Tokens(nn.Module):
+        num_prefix_tokens = 1
+
+        def __init__(self):
+            super().__init__()
+            self.patch_embed = nn.Identity()
+            self.patch_embed.grid_size = (2, 3)
+            self.attn = Attention(32, num_heads=4)
+
+    with caplog.at_level(logging.WARNING, logger='linvit.models.convert'):
+        model = convert_to_linear(Tokens(), local_mix=True)
+    assert model.attn.local_mix.grid_size == (2, 3) and caplog.messages == []

@@ -252,13 +252,20 @@ def test_all_softmax_blocks_reproduce_timm_vit_exactly():
     dict(indices=[1], return_prefix_tokens=True, output_dict=True),
     dict(indices=3, masked=True),
     dict(indices=[0, 3], checkpointing=True, norm=True),
-], ids=['norm-prefix', 'stop-early-nlc', 'dict', 'key-mask', 'grad-checkpointing'])
+    dict(indices=2, stop_early=True),
+    dict(indices=[1, 2], is_causal=True),
+    dict(indices=[1], output_dict=True),
+    dict(indices=[1, 2], return_prefix_tokens=True, no_prefix=True),
+], ids=['norm-prefix', 'stop-early-nlc', 'dict', 'key-mask', 'grad-checkpointing', 'stop-early-final', 'causal',
+        'dict-without-prefix', 'no-prefix-tokens'])
 def test_forward_intermediates_match_timm_vit(options):
     """With every block softmax, linvit's forward_intermediates must return exactly what timm's ViT returns."""
     options = dict(options)
     masked, checkpointing = options.pop('masked', False), options.pop('checkpointing', False)
     torch.manual_seed(0)
     kwargs = dict(depth=4, reg_tokens=2, dynamic_img_size=True)
+    if options.pop('no_prefix', False):
+        kwargs.update(reg_tokens=0, class_token=False, global_pool='avg')
     vit = timm.create_model('vit_tiny_patch16_224', **kwargs).eval()
     model = _tiny(softmax_blocks=range(4), local_mix=False, **kwargs).eval()
     model.load_state_dict(vit.state_dict(), strict=True)
@@ -276,6 +283,23 @@ def test_forward_intermediates_match_timm_vit(options):
     if masked:
         unmasked = model.forward_intermediates(x, indices=3)[1][0]
         assert not torch.allclose(got[1][0][1], unmasked[1])
+
+
+def test_grad_checkpointing_checkpoints_every_block_only_when_set(monkeypatch):
+    import linvit.models.linvit as family
+    calls = []
+
+    def counting_checkpoint(fn, *args, **kwargs):
+        calls.append(fn)
+        return fn(*args)
+
+    monkeypatch.setattr(family, 'checkpoint', counting_checkpoint)
+    model = _tiny(depth=3)
+    model.forward_intermediates(_images(1, 224, 224))
+    assert calls == []
+    model.set_grad_checkpointing(True)
+    model.forward_intermediates(_images(1, 224, 224))
+    assert calls == list(model.blocks)
 
 
 def test_grad_checkpointing_passes_the_grid_and_mask_to_linear_blocks():
