@@ -252,7 +252,7 @@ def test_all_softmax_blocks_reproduce_timm_vit_exactly():
     dict(indices=[1], return_prefix_tokens=True, output_dict=True),
     dict(indices=3, masked=True),
     dict(indices=[0, 3], checkpointing=True, norm=True),
-    dict(indices=2, stop_early=True),
+    dict(indices=[1], stop_early=True),
     dict(indices=[1, 2], is_causal=True),
     dict(indices=[1], output_dict=True),
     dict(indices=[1, 2], return_prefix_tokens=True, no_prefix=True),
