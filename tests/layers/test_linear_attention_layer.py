@@ -4,6 +4,7 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from logs import messages_of
 from references import linear_attention_layer_ref, rel_err
 from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
@@ -12,6 +13,7 @@ from linvit import LinearAttention, linear_attention_layer, load_softmax_state_d
 from linvit.ops import FEATURE_MAPS
 
 DIM, HEADS = 48, 4
+
 
 
 def _tokens(b=2, n=17, dim=DIM, seed=0) -> torch.Tensor:
@@ -315,7 +317,8 @@ def test_kept_linear_only_parameters_are_logged_by_name(caplog):
     linear = _vit(linear_attention_layer(local_mix=True))
     with caplog.at_level(logging.INFO, logger='linvit.layers.weights'):
         kept = load_softmax_state_dict(linear, _vit(Attention).state_dict())
-    assert caplog.messages == ["kept initial values of linear-attention-only parameters: " + ", ".join(kept)]
+    assert messages_of(caplog, 'linvit.layers.weights') == [
+        "kept initial values of linear-attention-only parameters: " + ", ".join(kept)]
 
 
 def test_autocast_bf16_layer_is_finite_and_close():

@@ -6,6 +6,7 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+from logs import messages_of
 from timm.layers import Attention, AttentionRope
 
 from linvit import LinearAttention, convert_to_linear
@@ -248,11 +249,11 @@ def test_local_mix_takes_the_models_non_square_grid_and_warns_only_for_dynamic_s
     fixed = _create('vit_tiny_patch16_224', depth=1, img_size=(32, 48))
     with caplog.at_level(logging.WARNING, logger='linvit.models.convert'):
         convert_to_linear(fixed, local_mix=True)
-    assert fixed.blocks[0].attn.local_mix.grid_size == (2, 3) and caplog.messages == []
+    assert fixed.blocks[0].attn.local_mix.grid_size == (2, 3) and messages_of(caplog, 'linvit.models.convert') == []
     dynamic = _create('vit_tiny_patch16_224', depth=1, img_size=(32, 48), dynamic_img_size=True)
     with caplog.at_level(logging.WARNING, logger='linvit.models.convert'):
         convert_to_linear(dynamic, local_mix=True)
-    assert caplog.messages == [
+    assert messages_of(caplog, 'linvit.models.convert') == [
         "local_mix on a converted VisionTransformer finds the patch grid from grid_size (2, 3) or a square token "
         "count; other non-square sizes raise. Load the weights into a linvit_* model for those."]
 
@@ -270,4 +271,4 @@ def test_a_token_layout_without_dynamic_sizes_converts_without_a_warning(caplog)
 
     with caplog.at_level(logging.WARNING, logger='linvit.models.convert'):
         model = convert_to_linear(Tokens(), local_mix=True)
-    assert model.attn.local_mix.grid_size == (2, 3) and caplog.messages == []
+    assert model.attn.local_mix.grid_size == (2, 3) and messages_of(caplog, 'linvit.models.convert') == []

@@ -7,6 +7,7 @@ import re
 import pytest
 import timm
 import torch
+from logs import messages_of
 from timm.layers import Attention, resample_abs_pos_embed
 from timm.models import create_feature_extractor
 
@@ -26,6 +27,7 @@ EXPECTED = {  # name: (embed_dim, num_heads, default size); depth 12 for all
 }
 NON_SQUARE = (384, 640)
 TINY = 'linvit_tiny_patch16_224'
+
 
 
 def _images(b, h, w, seed=0):
@@ -594,8 +596,9 @@ def test_softmax_checkpoint_file_loads_with_resampled_pos_embed(tmp_path, caplog
     with caplog.at_level(logging.INFO, logger='linvit.models.linvit'):
         model = timm.create_model('linvit_small_patch16_512', pretrained=True,
                                   pretrained_cfg_overlay=dict(file=str(path)))
-    assert caplog.messages == ["softmax checkpoint: kept the initial values of linear-only tensors "
-                               + ', '.join(sorted(k for k in model.state_dict() if 'local_mix' in k))]
+    assert messages_of(caplog, 'linvit.models.linvit') == [
+        "softmax checkpoint: kept the initial values of linear-only tensors "
+        + ', '.join(sorted(k for k in model.state_dict() if 'local_mix' in k))]
     state = model.state_dict()
     expected_pos = resample_abs_pos_embed(source['pos_embed'], new_size=(32, 32), old_size=(14, 14),
                                           num_prefix_tokens=1, antialias=True)
