@@ -291,3 +291,21 @@ def test_half_precision_under_cpu_autocast(big_qkv, feature_map, dtype):
     torch.testing.assert_close(inside_fp32_inputs, ref, rtol=0, atol=0)
     assert torch.isfinite(inside).all()
     assert rel_err(inside, ref) <= 1e-2
+
+
+@pytest.mark.parametrize('which', ['k', 'v'])
+def test_each_input_is_named_in_shape_errors(which):
+    q, k, v = _qkv((2, 3, 5, 5, 4, 4), dtype=torch.float64)
+    shapes = {'q': q, 'k': k, 'v': v}
+    with pytest.raises(ValueError, match=rf"expects {which} of shape \[B, H, N, D\], got \[3, 5, 4\]"):
+        linear_attention(**{**shapes, which: shapes[which][0]})
+    other_heads = shapes[which][:, :2]  # only this input has 2 heads
+    with pytest.raises(ValueError, match=r"q, k, v must share \[B, H\]"):
+        linear_attention(**{**shapes, which: other_heads})
+
+
+def test_a_feature_map_function_is_used_as_given():
+    q, k, v = _qkv(EPS_SHAPE, dtype=torch.float64, seed=7)
+    got = linear_attention(q, k, v, feature_map=FEATURE_MAPS['relu'], eps=0.5)
+    expected = quadratic_attention_ref(q, k, v, feature_map='relu', eps=0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
