@@ -287,7 +287,8 @@ def test_forward_intermediates_match_timm_vit(options):
         assert not torch.allclose(got[1][0][1], unmasked[1])
 
 
-def test_grad_checkpointing_checkpoints_every_block_only_when_set(monkeypatch):
+@pytest.mark.parametrize('path', ['forward_features', 'forward_intermediates'])
+def test_grad_checkpointing_checkpoints_every_block_only_when_set(monkeypatch, path):
     import linvit.models.linvit as family
     calls = []
 
@@ -297,14 +298,25 @@ def test_grad_checkpointing_checkpoints_every_block_only_when_set(monkeypatch):
 
     monkeypatch.setattr(family, 'checkpoint', counting_checkpoint)
     model = _tiny(depth=3)
-    model.forward_intermediates(_images(1, 224, 224))
+    getattr(model, path)(_images(1, 224, 224))
     assert calls == []
     model.set_grad_checkpointing(True)
-    model.forward_intermediates(_images(1, 224, 224))
+    getattr(model, path)(_images(1, 224, 224))
     assert calls == list(model.blocks)
 
 
-def test_grad_checkpointing_passes_the_grid_and_mask_to_linear_blocks():
+def _checkpointed_and_plain(model, path, x, **options):
+    """(checkpointed, plain) outputs of model.<path>(x, **options): with and without gradient checkpointing."""
+    with torch.no_grad():
+        model.set_grad_checkpointing(False)
+        plain = getattr(model, path)(x, **options)
+        model.set_grad_checkpointing(True)
+        checkpointed = getattr(model, path)(x, **options)
+    return checkpointed, plain
+
+
+@pytest.mark.parametrize('path', ['forward_features', 'forward_intermediates'])
+def test_grad_checkpointing_passes_the_grid_and_mask_to_linear_blocks(path):
     """Linear blocks with local mixing need the patch grid (a non-square one here) through the checkpoint too."""
     model = _tiny(depth=2, dynamic_img_size=True, reg_tokens=1).eval()
     with torch.no_grad():
@@ -314,11 +326,24 @@ def test_grad_checkpointing_passes_the_grid_and_mask_to_linear_blocks():
     keep = torch.ones(2, 1 + 1 + 24, dtype=torch.bool)
     keep[0, -5:] = False
     mask = keep[:, None, None, :]
-    with torch.no_grad():
-        plain = model.forward_intermediates(x, attn_mask=mask)
-        model.set_grad_checkpointing(True)
-        checkpointed = model.forward_intermediates(x, attn_mask=mask)
+    checkpointed, plain = _checkpointed_and_plain(model, path, x, attn_mask=mask)
     torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
+    unmasked, _ = _checkpointed_and_plain(model, path, x)
+    # [0]: the tokens of image 0 (forward_features) or the final tokens (forward_intermediates); both see the mask
+    assert not torch.allclose(unmasked[0], checkpointed[0])
+
+
+@pytest.mark.parametrize('path', ['forward_features', 'forward_intermediates'])
+def test_grad_checkpointing_passes_is_causal_to_the_blocks(path):
+    """Softmax blocks attend causally through the checkpoint; linear ones refuse is_causal there as without it."""
+    model = _tiny(depth=2, softmax_blocks=(0, 1), dynamic_img_size=True).eval()
+    x = _images(1, 64, 96)
+    checkpointed, plain = _checkpointed_and_plain(model, path, x, is_causal=True)
+    torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
+    non_causal, _ = _checkpointed_and_plain(model, path, x)
+    assert not torch.allclose(checkpointed[0], non_causal[0])
+    with pytest.raises(ValueError, match='is_causal'):
+        _checkpointed_and_plain(_tiny(depth=1).eval(), path, _images(1, 224, 224), is_causal=True)
 
 
 def test_block_fn_and_attn_layer_are_chosen_by_linvit():
@@ -381,6 +406,43 @@ def test_check_image_size_raises_what_the_forward_raises():
         check_image_size(_tiny(depth=1), torch.randn(3, 224, 224))
     check_image_size(torch.nn.Linear(2, 2), torch.randn(3, 5))  # no timm patch_embed: nothing to check
     check_image_size(_tiny(depth=1, dynamic_img_size=True, dynamic_img_pad=True), _images(1, 100, 150))  # padded
+
+
+def _grids_seen_by_blocks(model, x) -> list:
+    """The feat_size each block of ``model`` receives in a forward of images x."""
+    seen = []
+    hooks = [block.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs['feat_size']),
+                                             with_kwargs=True) for block in model.blocks]
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def test_patch_grid_with_a_non_square_patch():
+    """Rows divide by the patch height (16) and columns by its width (8): the blocks get [H / 16, W / 8]."""
+    fixed = _tiny(depth=2, patch_size=(16, 8), img_size=(200, 100)).eval()
+    assert _grids_seen_by_blocks(fixed, _images(1, 200, 100)) == [[12, 12]] * 2  # floor, as timm's conv
+    dynamic = _tiny(depth=1, patch_size=(16, 8), dynamic_img_size=True).eval()
+    assert _grids_seen_by_blocks(dynamic, _images(1, 64, 40)) == [[4, 5]]
+    with pytest.raises(ValueError, match=r'64x36 is not divisible by the patch size 16x8; resize it to a multiple of '
+                                         r'the patch \(64x32 or 64x40\)'):
+        dynamic(_images(1, 64, 36))
+    with pytest.raises(ValueError, match=r'70x40 is not divisible .* \(64x40 or 80x40\)'):
+        dynamic(_images(1, 70, 40))
+    padded = _tiny(depth=1, patch_size=(16, 8), dynamic_img_size=True, dynamic_img_pad=True).eval()
+    assert _grids_seen_by_blocks(padded, _images(1, 70, 36)) == [[5, 5]]  # ceil(70 / 16), ceil(36 / 8)
+    assert _grids_seen_by_blocks(padded, _images(1, 1, 1)) == [[1, 1]]  # the smallest image: one padded patch
+    with pytest.raises(ValueError, match=r'image size 200x99 .* drops the 8 bottom rows and 3 right columns'):
+        fixed(_images(1, 200, 99))
+
+
+@pytest.mark.parametrize('size', [(0, 16), (16, 0)])
+def test_an_empty_image_is_rejected_by_name(size):
+    model = _tiny(depth=1, dynamic_img_size=True, dynamic_img_pad=True)
+    with pytest.raises(ValueError, match=rf'image size {size[0]}x{size[1]} is empty'):
+        check_image_size(model, torch.zeros(1, 3, *size))
 
 
 def test_dynamic_pad_takes_any_size():
