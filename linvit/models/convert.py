@@ -149,6 +149,9 @@ def convert_to_linear(
                          f"nothing to convert")
     keep_softmax = set(resolve_softmax_blocks(softmax_blocks, len(sites)))
     num_prefix_tokens, grid_size = _token_layout(model) if local_mix else (0, None)
+    # every replacement is built (and every error raised) before the first one is put in: a failed conversion
+    # leaves the model as it was
+    replacements = []
     for index, (path, attn) in enumerate(sites):
         if isinstance(attn, LinearAttention):
             if index in keep_softmax:
@@ -165,5 +168,7 @@ def convert_to_linear(
                                                    num_prefix_tokens, grid_size)
         except ValueError as error:
             raise ValueError(f"convert_to_linear cannot convert {path}: {error}") from error
+        replacements.append((path, linear))
+    for path, linear in replacements:
         model.set_submodule(path, linear)
     return model

@@ -116,6 +116,31 @@ def test_hybrid_conversion_and_already_linear_models():
     assert [b.attn for b in model.blocks] == converted
     with pytest.raises(ValueError, match=r'index 1 \(blocks.1.attn\) is already linear'):
         convert_to_linear(model, softmax_blocks=(1,))
+    assert [b.attn for b in model.blocks] == converted, "a failed conversion changed the model"
+    convert_to_linear(model)  # the already-linear blocks are skipped, and the softmax ones after them converted
+    assert all(isinstance(b.attn, LinearAttention) for b in model.blocks)
+    assert [b.attn for b in model.blocks][1:3] == converted[1:3]
+
+
+def test_a_failed_conversion_leaves_every_block_as_it_was():
+    model = _create('vit_tiny_patch16_224', depth=3)
+    model.blocks[2].attn.attn_drop.p = 0.1
+    with pytest.raises(ValueError, match=r'cannot convert blocks.2.attn: attention dropout p=0.1'):
+        convert_to_linear(model)
+    assert all(type(b.attn) is Attention for b in model.blocks)
+
+
+def test_an_attention_given_as_the_model_is_pointed_to_the_single_layer_function():
+    with pytest.raises(ValueError, match=r'the model itself is an Attention, use linear_attention_from_softmax'):
+        convert_to_linear(Attention(32, num_heads=4))
+    with pytest.raises(ValueError, match=r'cannot convert <model> \(timm.layers.attention.AttentionRope\): only'):
+        convert_to_linear(AttentionRope(32, num_heads=4))
+
+
+def test_the_deprecated_attn_kernel_spelling_chooses_the_feature_map():
+    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
+        model = convert_to_linear(_create('vit_tiny_patch16_224', depth=1), attn_kernel='relu')
+    assert model.blocks[0].attn.feature_map_name == 'relu'
 
 
 def test_gated_attention_shares_the_gate():
