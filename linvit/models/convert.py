@@ -36,9 +36,9 @@ def _qualified_name(module: nn.Module) -> str:
 
 
 def _is_other_attention(path: str, module: nn.Module) -> bool:
-    """True for attention that conversion does not support: a block's ``attn`` child or an *Attention / *Attn /
-    Attention* class that is neither timm's exact ``Attention`` nor in _KEPT_AS_IS."""
-    if type(module) is Attention or isinstance(module, _KEPT_AS_IS):
+    """For a module that is not timm's exact ``Attention``: True for attention that conversion does not support, a
+    block's ``attn`` child or an *Attention / *Attn / Attention* class that is not in _KEPT_AS_IS."""
+    if isinstance(module, _KEPT_AS_IS):
         return False
     name = type(module).__name__
     return path.rsplit('.', 1)[-1] == 'attn' or name.endswith(('Attention', 'Attn')) or name.startswith('Attention')

@@ -346,6 +346,16 @@ def test_grad_checkpointing_passes_is_causal_to_the_blocks(path):
         _checkpointed_and_plain(_tiny(depth=1).eval(), path, _images(1, 224, 224), is_causal=True)
 
 
+def test_a_linear_block_called_alone_is_not_causal():
+    """timm's Block API: block(x) with the defaults is the non-causal attention (linear attention refuses causal)."""
+    block = _tiny(depth=1).eval().blocks[0]
+    tokens = torch.randn(2, 1 + 9, 192)
+    with torch.no_grad():
+        assert torch.equal(block(tokens), block(tokens, attn_mask=None, is_causal=False, feat_size=[3, 3]))
+        with pytest.raises(ValueError, match='is_causal=True is not supported'):
+            block(tokens, is_causal=True)
+
+
 def test_block_fn_and_attn_layer_are_chosen_by_linvit():
     for key in ('block_fn', 'attn_layer'):
         with pytest.raises(ValueError, match=key):
