@@ -347,3 +347,87 @@ def test_local_mix_gradients_match_finite_differences():
     layer = _randomise(LinearAttention(8, 2, qkv_bias=True, local_mix=True, num_prefix_tokens=1)).double()
     x = torch.randn(1, 1 + 2 * 3, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: layer(t, feat_size=[2, 3]), (x,))
+
+
+def test_per_head_key_masks_weight_each_heads_keys():
+    """A [B, H, 1, N] mask weights the keys of each head on its own (2 heads: the head axis is neither 1 nor
+    collapsed onto head 0); a bool one keeps per-head key sets."""
+    layer = _randomise(LinearAttention(DIM, 2, qkv_bias=True))
+    x = _tokens(n=9)
+    g = torch.Generator().manual_seed(4)
+    log_w = torch.randn(2, 2, 9, generator=g) * 0.5
+    keep = torch.rand(2, 2, 9, generator=g) > 0.3
+    keep[..., 0] = True
+    additive = log_w.masked_fill(~keep, -torch.inf)[:, :, None, :]
+    weights = torch.where(keep, log_w.double().exp(), 0.0)
+    assert not torch.allclose(weights[:, 0], weights[:, 1])
+    _assert_layer_close(layer, x, _reference(layer, x, num_heads=2, key_mask=weights), attn_mask=additive)
+    _assert_layer_close(layer, x, _reference(layer, x, num_heads=2, key_mask=keep), attn_mask=keep[:, :, None, :])
+
+
+@pytest.mark.parametrize('dtype, weights_dtype', [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.float64, torch.float64)])
+def test_additive_masks_become_weights_in_the_cores_dtype(dtype, weights_dtype):
+    """exp(mask) is taken in the core's dtype (float32, float64 for float64): a half-precision exp would round the
+    weights to 3 significant digits."""
+    from linvit.layers.linear_attention import attn_mask_to_key_mask
+    log_w = torch.linspace(-3, 3, 10, dtype=torch.float64).reshape(1, 1, 1, 10)
+    weights = attn_mask_to_key_mask(log_w.to(dtype), 1, 10)
+    assert weights.dtype == weights_dtype and weights.shape == (1, 10)
+    torch.testing.assert_close(weights.double(), log_w.to(dtype).double().exp().reshape(1, 10), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_half_precision_tokens_meet_the_core_in_float32(monkeypatch, dtype):
+    import linvit.layers.linear_attention as layer_module
+    seen = []
+
+    def spy(phi_q, phi_k, v, eps, key_mask):
+        seen.append((phi_q.dtype, phi_k.dtype, v.dtype))
+        return layer_module_core(phi_q, phi_k, v, eps, key_mask)
+
+    layer_module_core = layer_module.linear_attention_from_features
+    monkeypatch.setattr(layer_module, 'linear_attention_from_features', spy)
+    layer = LinearAttention(DIM, HEADS, dtype=dtype)
+    out = layer(_tokens().to(dtype))
+    with torch.no_grad():
+        layer(_tokens().to(dtype))
+    assert out.dtype == dtype
+    assert seen == [(torch.float32,) * 3] * 2
+
+
+def test_the_non_causal_error_says_what_is_supported():
+    with pytest.raises(ValueError, match=r'^LinearAttention is non-causal; is_causal=True is not supported$'):
+        LinearAttention(DIM, HEADS)(_tokens(), is_causal=True)
+
+
+def test_defaults_and_biases_build_timms_parameters():
+    """Same parameters (names, shapes, bias or not) as timm's Attention for its defaults and each bias switch."""
+    for kwargs in ({}, dict(qkv_bias=True), dict(proj_bias=False), dict(gated=True), dict(gated=True, qkv_bias=True),
+                   dict(qk_norm=True, scale_norm=True, norm_layer=nn.LayerNorm)):
+        ours = {k: v.shape for k, v in LinearAttention(64, **kwargs).state_dict().items()}
+        timms = {k: v.shape for k, v in Attention(64, **kwargs).state_dict().items()}
+        assert ours == timms, kwargs
+    assert LinearAttention(64).num_heads == 8
+
+
+def test_every_parameter_is_built_on_the_given_device_and_dtype():
+    layer = LinearAttention(DIM, HEADS, qkv_bias=True, gated=True, qk_norm=True, scale_norm=True,
+                            norm_layer=nn.LayerNorm, local_mix=True, device='meta', dtype=torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in layer.parameters()} == {('meta', torch.bfloat16)}
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(qk_norm=True), r'^qk_norm and scale_norm need a norm_layer$'),
+    (dict(scale_norm=True), r'^qk_norm and scale_norm need a norm_layer$'),
+    (dict(eps=0.0), r'^eps must be > 0, got 0.0$'),
+    (dict(eps=-1e-6), r'^eps must be > 0, got -1e-06$'),
+])
+def test_options_that_cannot_work_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LinearAttention(DIM, HEADS, **kwargs)
+
+
+def test_configured_layer_class_names_its_options():
+    cls = linear_attention_layer(feature_map='relu', local_mix=True)
+    assert cls.__qualname__ == "LinearAttention[feature_map='relu', local_mix=True]"
