@@ -5,8 +5,8 @@
 
 Reads mutmut's per-file results (``mutants/**/*.py.meta``: mutant name -> exit code of its test run) and the list of
 accepted equivalent mutants (every `backquoted` mutmut name in the markdown file). Prints the counts, the score
-killed / (checked - equivalent), the timeouts, and every survivor or uncovered mutant that is not on the list; exits 1 if
-there is one, or if a mutant was not checked.
+killed / (checked - equivalent), the timeouts, and every survivor or uncovered mutant that is not on the list; exits
+1 if there is one, or if a mutant was not checked.
 """
 import json
 import re
