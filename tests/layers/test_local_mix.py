@@ -1,0 +1,44 @@
+"""LocalMix on its own: defaults, refused options and how it finds the patch grid of a token sequence."""
+import pytest
+
+from linvit.layers import LocalMix
+from linvit.layers.local_mix import resolve_token_grid
+
+
+def test_defaults_are_a_3x3_depthwise_convolution_after_one_prefix_token():
+    mix = LocalMix(8)
+    assert mix.kernel_size == 3 and mix.num_prefix_tokens == 1 and mix.grid_size is None
+    assert mix.conv.weight.shape == (8, 1, 3, 3) and mix.conv.padding == (1, 1) and mix.conv.groups == 8
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(kernel_size=4), r'^local mixing kernel_size must be a positive odd number, got 4$'),
+    (dict(kernel_size=-1), r'^local mixing kernel_size must be a positive odd number, got -1$'),
+    (dict(num_prefix_tokens=-1), r'^num_prefix_tokens must be >= 0, got -1$'),
+])
+def test_options_that_cannot_work_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LocalMix(8, **kwargs)
+
+
+@pytest.mark.parametrize('n_tokens, prefix, grid_size, feat_size, expected', [
+    (1 + 6, 1, None, [2, 3], (2, 3)),      # the forward's grid wins
+    (1 + 6, 1, (3, 2), None, (3, 2)),      # then the construction grid, when its size fits
+    (1 + 9, 1, (3, 2), None, (3, 3)),      # then a square
+    (2, 1, None, None, (1, 1)),            # a single patch is a 1 x 1 square
+    (16, 0, None, None, (4, 4)),           # no prefix tokens
+])
+def test_the_token_grid_is_the_given_one_or_the_only_square(n_tokens, prefix, grid_size, feat_size, expected):
+    assert resolve_token_grid(n_tokens, prefix, grid_size, feat_size) == expected
+
+
+@pytest.mark.parametrize('n_tokens, prefix, feat_size, message', [
+    (1, 1, None, r'cannot infer the token grid of 1 tokens \(1 prefix \+ 0 patch tokens\)'),
+    (1 + 6, 1, None, r'cannot infer the token grid of 7 tokens \(1 prefix \+ 6 patch tokens\) with grid_size=None'),
+    (1 + 6, 1, [3, 3], r'feat_size=\[3, 3\] does not match 7 tokens with 1 prefix tokens: expected \(H, W\) with '
+                       r'H \* W = 6'),
+    (1 + 6, 1, [6], r'feat_size=\[6\] does not match'),
+])
+def test_a_grid_that_cannot_be_found_is_named(n_tokens, prefix, feat_size, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_token_grid(n_tokens, prefix, None, feat_size)
