@@ -1,5 +1,7 @@
 """LocalMix on its own: defaults, refused options and how it finds the patch grid of a token sequence."""
 import pytest
+import torch
+from references import local_mix_ref, rel_err
 
 from linvit.layers import LocalMix
 from linvit.layers.local_mix import resolve_token_grid
@@ -42,3 +44,36 @@ def test_the_token_grid_is_the_given_one_or_the_only_square(n_tokens, prefix, gr
 def test_a_grid_that_cannot_be_found_is_named(n_tokens, prefix, feat_size, message):
     with pytest.raises(ValueError, match=message):
         resolve_token_grid(n_tokens, prefix, None, feat_size)
+
+
+def _random_mix(channels, kernel_size, prefix, seed=0):
+    mix = LocalMix(channels, kernel_size, prefix)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        mix.conv.weight.copy_(torch.randn(mix.conv.weight.shape, generator=g))
+        mix.conv.bias.copy_(torch.randn(mix.conv.bias.shape, generator=g))
+    return mix
+
+
+@pytest.mark.parametrize('kernel_size', [1, 3, 5])
+def test_the_term_is_the_zero_padded_neighbourhood_sum(kernel_size):
+    """forward(v) against shifted sums in float64 (tests/references.py) on a non-square 3 x 5 grid, 2 heads."""
+    mix = _random_mix(2 * 4, kernel_size, prefix=2)
+    v = torch.randn(2, 2, 2 + 15, 4, generator=torch.Generator().manual_seed(1))  # [B, H, N, Dv]
+    v_tokens = v.transpose(1, 2).reshape(2, 17, 8)  # head-major channels, as the attention output
+    expected = local_mix_ref(v_tokens.double(), mix.conv.weight, mix.conv.bias, [3, 5], 2)
+    assert rel_err(mix(v, [3, 5]), expected) < 1e-6
+
+
+def test_add_to_leaves_out_alone_under_autograd_and_adds_in_place_without_it():
+    mix = _random_mix(8, 3, prefix=1)
+    v = torch.randn(1, 2, 1 + 9, 4)
+    out = torch.randn(1, 10, 8, requires_grad=True)
+    before = out.detach().clone()
+    summed = mix.add_to(out, v)
+    assert torch.equal(out.detach(), before) and summed is not out
+    torch.testing.assert_close(summed, before + mix(v), rtol=0, atol=0)
+    with torch.no_grad():
+        owned = before.clone()
+        assert mix.add_to(owned, v) is owned
+        torch.testing.assert_close(owned, before + mix(v), rtol=1e-6, atol=1e-6)
