@@ -40,10 +40,11 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py
 
-# mutation testing, not part of make test (about an hour on 2 cores): mutmut mutates linvit/ops, linvit/layers and
-# linvit/models one change at a time and runs the tests that cover each change (.ci/mutation/setup.cfg), in a fresh
-# copy of the tracked tree under build/mutation. Survivors: cd build/mutation && ../../.venv/bin/mutmut results;
-# the ones accepted as equivalent are listed, with reasons, in .ci/mutation/equivalent_mutants.md.
+# mutation testing, not part of make test: mutmut mutates linvit/ops, linvit/layers and linvit/models one change at
+# a time and runs the tests that cover each change (.ci/mutation/setup.cfg), in a fresh copy of the tracked tree under
+# build/mutation. Its runner takes hours on 2 cores; README (Tests) shows how .ci/mutation/run_unchecked.py finishes
+# the slow rest. Survivors: cd build/mutation && ../../.venv/bin/mutmut results; the ones accepted as equivalent are
+# listed, with reasons, in .ci/mutation/equivalent_mutants.md.
 MUTATION_DIR := build/mutation
 mutation: $(STAMP)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) mutmut
