@@ -400,7 +400,6 @@ def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinearVi
         _check_pretrained_source(variant, kwargs)
     else:
         _warn_ignored_overlay_file(variant, kwargs)
-    _check_file_exists(kwargs.get('checkpoint_path'), 'checkpoint_path')
     out_indices = kwargs.pop('out_indices', 3)
     return build_model_with_cfg(
         LinearVisionTransformer,

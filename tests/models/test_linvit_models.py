@@ -557,6 +557,20 @@ def test_features_only_returns_stride_16_maps(name):
     assert [o.shape for o in outputs] == [(1, embed_dim, 4, 6)] * 3
 
 
+def test_features_only_takes_the_last_three_blocks_by_default_as_timms_vit():
+    torch.manual_seed(0)
+    model = timm.create_model(TINY, features_only=True, depth=5).eval()
+    torch.manual_seed(0)
+    full = timm.create_model(TINY, depth=5).eval()
+    full.load_state_dict(model.state_dict(), strict=False)
+    vit = timm.create_model('vit_tiny_patch16_224', features_only=True, depth=5)
+    assert model.feature_info.out_indices == vit.feature_info.out_indices == (2, 3, 4)
+    with torch.no_grad():
+        outputs = model(_images(1, 224, 224))
+        expected = full.forward_intermediates(_images(1, 224, 224), indices=[2, 3, 4], intermediates_only=True)
+    torch.testing.assert_close(outputs, expected, rtol=0, atol=0)
+
+
 def test_grad_checkpointing_keeps_outputs_and_gradients():
     model = _tiny(dynamic_img_size=True, depth=3, drop_path_rate=0.0).train()
     x = _images(2, 64, 96)
