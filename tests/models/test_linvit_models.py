@@ -633,8 +633,18 @@ def test_pretrained_without_weights_fails_clearly():
 def test_overlay_file_without_pretrained_warns_that_it_is_ignored(tmp_path):
     path = tmp_path / 'w.pth'
     torch.save(_tiny(depth=1).state_dict(), path)
-    with pytest.warns(UserWarning, match='ignored without pretrained=True'):
+    with pytest.warns(UserWarning, match='ignored without pretrained=True') as caught:
         timm.create_model(TINY, depth=1, pretrained_cfg_overlay=dict(file=str(path)))
+    assert caught[0].filename == __file__  # the warning names the user's line, not timm's factory
+    with pytest.warns(UserWarning, match=r'^linvit_tiny_patch16_224: pretrained_cfg_overlay state_dict= is ignored '
+                                         r'without pretrained=True'):
+        timm.create_model(TINY, depth=1, pretrained_cfg_overlay=dict(state_dict=_tiny(depth=1).state_dict()))
+
+
+@pytest.mark.parametrize('size, suggested', [((97, 161), '96x160 or 112x176'), ((111, 175), '96x160 or 112x176')])
+def test_the_suggested_multiples_of_the_patch_round_down_and_up(size, suggested):
+    with pytest.raises(ValueError, match=rf'resize it to a multiple of the patch \({suggested}\)'):
+        _tiny(depth=1, dynamic_img_size=True)(_images(1, *size))
 
 
 def test_missing_weights_file_is_named(tmp_path):
