@@ -356,6 +356,15 @@ def test_a_linear_block_called_alone_is_not_causal():
             block(tokens, is_causal=True)
 
 
+def test_without_a_depth_the_plan_covers_timms_default_12_blocks():
+    kwargs = dict(img_size=32, patch_size=16, embed_dim=32, num_heads=2, num_classes=0)
+    model = LinearVisionTransformer(softmax_blocks=(11,), feature_map='relu', local_mix=False, **kwargs)
+    assert [type(b.attn) is Attention for b in model.blocks] == [False] * 11 + [True]
+    assert model.feature_map == 'relu' and model.local_mix is False and model.softmax_blocks == [11]
+    with pytest.raises(ValueError, match=r'softmax_blocks index 12 is out of range.*\(the model has 12 blocks\)'):
+        LinearVisionTransformer(softmax_blocks=(12,), **kwargs)
+
+
 def test_block_fn_and_attn_layer_are_chosen_by_linvit():
     for key in ('block_fn', 'attn_layer'):
         with pytest.raises(ValueError, match=key):

@@ -88,6 +88,24 @@ def test_float_key_weights_match_reference(feature_map):
     _check_against_reference(shape, feature_map, key_mask=weights)
 
 
+def test_light_key_weights_scale_eps_by_their_sum_below_one():
+    """Weights summing to 0.3 with eps = 0.5: the normaliser is sum + eps * 0.3 (the weights' own count), not a
+    count clamped to one key."""
+    q, k, v = _qkv((1, 2, 5, 6, 4, 4))
+    weights = torch.full((1, 6), 0.05)
+    out = linear_attention(q, k, v, eps=0.5, key_mask=weights)
+    ref = quadratic_attention_ref(q.double(), k.double(), v.double(), eps=0.5, key_mask=weights)
+    assert rel_err(out, ref) <= 1e-6
+
+
+def test_float64_key_weights_leave_float32_attention_in_float32():
+    q, k, v = _qkv((1, 2, 5, 6, 4, 4))
+    weights = torch.rand(1, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = linear_attention(q, k, v, key_mask=weights)
+    assert out.dtype == torch.float32
+    assert rel_err(out, quadratic_attention_ref(q.double(), k.double(), v.double(), key_mask=weights)) <= 1e-5
+
+
 # ---- eps: added to the MEAN normaliser (eps * count on the key sum), for every map and mask kind ----
 
 EPS_SHAPE = (2, 3, 9, 17, 16, 8)
