@@ -15,14 +15,12 @@ The model hands the patch grid (H, W) of the current image to every block, so lo
 square or not, with ``dynamic_img_size=True``. Parameter names equal timm's ViT, so a softmax ViT checkpoint of the
 same width and depth loads strictly apart from the ``local_mix`` tensors (see ``checkpoint_filter_fn``).
 """
-import inspect
 import logging
 import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
-import timm
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
@@ -42,22 +40,6 @@ __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionB
 _logger = logging.getLogger(__name__)
 
 
-# warnings point at the user's line: the first frame outside linvit and timm (a model is created through several
-# layers of timm's factory, a conversion directly)
-_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(timm.__file__)) + os.sep,
-                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
-
-
-def _user_stacklevel() -> int:
-    """``stacklevel`` for a warnings.warn call in the calling function that names the user's line."""
-    frame = inspect.currentframe().f_back  # the function that warns: stacklevel 1
-    level = 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
 def resolve_feature_map(feature_map: Optional[str], attn_kernel: Optional[str], default: str = 'elu1') -> str:
     """The feature-map name from ``feature_map`` or its deprecated spelling ``attn_kernel`` (a FutureWarning)."""
     if attn_kernel is None:
@@ -65,8 +47,7 @@ def resolve_feature_map(feature_map: Optional[str], attn_kernel: Optional[str], 
     if feature_map is not None and feature_map != attn_kernel:
         raise ValueError(f"feature_map={feature_map!r} and attn_kernel={attn_kernel!r} disagree; attn_kernel is the "
                          f"deprecated spelling of feature_map: pass feature_map only")
-    warnings.warn("attn_kernel is deprecated and will be removed; use feature_map", FutureWarning,
-                  stacklevel=_user_stacklevel())
+    warnings.warn("attn_kernel is deprecated and will be removed; use feature_map", FutureWarning, stacklevel=3)
     return attn_kernel
 
 
@@ -411,7 +392,7 @@ def _warn_ignored_overlay_file(variant: str, kwargs: Dict[str, Any]) -> None:
     if given:
         warnings.warn(f"{variant}: pretrained_cfg_overlay {given[0]}= is ignored without pretrained=True (timm loads "
                       f"it only then), so the model keeps random weights; pass pretrained=True to load it",
-                      UserWarning, stacklevel=_user_stacklevel())
+                      UserWarning, stacklevel=4)
 
 
 def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
