@@ -365,6 +365,20 @@ def test_without_a_depth_the_plan_covers_timms_default_12_blocks():
         LinearVisionTransformer(softmax_blocks=(12,), **kwargs)
 
 
+def test_softmax_blocks_are_checked_against_the_given_depth():
+    with pytest.raises(ValueError, match=r'softmax_blocks index 4 is out of range.*\(the model has 4 blocks\)'):
+        _tiny(depth=4, softmax_blocks=(4,))
+    deep = _tiny(depth=13, softmax_blocks=(12,), embed_dim=32, num_heads=2, img_size=32)
+    assert [type(b.attn) is Attention for b in deep.blocks] == [False] * 12 + [True]
+
+
+def test_out_indices_without_features_only_is_accepted_as_by_timms_vit():
+    """timm's ViT factory takes out_indices for feature extraction and drops it otherwise; so does linvit's."""
+    timm.create_model('vit_tiny_patch16_224', depth=2, out_indices=(1,))
+    model = timm.create_model(TINY, depth=2, out_indices=(1,))
+    assert len(model.blocks) == 2
+
+
 def test_block_fn_and_attn_layer_are_chosen_by_linvit():
     for key in ('block_fn', 'attn_layer'):
         with pytest.raises(ValueError, match=key):
