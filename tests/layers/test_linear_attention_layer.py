@@ -431,3 +431,16 @@ def test_options_that_cannot_work_are_refused(kwargs, message):
 def test_configured_layer_class_names_its_options():
     cls = linear_attention_layer(feature_map='relu', local_mix=True)
     assert cls.__qualname__ == "LinearAttention[feature_map='relu', local_mix=True]"
+
+
+@pytest.mark.compiler
+def test_scripted_layer_applies_key_masks_and_eps():
+    """TorchScript runs its own branch of the core (no autocast): masks and eps must reach it too."""
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, eps=0.5))
+    x = _tokens()
+    keep = torch.rand(2, 17, generator=torch.Generator().manual_seed(5)) > 0.3
+    keep[:, 0] = True
+    scripted = torch.jit.script(layer)
+    with torch.no_grad():
+        err = rel_err(scripted(x, attn_mask=keep), _reference(layer, x, eps=0.5, key_mask=keep))
+    assert err <= LAYER_TOL, f"scripted masked rel err {err:.2e}"
