@@ -4,7 +4,7 @@
     cd build/mutation/mutants && ../../../.venv/bin/python ../../../.ci/mutation/run_unchecked.py [NAME ...]
 
 mutmut generates the mutants and records a verdict per mutant in ``mutants/**/*.py.meta``; `score.py` and
-`mutmut results` read them. Its runner picks each mutant's tests by coverage and, here, spends 40-60 s on each of the
+`mutmut results` read them. Its runner picks each mutant's tests by coverage and, here, spends 17-50 s on each of the
 mutants it leaves for last (the ones every model test covers). This script runs one pytest per mutant, forked from a
 parent that has already imported torch and timm, over the mutated package's own tests first and then the other two
 packages' (``pytest -x``, the same deselections as setup.cfg): 2-15 s per mutant on 2 cores. Without names it runs
@@ -43,10 +43,11 @@ def load_results() -> Dict[Path, dict]:
 
 
 def select(results: Dict[Path, dict], patterns: List[str]) -> List[str]:
-    names = [name for data in results.values() for name in data['exit_code_by_key']]
+    """Names of the mutants without a verdict, or of those matching ``patterns`` (names or fnmatch patterns)."""
+    codes = {name: code for data in results.values() for name, code in data['exit_code_by_key'].items()}
     if not patterns:
-        return [name for data in results.values() for name, code in data['exit_code_by_key'].items() if code is None]
-    return [name for name in names if any(name == p or fnmatch.fnmatch(name, p) for p in patterns)]
+        return [name for name, code in codes.items() if code is None]
+    return [name for name in codes if any(fnmatch.fnmatch(name, p) for p in patterns)]
 
 
 def run_one(name: str) -> None:

@@ -5,6 +5,7 @@ from references import local_mix_ref, rel_err
 
 from linvit.layers import LocalMix
 from linvit.layers.local_mix import resolve_token_grid
+from linvit.layers.weights import linear_only_parameter_names
 
 
 def test_defaults_are_a_3x3_depthwise_convolution_after_one_prefix_token():
@@ -77,3 +78,7 @@ def test_add_to_leaves_out_alone_under_autograd_and_adds_in_place_without_it():
         owned = before.clone()
         assert mix.add_to(owned, v) is owned
         torch.testing.assert_close(owned, before + mix(v), rtol=1e-6, atol=1e-6)
+
+
+def test_linear_only_parameter_names_of_a_bare_local_mix():
+    assert linear_only_parameter_names(LocalMix(8, 3, 1, (2, 2))) == ['conv.bias', 'conv.weight']

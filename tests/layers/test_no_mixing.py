@@ -7,8 +7,7 @@ from references import layer_norm_ref, linear_ref
 from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 
-from linvit.layers import LocalMix, NoMixingAttention
-from linvit.layers.weights import linear_only_parameter_names
+from linvit.layers import NoMixingAttention
 
 DIM, HEADS = 24, 3
 OPTIONS = {
@@ -76,7 +75,3 @@ def test_floor_builds_on_another_device_and_dtype():
     floor = NoMixingAttention(DIM, HEADS, qkv_bias=True, scale_norm=True, norm_layer=nn.LayerNorm, gated=True,
                               device='meta', dtype=torch.float64)
     assert {(p.device.type, p.dtype) for p in floor.parameters()} == {('meta', torch.float64)}
-
-
-def test_linear_only_parameter_names_of_a_bare_local_mix():
-    assert linear_only_parameter_names(LocalMix(8, 3, 1, (2, 2))) == ['conv.bias', 'conv.weight']
