@@ -4,7 +4,15 @@ from typing import List, Optional, Tuple, Type
 import torch
 import torch.nn as nn
 
-from ..ops import compute_dtype, get_feature_map, get_inplace_feature_map, linear_attention_from_features
+from ..ops import (
+    compute_dtype,
+    fused_linear_attention,
+    fused_linear_attention_qkv,
+    get_feature_map,
+    get_inplace_feature_map,
+    has_fused_backward,
+    linear_attention_from_features,
+)
 from .local_mix import LocalMix
 
 
@@ -48,6 +56,8 @@ torch.fx.wrap('check_tokens')
 torch.fx.wrap('to_compute_dtype')
 torch.fx.wrap('attn_mask_to_key_mask')
 torch.fx.wrap('linear_attention_from_features')
+torch.fx.wrap('fused_linear_attention')
+torch.fx.wrap('fused_linear_attention_qkv')
 
 
 class LinearAttention(nn.Module):
@@ -114,6 +124,8 @@ class LinearAttention(nn.Module):
         self.feature_map = get_feature_map(feature_map)
         # without autograd the map is written into the fresh qkv projection output rather than a new tensor
         self.feature_map_inplace = get_inplace_feature_map(feature_map) or self.feature_map
+        # with autograd, maps that have a registered derivative train through the fused Function (linvit.ops.fused)
+        self.fused_backward = has_fused_backward(feature_map)
         self.eps = eps
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
@@ -132,17 +144,24 @@ class LinearAttention(nn.Module):
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}")
 
-    def forward(
-            self,
-            x: torch.Tensor,
-            attn_mask: Optional[torch.Tensor] = None,
-            is_causal: bool = False,
-            feat_size: Optional[List[int]] = None,
-    ) -> torch.Tensor:
-        check_tokens(x, self.dim, is_causal)
-        B, N, _ = x.shape
-        key_mask = attn_mask_to_key_mask(attn_mask, B, N)
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+    def _mix_tokens_fused(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the fused Function (training): it saves
+        only qkv, the output and per-row normalisers for backward, and returns the output token-major, so the
+        reshape below is a view."""
+        B, N = qkv.shape[0], qkv.shape[1]
+        if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+            out = fused_linear_attention_qkv(qkv, self.feature_map_name, self.eps, key_mask)
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            out = fused_linear_attention(self.q_norm(q), self.k_norm(k), v, self.feature_map_name, self.eps,
+                                         key_mask).transpose(1, 2)
+        return out.reshape(B, N, self.attn_dim)
+
+    def _mix_tokens(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] by the float32 core on mapped features (inference,
+        TorchScript, maps without a registered derivative)."""
+        B, N = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.permute(2, 0, 3, 1, 4)
         v = qkv[2]
         if torch.compiler.is_compiling() or not (isinstance(self.q_norm, nn.Identity)
                                                   and isinstance(self.k_norm, nn.Identity)):
@@ -160,7 +179,26 @@ class LinearAttention(nn.Module):
             # output (v untouched), saving a large fresh allocation and its page faults
             phi_q, phi_k = self.feature_map_inplace(to_compute_dtype(qkv[:2])).unbind(0)
         mixed = linear_attention_from_features(phi_q, phi_k, to_compute_dtype(v), self.eps, key_mask)
-        out = mixed.to(v.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
+        return mixed.to(v.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+            feat_size: Optional[List[int]] = None,
+    ) -> torch.Tensor:
+        check_tokens(x, self.dim, is_causal)
+        B, N, _ = x.shape
+        key_mask = attn_mask_to_key_mask(attn_mask, B, N)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        if torch.jit.is_scripting():
+            out = self._mix_tokens(qkv, key_mask)
+        elif torch.is_grad_enabled() and self.fused_backward:
+            out = self._mix_tokens_fused(qkv, key_mask)
+        else:
+            out = self._mix_tokens(qkv, key_mask)
+        v = qkv[:, :, 2].transpose(1, 2)
         if self.local_mix is not None:
             out = self.local_mix.add_to(out, v, feat_size)
         out = self.norm(out)

@@ -125,6 +125,52 @@ def test_layer_with_all_options_and_large_eps_matches_reference(feature_map, mas
     _assert_layer_close(layer, x, ref, attn_mask=attn_mask)
 
 
+@pytest.mark.parametrize('masked', [False, True], ids=['nomask', 'mask'])
+@pytest.mark.parametrize('options', ['plain', 'qk-norm', 'all'])
+@pytest.mark.parametrize('feature_map', sorted(FEATURE_MAPS))
+def test_layer_gradients_match_float64_reference(feature_map, options, masked):
+    """Training runs through the fused Function (packed qkv, or q_norm/k_norm between projection and map): the
+    gradients of the tokens and of every parameter against autograd of the float64 reference layer."""
+    layer = _option_layer(feature_map, OPTION_SETS[options], seed=4)
+    x = _tokens(n=PREFIX + GRID[0] * GRID[1], seed=4).requires_grad_(True)
+    keep = torch.rand(2, x.shape[1], generator=torch.Generator().manual_seed(5)) > 0.3 if masked else None
+    if keep is not None:
+        keep[:, 0] = True
+    out = layer(x, attn_mask=keep, feat_size=GRID)
+    assert out.grad_fn is not None
+    state = {name: p.detach().double().requires_grad_(True) for name, p in layer.named_parameters()}
+    x_ref = x.detach().double().requires_grad_(True)
+    ref = linear_attention_layer_ref(state, x_ref, HEADS, feature_map=feature_map, key_mask=keep, grid=GRID,
+                                     num_prefix_tokens=PREFIX)
+    upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    out.backward(upstream.float())
+    ref.backward(upstream)
+    assert rel_err(x.grad, x_ref.grad) <= LAYER_TOL, 'tokens'
+    for name, p in layer.named_parameters():
+        err = rel_err(p.grad, state[name].grad)
+        assert err <= LAYER_TOL, f"{name}: rel err {err:.2e}"
+
+
+def test_training_runs_through_the_fused_function_and_inference_does_not():
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True))
+    normed = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, qk_norm=True, norm_layer=nn.LayerNorm))
+    x = _tokens()
+
+    def function_names(out: torch.Tensor) -> set:
+        visited, stack = set(), [out.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is not None and fn not in visited:
+                visited.add(fn)
+                stack.extend(f for f, _ in fn.next_functions)
+        return {type(fn).__name__ for fn in visited}
+
+    assert 'PackedLinearAttentionFunctionBackward' in function_names(layer(x))
+    assert 'LinearAttentionFunctionBackward' in function_names(normed(x))
+    with torch.no_grad():
+        assert layer(x).grad_fn is None
+
+
 def test_layer_key_padding_mask_matches_unpadded():
     layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True))
     x = _tokens(b=1, n=12)
@@ -379,21 +425,29 @@ def test_additive_masks_become_weights_in_the_cores_dtype(dtype, weights_dtype):
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_half_precision_tokens_meet_the_core_in_float32(monkeypatch, dtype):
+    """Both cores see float32: the fused Function (training) and the core on mapped features (inference)."""
     import linvit.layers.linear_attention as layer_module
+    import linvit.ops.fused as fused_module
     seen = []
 
-    def spy(phi_q, phi_k, v, eps, key_mask):
-        seen.append((phi_q.dtype, phi_k.dtype, v.dtype))
-        return layer_module_core(phi_q, phi_k, v, eps, key_mask)
+    def spy_inference(phi_q, phi_k, v, eps, key_mask):
+        seen.append(('inference', phi_q.dtype, phi_k.dtype, v.dtype))
+        return inference_core(phi_q, phi_k, v, eps, key_mask)
 
-    layer_module_core = layer_module.linear_attention_from_features
-    monkeypatch.setattr(layer_module, 'linear_attention_from_features', spy)
+    def spy_training(q, k, v, *args):
+        seen.append(('training', q.dtype, k.dtype, v.dtype))
+        return training_core(q, k, v, *args)
+
+    inference_core, training_core = layer_module.linear_attention_from_features, fused_module._forward
+    monkeypatch.setattr(layer_module, 'linear_attention_from_features', spy_inference)
+    monkeypatch.setattr(fused_module, '_forward', spy_training)
     layer = LinearAttention(DIM, HEADS, dtype=dtype)
     out = layer(_tokens().to(dtype))
+    out.float().sum().backward()
     with torch.no_grad():
         layer(_tokens().to(dtype))
-    assert out.dtype == dtype
-    assert seen == [(torch.float32,) * 3] * 2
+    assert out.dtype == dtype and layer.qkv.weight.grad.dtype == dtype
+    assert seen == [('training',) + (torch.float32,) * 3, ('inference',) + (torch.float32,) * 3]
 
 
 def test_the_non_causal_error_says_what_is_supported():

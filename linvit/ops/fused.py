@@ -1,0 +1,224 @@
+"""Non-causal linear attention as one autograd Function: the feature map inside, a closed-form backward.
+
+With A = phi(Q) [Nq, D], K' = phi(K) [N, D] (masked keys zeroed, kept keys weighted), S = K'^T [V | 1]
+[D, Dv + 1] and [num | den0] = A S, the forward is out = num / den with den = den0 + eps * count (see
+``linvit.ops.linear_attention`` for the mean normaliser). For an upstream gradient G [Nq, Dv]:
+
+    G' = [G / den | -rowsum(G * out) / den]      the gradient at A S: the division's backward, fused
+    dA = G' S^T,   dS = A^T G',   dK' = [V | 1] dS^T,   dV = K' dS[:, :Dv]
+    dQ = phi'(Q) dA,   dK = phi'(K) (weight * dK')   (the feature map's vector-Jacobian product)
+
+a handful of [N, D] x [D, Dv + 1] matmuls and one elementwise pass per tensor. Only the inputs (q, k, v, or the
+packed qkv projection they are views of), the small S [D, Dv + 1], the normaliser den [Nq] per head and the
+output are saved: phi(q) and phi(k) are recomputed in backward, which costs one elementwise pass each but saves
+two [N, D] float32 tensors per layer; the output is the tensor the layer's projection saves anyway. Plain
+autograd of the same forward keeps phi(q), phi(k), the map's intermediates, [num | den] and the quotient (about
+10 [N, D] tensors per layer at 2048 px, 2-3 GB for ViT-S) and runs a backward op per forward op.
+
+Two entry points: ``fused_linear_attention(q, k, v, ...)`` for any q [B, H, Nq, D], k [B, H, N, D],
+v [B, H, N, Dv]; ``fused_linear_attention_qkv(qkv, ...)`` for self-attention on timm's packed projection
+qkv [B, N, 3, H, D], whose gradient is written as one [B, N, 3, H, D] tensor (no zero-filled slice gradients to
+sum) and whose output is token-major [B, N, H, D], so the projection that follows reads it without a transpose
+copy. Both compute in float32 (float64 for float64 inputs) with autocast off and return the input's dtype.
+
+The feature map needs a vector-Jacobian product in ``FEATURE_MAP_VJPS``; ``has_fused_backward(name)`` tells.
+Under ``torch.compile`` dynamo traces forward and backward into the graph (no graph break), and inductor fuses
+their elementwise parts with the surrounding kernels.
+"""
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .feature_maps import get_feature_map, get_feature_map_vjp
+from .linear_attention import check_attention_inputs, compute_dtype
+
+__all__ = ['fused_linear_attention', 'fused_linear_attention_qkv', 'has_fused_backward', 'LinearAttentionFunction',
+           'PackedLinearAttentionFunction']
+
+
+def has_fused_backward(feature_map: str) -> bool:
+    """True when feature map ``feature_map`` has a registered vector-Jacobian product (the fused path can run)."""
+    return get_feature_map_vjp(feature_map) is not None
+
+
+def _key_weights(key_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """key_mask None, [B, N] or [B, H, N] (bool keeps a key, float weighs it) -> None or weights [B, H|1, N, 1]."""
+    if key_mask is None:
+        return None
+    w = key_mask.to(dtype)
+    return (w.unsqueeze(1) if w.dim() == 2 else w).unsqueeze(-1)
+
+
+def _mapped_keys(phi_k: torch.Tensor, v: torch.Tensor, w: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weight * phi_k, v) with masked keys (weight 0) zeroed exactly, even where k or v are not finite."""
+    if w is None:
+        return phi_k, v
+    keep = w > 0
+    return torch.where(keep, phi_k * w, 0.0), torch.where(keep, v, 0.0)
+
+
+def _eps_count(eps: float, n_keys: int, w: Optional[torch.Tensor]) -> Union[torch.Tensor, float]:
+    """eps times the number (total weight) of kept keys: eps relative to the mean normaliser."""
+    if w is None:
+        return eps * n_keys
+    # with every key masked, num and den are exactly 0: a tiny count keeps 0 / (0 + eps * count) at 0
+    return eps * w.sum(dim=-2, keepdim=True).clamp_min(1e-30)  # [B, H|1, 1, 1]
+
+
+def _kv_and_key_sum(phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """phi_k [B, H, N, D], v [B, H, N, Dv] -> S = [phi_k^T v | phi_k^T 1], [B, H, D, Dv + 1] (a transposed view of
+    rows [v^T phi_k ; 1^T phi_k]: the layout the query-side matmul ran fastest with, see linear_attention.py)."""
+    s_t = torch.cat([v.transpose(-2, -1) @ phi_k, phi_k.sum(dim=-2).unsqueeze(-2)], dim=-2)
+    return s_t.transpose(-2, -1)
+
+
+def _divide_token_major(num: torch.Tensor, den: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """num [B, H, N, Dv] / den [B, H, N, 1] cast to ``dtype``, as a [B, H, N, Dv] view of [B, N, H, Dv] memory."""
+    b, h, n, dv = num.shape
+    if torch.compiler.is_compiling():
+        # functional form: inductor writes the quotient token-major in the kernel that divides
+        return (num / den).to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    out = torch.empty(b, n, h, dv, dtype=dtype, device=num.device).transpose(1, 2)
+    if dtype == num.dtype:
+        return torch.div(num, den, out=out)
+    return out.copy_(num / den)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str, eps: float,
+             w: Optional[torch.Tensor], out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv] in the compute dtype -> (out [B, H, Nq, Dv] token-major in
+    ``out_dtype``, S [B, H, D, Dv + 1], den [B, H, Nq, 1])."""
+    with_vjp = get_feature_map_vjp(feature_map)
+    phi_k, v = _mapped_keys(with_vjp(k)[0], v, w)
+    s = _kv_and_key_sum(phi_k, v)
+    dv = v.shape[-1]
+    num_den = with_vjp(q)[0] @ s
+    den = num_den[..., dv:] + _eps_count(eps, k.shape[-2], w)
+    return _divide_token_major(num_den[..., :dv], den, out_dtype), s, den
+
+
+def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
+              w: Optional[torch.Tensor], s: torch.Tensor, den: torch.Tensor,
+              out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) in the compute dtype, shapes of q, k, v; grad and out [B, H, Nq, Dv]."""
+    with_vjp = get_feature_map_vjp(feature_map)
+    dv = v.shape[-1]
+    grad_over_den = grad / den
+    # the gradient at [num | den0]: the quotient rule of out = num / den, one extra column for the normaliser
+    grad_num_den = torch.cat([grad_over_den, -(grad_over_den * out).sum(dim=-1, keepdim=True)], dim=-1)
+    phi_q, vjp_q = with_vjp(q)
+    grad_s = phi_q.transpose(-2, -1) @ grad_num_den  # [B, H, D, Dv + 1]
+    del phi_q
+    dq = vjp_q(grad_num_den @ s.transpose(-2, -1))
+    phi_k, vjp_k = with_vjp(k)
+    # a contiguous v: the [N, Dv] x [Dv, D] matmul below ran 2x slower on the strided view of the qkv projection
+    phi_k, v_kept = _mapped_keys(phi_k, v.contiguous(), w)
+    # the gradient at K' of sum(K'^T [V | 1] * dS): [V | 1] dS^T = V dS[:, :Dv]^T + dS[:, Dv] (every key)
+    grad_phi_k = (v_kept @ grad_s[..., :dv].transpose(-2, -1)).add_(grad_s[..., dv].unsqueeze(-2))
+    grad_v = phi_k @ grad_s[..., :dv]
+    del phi_k
+    if w is None:
+        return dq, vjp_k(grad_phi_k), grad_v
+    keep = w > 0
+    # masked keys get exactly zero gradients, also where padding holds non-finite values (0 * nan would leak)
+    dk = torch.where(keep, vjp_k(grad_phi_k.mul_(w)), 0.0)
+    return dq, dk, torch.where(keep, grad_v, 0.0)
+
+
+def _check_differentiable_mask(key_mask: Optional[torch.Tensor]) -> None:
+    if key_mask is not None and key_mask.requires_grad:
+        raise ValueError("fused linear attention takes key_mask as a constant; a key_mask that requires grad needs "
+                         "linvit.ops.linear_attention (plain autograd)")
+
+
+class LinearAttentionFunction(torch.autograd.Function):
+    """apply(q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], feature_map name, eps, key_mask or None)
+    -> [B, H, Nq, Dv] in v's dtype (token-major memory). Gradients flow to q, k and v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, feature_map, eps, key_mask):
+        dtype = compute_dtype(v.dtype)
+        w = _key_weights(key_mask, dtype)
+        out, s, den = _forward(q.to(dtype), k.to(dtype), v.to(dtype), feature_map, eps, w, v.dtype)
+        ctx.save_for_backward(q, k, v, s, den, out, key_mask)
+        ctx.feature_map = feature_map
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, s, den, out, key_mask = ctx.saved_tensors
+        dtype = s.dtype
+        w = _key_weights(key_mask, dtype)
+        dq, dk, dv = _backward(grad.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), ctx.feature_map, w, s, den,
+                               out.to(dtype))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _unpack_qkv(qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, N, 3, H, D] -> q, k, v as [B, H, N, D] views."""
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, v
+
+
+class PackedLinearAttentionFunction(torch.autograd.Function):
+    """apply(qkv [B, N, 3, H, D], feature_map name, eps, key_mask or None) -> out [B, N, H, D] in qkv's dtype.
+    The gradient of qkv is one [B, N, 3, H, D] tensor."""
+
+    @staticmethod
+    def forward(ctx, qkv, feature_map, eps, key_mask):
+        dtype = compute_dtype(qkv.dtype)
+        w = _key_weights(key_mask, dtype)
+        q, k, v = _unpack_qkv(qkv.to(dtype))
+        out, s, den = _forward(q, k, v, feature_map, eps, w, qkv.dtype)
+        out = out.transpose(1, 2)  # [B, N, H, D], contiguous
+        ctx.save_for_backward(qkv, s, den, out, key_mask)
+        ctx.feature_map = feature_map
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, s, den, out, key_mask = ctx.saved_tensors
+        dtype = s.dtype
+        w = _key_weights(key_mask, dtype)
+        q, k, v = _unpack_qkv(qkv.to(dtype))
+        dq, dk, dv = _backward(grad.to(dtype).transpose(1, 2), q, k, v, ctx.feature_map, w, s, den,
+                               out.to(dtype).transpose(1, 2))
+        # one contiguous [B, N, 3, H, D] write: the layout of the projection's output, which its backward reads
+        grad_qkv = torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
+        return grad_qkv.to(qkv.dtype), None, None, None
+
+
+def _autocast_off(device_type: str):
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+def fused_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = 'elu1',
+                           eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``linvit.ops.linear_attention`` (same arguments and result, a feature map given by name) with the fused
+    backward. q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], key_mask [B, N] or [B, H, N] -> [B, H, Nq, Dv]."""
+    check_attention_inputs(q, k, v, key_mask)
+    _check_fused_map(feature_map)
+    _check_differentiable_mask(key_mask)
+    with _autocast_off(v.device.type):
+        return LinearAttentionFunction.apply(q, k, v, feature_map, eps, key_mask)
+
+
+def fused_linear_attention_qkv(qkv: torch.Tensor, feature_map: str = 'elu1', eps: float = 1e-6,
+                               key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Self-attention on a packed projection: qkv [B, N, 3, H, D] -> out [B, N, H, D] (token-major, qkv's dtype),
+    key_mask [B, N] or [B, H, N]. The same function as ``linear_attention(q, k, v)`` on the unpacked q, k, v."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"fused_linear_attention_qkv expects qkv of shape [B, N, 3, H, D], got {list(qkv.shape)}")
+    q, k, v = _unpack_qkv(qkv)
+    check_attention_inputs(q, k, v, key_mask)
+    _check_fused_map(feature_map)
+    _check_differentiable_mask(key_mask)
+    with _autocast_off(qkv.device.type):
+        return PackedLinearAttentionFunction.apply(qkv, feature_map, eps, key_mask)
+
+
+def _check_fused_map(feature_map: str) -> None:
+    get_feature_map(feature_map)  # unknown names raise ValueError listing the known ones
+    if not has_fused_backward(feature_map):
+        raise ValueError(f"feature map {feature_map!r} has no registered vector-Jacobian product: register one with "
+                         f"register_feature_map(name, fn, vjp=...) or use linvit.ops.linear_attention")
