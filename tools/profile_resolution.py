@@ -5,8 +5,9 @@ For every configuration (model, image size, batch, precision, eager|compiled, in
 builds the model with ``timm.create_model(name, img_size=(H, W), pretrained=False)``, runs warm-up calls (the first
 one compiles, its time is reported apart), then times ``--repeats`` calls: median and p90 latency (ms), images/s,
 and memory in MiB. Memory: ``base`` is what the process holds right after building the model and its inputs,
-``peak`` the most it held at any point, ``added`` the peak of the warm-up and timed calls above ``base`` (what the
-forward or training step itself costs). On CPU these are the process's resident set size (RSS), so ``base`` and
+``peak`` the most it held during the timed calls (after warm-up: the step's own peak, not the build's or the
+compiler's), ``added`` that peak above ``base`` (what the forward or training step costs, with whatever the warm-up
+left allocated: gradients, compiled code). On CPU these are the process's resident set size (RSS), so ``base`` and
 ``peak`` include the interpreter, torch and, when compiled, the compiler; on CUDA they are the tensors torch
 allocated (``torch.cuda.memory_allocated``). The floor of a model is the same model with token mixing removed
 (``linvit.fast.make_floor``; ``--floors all|linear|none``): what any attention must pay at least. Compiled runs
@@ -241,8 +242,10 @@ def reset_peak_rss() -> bool:
 
 
 class MemoryWatch:
-    """Memory around the calls of one configuration, MiB: ``start()`` after building the model and inputs,
-    ``result()`` after the calls. CPU: RSS of the process; CUDA: tensors allocated by torch on the device."""
+    """Memory around the calls of one configuration, MiB: ``start()`` after building the model and inputs (the base),
+    ``steady()`` after the warm-up calls, ``result()`` after the timed calls. The peak is the timed calls' own: the
+    build, the first call (which compiles) and the warm-up allocate caches and compiler state whose peaks are not a
+    step's. CPU: RSS of the process; CUDA: tensors allocated by torch on the device."""
 
     def __init__(self, device: Any) -> None:
         self.device = device
@@ -255,12 +258,18 @@ class MemoryWatch:
 
         if self.cuda:
             self.base = torch.cuda.memory_allocated(self.device) / 2 ** 20
-            torch.cuda.reset_peak_memory_stats(self.device)
             return
         self.build_peak = lifetime_peak_rss_mib()
         self.base = _proc_status_mib('VmRSS') or self.build_peak
-        # building leaves a peak of its own (weights initialised, then cast); restart it so that the peak read
-        # after the calls is theirs. Without /proc the calls' peak falls back to the lifetime peak (an upper bound).
+
+    def steady(self) -> None:
+        """Restart the peak: what follows are steady-state calls. Without /proc the peak read by ``result`` falls
+        back to the process's lifetime peak (an upper bound)."""
+        import torch
+
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
         self.peak_was_reset = reset_peak_rss()
 
     def result(self) -> Dict[str, float]:
@@ -269,9 +278,8 @@ class MemoryWatch:
         if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
             return {'peak_mem_mib': peak, 'base_mem_mib': self.base, 'added_mem_mib': max(0.0, peak - self.base)}
-        calls_peak = (_proc_status_mib('VmHWM') if self.peak_was_reset else None) or lifetime_peak_rss_mib()
-        return {'peak_mem_mib': max(self.build_peak, calls_peak), 'base_mem_mib': self.base,
-                'added_mem_mib': max(0.0, calls_peak - self.base)}
+        peak = (_proc_status_mib('VmHWM') if self.peak_was_reset else None) or lifetime_peak_rss_mib()
+        return {'peak_mem_mib': peak, 'base_mem_mib': self.base, 'added_mem_mib': max(0.0, peak - self.base)}
 
 
 def describe_machine(device: Any) -> str:
@@ -350,6 +358,7 @@ def measure(config: Config) -> Dict[str, Any]:
     first_call = timed()  # the first warm-up call: compiles in compiled mode
     for _ in range(config.warmup - 1):
         timed()
+    memory.steady()
     times = [timed() for _ in range(config.repeats)]
     median = statistics.median(times)
     return {
@@ -559,10 +568,12 @@ def family_summary(table: Table, linear: str) -> List[str]:
     floor, soft_floor = f"floor({linear})", f"floor({soft})" if soft else None
     columns = [(linear, 'linvit'), (floor, 'floor'), (soft, 'softmax'), (soft_floor, 'sm floor')]
     columns = [(label, title) for label, title in columns if label and any(k[0] == label for k in table.by_key)]
-    lines = [f"## {linear}" + (f" vs {soft}" if soft else " (no softmax counterpart in this run)")]
+    lines = [f"## {linear}" + (f" vs {soft}" if soft else " (no softmax counterpart in this run)")
+             + "; peak linvit/floor = ratio of the timed calls' peak memory"]
     header = f"{'size':>10} {'tokens':>7} " + ' '.join(f"{title + ' img/s':>15}" for _, title in columns)
     header += f" {'linvit/floor':>13} {'linvit/softmax':>15} {'linvit +MiB':>12}"
     header += f" {'softmax +MiB':>13}" if soft else ''
+    header += f" {'peak linvit/floor':>18}"
     lines.append(header)
     points = []
     for hw in table.sizes():
@@ -574,6 +585,8 @@ def family_summary(table: Table, linear: str) -> List[str]:
         line += f" {table.cell(linear, hw, 'added_mem_mib', 0):>12}"
         if soft:
             line += f" {table.cell(soft, hw, 'added_mem_mib', 0):>13}"
+        peak_ratio = _ratio(table.value(linear, hw, 'peak_mem_mib'), table.value(floor, hw, 'peak_mem_mib'))
+        line += f" {_fmt_ratio(peak_ratio):>18}"
         lines.append(line)
     if soft:
         cross = crossover(points)

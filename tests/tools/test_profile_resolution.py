@@ -75,7 +75,8 @@ def _row(model, kind, size, img_per_s, mode='eager', status='ok', name=None):
     return {'model': model, 'name': name or model.replace('floor(', '').rstrip(')'), 'kind': kind, 'height': size,
             'width': size, 'tokens': (size // 16) ** 2 + 1, 'batch': 1, 'dtype': 'fp32', 'mode': mode,
             'task': 'infer', 'device': 'cpu', 'status': status, 'img_per_s': img_per_s if ok else None,
-            'median_ms': 1e3 / img_per_s if ok else None, 'peak_mem_mib': 700.0 + size if ok else None,
+            'median_ms': 1e3 / img_per_s if ok else None,
+            'peak_mem_mib': (700.0 + size) * (0.8 if kind == 'floor' else 1.0) if ok else None,
             'added_mem_mib': size / 8 if ok else None, 'threads': 2, 'machine': 'Test CPU, 2 CPUs'}
 
 
@@ -105,7 +106,8 @@ def test_summary_ratios_crossover_growth_and_modes(prof):
     assert 'time growth 1024 -> 2048 px (4x tokens): linvit 5.00x, floor 4.73x, softmax 20.00x' in eager
     compiled = text.split('# infer, fp32, batch 1, compiled')[1].split('compiled / eager')[0]
     lines = {line.split()[0]: line.split() for line in compiled.splitlines() if line.strip()[:1].isdigit()}
-    assert lines['2048'][2:] == ['1.00', '1.10', 'oom', '0.91x', '-', '256', 'oom']  # memory added by the calls
+    # memory added by the calls, then the ratio of the calls' peaks (floor rows hold 0.8x)
+    assert lines['2048'][2:] == ['1.00', '1.10', 'oom', '0.91x', '-', '256', 'oom', '1.25x']
     # softmax out of memory at the largest size counts as a win for linvit
     assert 'beats vit_small_patch16_224 from 224 px (197 tokens) on' in compiled
     assert '1024: 5.00x, 2048: linvit ok, softmax oom' in compiled
@@ -344,10 +346,47 @@ def test_printed_table_and_csv_are_the_scripted_throughputs(prof, tmp_path, caps
             [ms, 1.2 * ms, 1e3 / ms, 1e3])
     table = printed.split(f"## {models[0]} vs {models[1]}")[1]
     lines = {line.split()[0]: line for line in table.splitlines() if line.strip()[:1].isdigit()}
-    # size, tokens, img/s of linvit, floor, softmax; linvit/floor, linvit/softmax; then memory added (MiB)
+    # size, tokens, img/s of linvit, floor, softmax; linvit/floor, linvit/softmax; memory added (MiB); peak ratio
     assert float_cells(lines['32'])[:7] == pytest.approx([32, 5, 50., 100., 100., 0.5, 0.5], abs=5e-3)
     assert float_cells(lines['64'])[:7] == pytest.approx([64, 17, 1e3 / 60, 25., 10., 40 / 60, 100 / 60], abs=5e-3)
     for side in ('32', '64'):
-        assert float_cells(lines[side])[7:] == [round(float(rows[m, int(side)]['added_mem_mib'])) for m in models]
+        assert float_cells(lines[side])[7:9] == [round(float(rows[m, int(side)]['added_mem_mib'])) for m in models]
+        peaks = [float(rows[m, int(side)]['peak_mem_mib']) for m in (models[0], f"floor({models[0]})")]
+        assert float_cells(lines[side])[9] == pytest.approx(peaks[0] / peaks[1], abs=5e-3)
     assert f"crossover: {models[0]} beats {models[1]} from 64 px (17 tokens) on" in table
     assert 'time growth 32 -> 64 px (4x tokens): linvit 3.00x, floor 4.00x, softmax 10.00x' in table
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/clear_refs'), reason='needs Linux /proc to restart the peak')
+def test_the_peak_is_the_timed_calls_own_not_the_warm_ups(prof):
+    """A warm-up that held 400 MiB (a compile, a first-call cache) and freed it leaves no trace in the peak."""
+    import torch
+
+    watch = prof.MemoryWatch(torch.device('cpu'))
+    watch.start()
+    big = torch.ones(400 * 2 ** 20 // 4)  # touched pages: resident
+    del big
+    watch.steady()
+    small = torch.ones(8 * 2 ** 20 // 4)
+    result = watch.result()
+    del small
+    assert result['peak_mem_mib'] < watch.base + 200
+    assert result['added_mem_mib'] == pytest.approx(max(0.0, result['peak_mem_mib'] - watch.base))
+
+
+def test_measure_restarts_the_peak_between_warm_up_and_timed_calls(prof, monkeypatch):
+    events = []
+
+    class SpyWatch(prof.MemoryWatch):
+        def start(self) -> None:
+            events.append('start')
+            super().start()
+
+        def steady(self) -> None:
+            events.append('steady')
+            super().steady()
+
+    monkeypatch.setattr(prof, 'MemoryWatch', SpyWatch)
+    spec = prof.parse_model_spec('linvit_tiny_patch16_224:depth=1')
+    prof.measure(prof.Config(spec, 32, 32, 1, 'fp32', 'eager', 'train', 'cpu', 1, 1))
+    assert events == ['start', 'steady']
