@@ -1,5 +1,6 @@
 """Pure tensor functions for linear attention. Shapes are [B, H, N, D]; nothing here holds parameters."""
 from .feature_maps import (
+    FEATURE_MAP_OUTPUT_DERIVATIVES,
     FEATURE_MAP_VJPS,
     FEATURE_MAPS,
     INPLACE_FEATURE_MAPS,
@@ -18,8 +19,9 @@ from .linear_attention import check_attention_inputs, compute_dtype, linear_atte
 from .reference import quadratic_linear_attention
 
 __all__ = [
-    'FEATURE_MAPS', 'FEATURE_MAP_VJPS', 'INPLACE_FEATURE_MAPS', 'FeatureMap', 'elu1', 'relu', 'focused',
-    'get_feature_map', 'get_feature_map_vjp', 'get_inplace_feature_map', 'list_feature_maps', 'register_feature_map',
-    'check_attention_inputs', 'compute_dtype', 'linear_attention', 'linear_attention_from_features',
-    'quadratic_linear_attention', 'fused_linear_attention', 'fused_linear_attention_qkv', 'has_fused_backward',
+    'FEATURE_MAPS', 'FEATURE_MAP_VJPS', 'FEATURE_MAP_OUTPUT_DERIVATIVES', 'INPLACE_FEATURE_MAPS', 'FeatureMap',
+    'elu1', 'relu', 'focused', 'get_feature_map', 'get_feature_map_vjp', 'get_inplace_feature_map',
+    'list_feature_maps', 'register_feature_map', 'check_attention_inputs', 'compute_dtype', 'linear_attention',
+    'linear_attention_from_features', 'quadratic_linear_attention', 'fused_linear_attention',
+    'fused_linear_attention_qkv', 'has_fused_backward',
 ]

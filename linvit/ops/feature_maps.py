@@ -125,6 +125,25 @@ FEATURE_MAP_VJPS: Dict[str, FeatureMapWithVJP] = {
 }
 
 
+def elu1_derivative_from_output(phi: torch.Tensor) -> torch.Tensor:
+    """elu1'(x) from phi = elu1(x): min(phi, 1) (phi = exp(x) <= 1 for x <= 0, where the derivative is exp(x);
+    phi > 1 for x > 0, where it is 1). phi: [..., D] -> [..., D]."""
+    return phi.clamp(max=1.0)
+
+
+def relu_derivative_from_output(phi: torch.Tensor) -> torch.Tensor:
+    """relu'(x) from phi = relu(x): 1 where phi > 0, else 0 (as autograd's at 0). phi: [..., D] -> bool [..., D]."""
+    return phi > 0
+
+
+# maps whose derivative is a function of their output: the fused Function keeps phi(q) and phi(k) for backward (as
+# many bytes as q and k) instead of recomputing them there; others (focused: row norms) recompute from q and k
+FEATURE_MAP_OUTPUT_DERIVATIVES: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    'elu1': elu1_derivative_from_output,
+    'relu': relu_derivative_from_output,
+}
+
+
 def elu1_inplace(x: torch.Tensor) -> torch.Tensor:
     """``elu1`` written into x (which must be a fresh intermediate, e.g. a projection output); returns x."""
     e = x.clamp(max=0.0).exp_()

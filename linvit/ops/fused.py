@@ -25,11 +25,11 @@ The feature map needs a vector-Jacobian product in ``FEATURE_MAP_VJPS``; ``has_f
 Under ``torch.compile`` dynamo traces forward and backward into the graph (no graph break), and inductor fuses
 their elementwise parts with the surrounding kernels.
 """
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from .feature_maps import get_feature_map, get_feature_map_vjp
+from .feature_maps import FEATURE_MAP_OUTPUT_DERIVATIVES, get_feature_map, get_feature_map_vjp
 from .linear_attention import check_attention_inputs, compute_dtype
 
 __all__ = ['fused_linear_attention', 'fused_linear_attention_qkv', 'has_fused_backward', 'LinearAttentionFunction',
@@ -84,33 +84,49 @@ def _divide_token_major(num: torch.Tensor, den: torch.Tensor, dtype: torch.dtype
     return out.copy_(num / den)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str, eps: float,
-             w: Optional[torch.Tensor], out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv] in the compute dtype -> (out [B, H, Nq, Dv] token-major in
-    ``out_dtype``, S [B, H, D, Dv + 1], den [B, H, Nq, 1])."""
-    with_vjp = get_feature_map_vjp(feature_map)
-    phi_k, v = _mapped_keys(with_vjp(k)[0], v, w)
+def _map(feature_map: str, x: torch.Tensor) -> torch.Tensor:
+    """phi(x) as a fresh contiguous tensor (x [..., D] may be a strided view)."""
+    return get_feature_map_vjp(feature_map)(x)[0]
+
+
+def _attend(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float, w: Optional[torch.Tensor],
+            out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """phi_q [B, H, Nq, D], phi_k [B, H, N, D], v [B, H, N, Dv] in the compute dtype -> (out [B, H, Nq, Dv]
+    token-major in ``out_dtype``, S [B, H, D, Dv + 1], den [B, H, Nq, 1])."""
+    phi_k, v = _mapped_keys(phi_k, v, w)
     s = _kv_and_key_sum(phi_k, v)
     dv = v.shape[-1]
-    num_den = with_vjp(q)[0] @ s
-    den = num_den[..., dv:] + _eps_count(eps, k.shape[-2], w)
+    num_den = phi_q @ s
+    den = num_den[..., dv:] + _eps_count(eps, phi_k.shape[-2], w)
     return _divide_token_major(num_den[..., :dv], den, out_dtype), s, den
 
 
+def _features_for_backward(feature_map: str, x: torch.Tensor,
+                           phi: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """(phi(x), vjp): from the kept phi when the forward kept it (the derivative read off phi), else recomputed."""
+    if phi is None:
+        return get_feature_map_vjp(feature_map)(x)
+    derivative = FEATURE_MAP_OUTPUT_DERIVATIVES[feature_map]
+    return phi, lambda grad: grad.mul_(derivative(phi))
+
+
 def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
-              w: Optional[torch.Tensor], s: torch.Tensor, den: torch.Tensor,
-              out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dq, dk, dv) in the compute dtype, shapes of q, k, v; grad and out [B, H, Nq, Dv]."""
-    with_vjp = get_feature_map_vjp(feature_map)
+              w: Optional[torch.Tensor], s: torch.Tensor, den: torch.Tensor, out: torch.Tensor,
+              phi_q: Optional[torch.Tensor] = None,
+              phi_k: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) in the compute dtype, shapes of q, k, v; grad and out [B, H, Nq, Dv]. phi_q and
+    phi_k: the features the forward kept (maps in FEATURE_MAP_OUTPUT_DERIVATIVES), else None (q and k are mapped
+    again; then q and k must be given, otherwise they may be None)."""
     dv = v.shape[-1]
     grad_over_den = grad / den
     # the gradient at [num | den0]: the quotient rule of out = num / den, one extra column for the normaliser
     grad_num_den = torch.cat([grad_over_den, -(grad_over_den * out).sum(dim=-1, keepdim=True)], dim=-1)
-    phi_q, vjp_q = with_vjp(q)
+    del grad_over_den
+    phi_q, vjp_q = _features_for_backward(feature_map, q, phi_q)
     grad_s = phi_q.transpose(-2, -1) @ grad_num_den  # [B, H, D, Dv + 1]
-    del phi_q
     dq = vjp_q(grad_num_den @ s.transpose(-2, -1))
-    phi_k, vjp_k = with_vjp(k)
+    del phi_q, grad_num_den
+    phi_k, vjp_k = _features_for_backward(feature_map, k, phi_k)
     # a contiguous v: the [N, Dv] x [Dv, D] matmul below ran 2x slower on the strided view of the qkv projection
     phi_k, v_kept = _mapped_keys(phi_k, v.contiguous(), w)
     # the gradient at K' of sum(K'^T [V | 1] * dS): [V | 1] dS^T = V dS[:, :Dv]^T + dS[:, Dv] (every key)
@@ -123,6 +139,12 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     # masked keys get exactly zero gradients, also where padding holds non-finite values (0 * nan would leak)
     dk = torch.where(keep, vjp_k(grad_phi_k.mul_(w)), 0.0)
     return dq, dk, torch.where(keep, grad_v, 0.0)
+
+
+def _keeps_features(feature_map: str, dtype: torch.dtype) -> bool:
+    """Whether the forward keeps phi(q), phi(k) (same bytes as q and k: only when they already hold the compute
+    dtype) rather than q and k."""
+    return feature_map in FEATURE_MAP_OUTPUT_DERIVATIVES and dtype == compute_dtype(dtype)
 
 
 def _check_differentiable_mask(key_mask: Optional[torch.Tensor]) -> None:
@@ -139,19 +161,28 @@ class LinearAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, feature_map, eps, key_mask):
         dtype = compute_dtype(v.dtype)
         w = _key_weights(key_mask, dtype)
-        out, s, den = _forward(q.to(dtype), k.to(dtype), v.to(dtype), feature_map, eps, w, v.dtype)
-        ctx.save_for_backward(q, k, v, s, den, out, key_mask)
+        phi_q, phi_k = _map(feature_map, q.to(dtype)), _map(feature_map, k.to(dtype))
+        out, s, den = _attend(phi_q, phi_k, v.to(dtype), eps, w, v.dtype)
+        ctx.keeps_features = _keeps_features(feature_map, q.dtype) and _keeps_features(feature_map, k.dtype)
+        if ctx.keeps_features:
+            ctx.save_for_backward(phi_q, phi_k, v, s, den, out, key_mask)
+        else:
+            ctx.save_for_backward(q, k, v, s, den, out, key_mask)
         ctx.feature_map = feature_map
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, s, den, out, key_mask = ctx.saved_tensors
+        first, second, v, s, den, out, key_mask = ctx.saved_tensors
         dtype = s.dtype
         w = _key_weights(key_mask, dtype)
-        dq, dk, dv = _backward(grad.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), ctx.feature_map, w, s, den,
-                               out.to(dtype))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        if ctx.keeps_features:  # phi(q), phi(k): q and k held the compute dtype, as these do
+            dq, dk, dv = _backward(grad.to(dtype), None, None, v.to(dtype), ctx.feature_map, w, s, den,
+                                   out.to(dtype), phi_q=first, phi_k=second)
+        else:  # q, k
+            dq, dk, dv = _backward(grad.to(dtype), first.to(dtype), second.to(dtype), v.to(dtype), ctx.feature_map,
+                                   w, s, den, out.to(dtype))
+        return dq.to(first.dtype), dk.to(second.dtype), dv.to(v.dtype), None, None, None
 
 
 def _unpack_qkv(qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,30 +193,45 @@ def _unpack_qkv(qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Te
 
 class PackedLinearAttentionFunction(torch.autograd.Function):
     """apply(qkv [B, N, 3, H, D], feature_map name, eps, key_mask or None) -> out [B, N, H, D] in qkv's dtype.
-    The gradient of qkv is one [B, N, 3, H, D] tensor."""
+    The gradient of qkv is one [B, N, 3, H, D] tensor.
+
+    Kept for backward: phi(q), phi(k) and a contiguous copy of v when the map's derivative is a function of its
+    output (then nothing holds the projection's output any more), else qkv itself; the same bytes either way.
+    """
 
     @staticmethod
     def forward(ctx, qkv, feature_map, eps, key_mask):
         dtype = compute_dtype(qkv.dtype)
         w = _key_weights(key_mask, dtype)
         q, k, v = _unpack_qkv(qkv.to(dtype))
-        out, s, den = _forward(q, k, v, feature_map, eps, w, qkv.dtype)
+        phi_q, phi_k = _map(feature_map, q), _map(feature_map, k)
+        out, s, den = _attend(phi_q, phi_k, v, eps, w, qkv.dtype)
         out = out.transpose(1, 2)  # [B, N, H, D], contiguous
-        ctx.save_for_backward(qkv, s, den, out, key_mask)
+        ctx.keeps_features = _keeps_features(feature_map, qkv.dtype)
+        if ctx.keeps_features:
+            # the backward's matmuls read v contiguous anyway; copying it here frees the projection's output
+            ctx.save_for_backward(phi_q, phi_k, v.contiguous(), s, den, out, key_mask)
+        else:
+            ctx.save_for_backward(qkv, None, None, s, den, out, key_mask)
         ctx.feature_map = feature_map
+        ctx.qkv_dtype = qkv.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, s, den, out, key_mask = ctx.saved_tensors
+        first, second, third, s, den, out, key_mask = ctx.saved_tensors
         dtype = s.dtype
         w = _key_weights(key_mask, dtype)
-        q, k, v = _unpack_qkv(qkv.to(dtype))
-        dq, dk, dv = _backward(grad.to(dtype).transpose(1, 2), q, k, v, ctx.feature_map, w, s, den,
-                               out.to(dtype).transpose(1, 2))
+        grad, out = grad.to(dtype).transpose(1, 2), out.to(dtype).transpose(1, 2)
+        if ctx.keeps_features:
+            dq, dk, dv = _backward(grad, None, None, third, ctx.feature_map, w, s, den, out, phi_q=first,
+                                   phi_k=second)
+        else:
+            q, k, v = _unpack_qkv(first.to(dtype))
+            dq, dk, dv = _backward(grad, q, k, v, ctx.feature_map, w, s, den, out)
         # one contiguous [B, N, 3, H, D] write: the layout of the projection's output, which its backward reads
         grad_qkv = torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
-        return grad_qkv.to(qkv.dtype), None, None, None
+        return grad_qkv.to(ctx.qkv_dtype), None, None, None
 
 
 def _autocast_off(device_type: str):

@@ -434,13 +434,13 @@ def test_half_precision_tokens_meet_the_core_in_float32(monkeypatch, dtype):
         seen.append(('inference', phi_q.dtype, phi_k.dtype, v.dtype))
         return inference_core(phi_q, phi_k, v, eps, key_mask)
 
-    def spy_training(q, k, v, *args):
-        seen.append(('training', q.dtype, k.dtype, v.dtype))
-        return training_core(q, k, v, *args)
+    def spy_training(phi_q, phi_k, v, *args):
+        seen.append(('training', phi_q.dtype, phi_k.dtype, v.dtype))
+        return training_core(phi_q, phi_k, v, *args)
 
-    inference_core, training_core = layer_module.linear_attention_from_features, fused_module._forward
+    inference_core, training_core = layer_module.linear_attention_from_features, fused_module._attend
     monkeypatch.setattr(layer_module, 'linear_attention_from_features', spy_inference)
-    monkeypatch.setattr(fused_module, '_forward', spy_training)
+    monkeypatch.setattr(fused_module, '_attend', spy_training)
     layer = LinearAttention(DIM, HEADS, dtype=dtype)
     out = layer(_tokens().to(dtype))
     out.float().sum().backward()

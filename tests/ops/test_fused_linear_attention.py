@@ -9,6 +9,7 @@ import torch
 from references import FEATURE_MAP_REFS, quadratic_attention_ref, rel_err
 
 from linvit.ops import (
+    FEATURE_MAP_OUTPUT_DERIVATIVES,
     FEATURE_MAP_VJPS,
     FEATURE_MAPS,
     fused_linear_attention,
@@ -145,6 +146,17 @@ def test_with_vjp_gives_the_map_and_the_gradient_of_the_reference_map(feature_ma
     assert x.equal(x_before)  # the input itself is not mapped in place (q and k are views of the projection)
 
 
+@pytest.mark.parametrize('feature_map', sorted(FEATURE_MAP_OUTPUT_DERIVATIVES))
+def test_derivative_read_off_the_output_is_the_reference_derivative(feature_map):
+    """For the maps whose features the Function keeps: phi'(x) from phi(x) equals autograd's derivative of the
+    independent reference map, 0 and values near it included."""
+    x = torch.cat([torch.randn(200, dtype=torch.float64), torch.tensor([0.0, 1e-9, -1e-9, 30.0, -30.0])])
+    leaf = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(FEATURE_MAP_REFS[feature_map](leaf).sum(), leaf)
+    got = FEATURE_MAP_OUTPUT_DERIVATIVES[feature_map](FEATURE_MAPS[feature_map](x))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-8, atol=1e-12)
+
+
 def test_every_feature_map_has_a_registered_derivative():
     # the layers train every built-in map through the Function: a new map without one must be a decision
     assert set(FEATURE_MAP_VJPS) == set(FEATURE_MAPS)
@@ -187,8 +199,8 @@ def test_relu_rows_with_no_positive_entry_stay_finite():
 # ---- what is kept for backward ----
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` builds its graph."""
+def _saved_storages(fn) -> dict:
+    """{storage address: bytes} of what autograd keeps for backward while ``fn()`` builds its graph."""
     storages = {}
 
     def pack(t):
@@ -197,21 +209,25 @@ def _saved_bytes(fn) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return sum(storages.values())
+    return storages
 
 
-def test_packed_function_keeps_only_qkv_output_and_small_summaries():
-    """At 4,096 tokens: qkv and the output (which the projection after it keeps anyway), plus S [D, D + 1] and the
-    normaliser per token and head; plain autograd of the same math keeps several more [N, D] tensors."""
+@pytest.mark.parametrize('feature_map', MAPS)
+def test_packed_function_keeps_as_many_bytes_as_qkv_and_its_output(feature_map):
+    """At 4,096 tokens: qkv (or phi(q), phi(k) and v, as many bytes) and the output (which the projection after it
+    keeps anyway), plus S [D, D + 1] and the normaliser per token and head; plain autograd of the same math keeps
+    several more [N, D] tensors. Maps whose derivative is read off their output keep phi, not the projection."""
     b, n, h, d = 1, 4096, 6, 64
     qkv = torch.randn(b, n, 3, h, d, requires_grad=True)
-    kept = _saved_bytes(lambda: fused_linear_attention_qkv(qkv))
+    kept = _saved_storages(lambda: fused_linear_attention_qkv(qkv, feature_map))
     qkv_bytes, out_bytes = qkv.numel() * 4, b * n * h * d * 4
     small = b * h * (d * (d + 1) + n) * 4
-    assert kept <= qkv_bytes + out_bytes + small
+    assert sum(kept.values()) <= qkv_bytes + out_bytes + small
+    keeps_phi = feature_map in FEATURE_MAP_OUTPUT_DERIVATIVES
+    assert (qkv.untyped_storage().data_ptr() in kept) is not keeps_phi
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    plain = _saved_bytes(lambda: quadratic_free_plain_autograd(q, k, v))
-    assert plain >= kept + 2 * out_bytes  # the Function's saving is real, not a measuring artefact
+    plain = sum(_saved_storages(lambda: quadratic_free_plain_autograd(q, k, v)).values())
+    assert plain >= sum(kept.values()) + 2 * out_bytes  # the Function's saving is real, not a measuring artefact
 
 
 def quadratic_free_plain_autograd(q, k, v):

@@ -32,3 +32,8 @@ def prof() -> ModuleType:
 @pytest.fixture(scope='module')
 def forward() -> ModuleType:
     return load_tool('profile_forward')
+
+
+@pytest.fixture(scope='module')
+def step_bench() -> ModuleType:
+    return load_tool('bench_train_step')

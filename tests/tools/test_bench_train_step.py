@@ -1,0 +1,58 @@
+"""tools/bench_train_step.py: interleaved training steps of linvit, its floor and softmax, against a scripted clock."""
+import csv
+import sys
+
+import pytest
+from scripted_clock import ScriptedClock, float_cells
+
+STEP_MS = {('linvit_tiny_patch16_224', False): 40., ('linvit_tiny_patch16_224', True): 30.,
+           ('vit_tiny_patch16_224', False): 120.}
+
+
+def scripted_step_ms(name, is_floor, height, width, call):
+    # the first (warm-up) step is slow and must not count; timed steps alternate around the median
+    return 1e4 if call == 0 else STEP_MS[name, is_floor] * [1.1, 1.0, 0.9][call % 3]
+
+
+def test_table_and_csv_are_the_scripted_step_times(step_bench, tmp_path, capsys, monkeypatch):
+    clock = ScriptedClock(scripted_step_ms)
+    clock.install(monkeypatch, sys.modules['bench_attention'])  # the tool times with bench_attention's interleaving
+    out = tmp_path / 'steps.csv'
+    assert step_bench.main(['--model', 'linvit_tiny_patch16_224:depth=1', '--sizes', '32', '32x48', '--batch', '2',
+                            '--mode', 'eager', '--repeats', '3', '--csv', str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = list(csv.DictReader(out.open()))
+    assert [(r['size'], r['mode']) for r in rows] == [('32', 'eager'), ('32x48', 'eager')]
+    for r in rows:
+        assert [float(r[k]) for k in ('linvit_ms', 'floor_ms', 'softmax_ms')] == pytest.approx([40., 30., 120.])
+        assert float(r['linvit_img_per_s']) == pytest.approx(2e3 / 40)
+        assert float(r['linvit_over_floor']) == pytest.approx(0.75)
+        assert float(r['linvit_over_softmax']) == pytest.approx(3.0)
+    lines = [line for line in printed.splitlines() if line.split()[:1] in (['32'], ['32x48'])]
+    assert float_cells(lines[0].replace('eager', ''))[2:] == pytest.approx([40, 30, 120, 0.75, 3.0])
+    # interleaved: every round steps linvit, its floor, softmax in turn (1 warm-up + 3 timed rounds per size)
+    order = [(name, floor) for name, floor, _ in clock.inputs]
+    assert order == [('linvit_tiny_patch16_224', False), ('linvit_tiny_patch16_224', True),
+                     ('vit_tiny_patch16_224', False)] * 8
+    assert {shape for _, _, shape in clock.inputs} == {(2, 3, 32, 32), (2, 3, 32, 48)}
+
+
+def test_runs_end_to_end_compiled_without_softmax(step_bench, tmp_path, capsys):
+    out = tmp_path / 'steps.csv'
+    assert step_bench.main(['--model', 'linvit_tiny_patch16_224:depth=1,embed_dim=48,num_heads=3', '--softmax',
+                            'none', '--sizes', '32', '--batch', '1', '--mode', 'compiled', '--repeats', '1',
+                            '--csv', str(out)]) == 0
+    (row,) = list(csv.DictReader(out.open()))
+    assert row['softmax_ms'] == '' and row['linvit_over_softmax'] == ''
+    assert float(row['linvit_over_floor']) == pytest.approx(float(row['floor_ms']) / float(row['linvit_ms']))
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--model', 'vit_small_patch16_224'], 'must be a linvit_'),
+    (['--softmax', 'vit_nonexistent'], "'vit_nonexistent' is not a timm model"),
+    (['--repeats', '0'], 'must be >= 1'),
+])
+def test_bad_options_are_refused_with_the_reason(step_bench, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        step_bench.parse_args(argv)
+    assert message in capsys.readouterr().err
