@@ -320,3 +320,57 @@ def test_bad_shapes_name_the_input():
     q, k, v = _qkv((1, 1, 3, 3, 4, 4))
     with pytest.raises(ValueError, match='k and v must hold the same number of tokens'):
         fused_linear_attention(q, k, v[..., :2, :])
+
+
+# ---- compilers: dynamo traces the Function; export takes its forward ----
+
+
+class _PackedAttention(torch.nn.Module):
+    """qkv [B, N, 3, H, D] -> fused attention output [B, N, H, D], feature map chosen at construction."""
+
+    def __init__(self, feature_map: str) -> None:
+        super().__init__()
+        self.feature_map = feature_map
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        return fused_linear_attention_qkv(qkv, self.feature_map)
+
+
+@pytest.mark.compiler
+@pytest.mark.parametrize('feature_map', MAPS)
+def test_dynamo_traces_the_function_forward_and_backward_in_one_graph(feature_map):
+    """fullgraph=True with the Function's own backward: one graph, and gradients equal the float64 reference."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    qkv = torch.randn(2, 9, 3, 2, 4, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    compiled = torch.compile(_PackedAttention(feature_map), backend=backend, fullgraph=True)
+    out = compiled(qkv)
+    out.square().sum().backward()
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert 'autograd_function_apply' in str(graphs[0].graph)  # the Function itself, not a decomposed fallback
+    ref_qkv = qkv.detach().double().requires_grad_(True)
+    q, k, v = ref_qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    ref = quadratic_attention_ref(q, k, v, feature_map=feature_map).transpose(1, 2)
+    ref.square().sum().backward()
+    assert rel_err(out, ref) <= 1e-5 and rel_err(qkv.grad, ref_qkv.grad) <= 1e-5
+
+
+@pytest.mark.compiler
+def test_onnx_export_of_the_function_runs_in_onnxruntime(tmp_path):
+    """Exported with autograd on (the training path): the forward runs in onnxruntime at the float64 reference."""
+    ort = pytest.importorskip('onnxruntime')
+    qkv = torch.randn(1, 33, 3, 2, 8, generator=torch.Generator().manual_seed(10))
+    path = tmp_path / 'fused.onnx'
+    with torch.enable_grad():
+        torch.onnx.export(_PackedAttention('elu1').eval(), (qkv,), str(path), dynamo=True)
+    session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    (got,) = session.run(None, {session.get_inputs()[0].name: qkv.numpy()})
+    q, k, v = qkv.double().permute(2, 0, 3, 1, 4).unbind(0)
+    ref = quadratic_attention_ref(q, k, v).transpose(1, 2)
+    assert rel_err(torch.from_numpy(got), ref) <= 1e-5
