@@ -25,6 +25,7 @@ The feature map needs a vector-Jacobian product in ``FEATURE_MAP_VJPS``; ``has_f
 Under ``torch.compile`` dynamo traces forward and backward into the graph (no graph break), and inductor fuses
 their elementwise parts with the surrounding kernels.
 """
+import contextlib
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -234,7 +235,11 @@ class PackedLinearAttentionFunction(torch.autograd.Function):
         return grad_qkv.to(ctx.qkv_dtype), None, None, None
 
 
-def _autocast_off(device_type: str):
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    # autocast has no meta device ("unsupported scalarType"); meta tensors carry shapes only, and the Function casts
+    # to the compute dtype itself, so nothing is lost by skipping it there
+    if device_type == 'meta':
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, enabled=False)
 
 
