@@ -17,7 +17,6 @@ allocator hands large freed buffers back and faults them in again on the next st
 ``MALLOC_TRIM_THRESHOLD_`` (see ``profile_resolution.py --retain-freed-memory``) keep them, for steadier ratios.
 """
 import argparse
-import csv
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -25,7 +24,7 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from bench_attention import time_interleaved
+from bench_attention import time_interleaved, write_csv
 from profile_resolution import ModelSpec, allocator_setting, parse_model_spec, parse_size, size_label
 from tool_cli import HelpFormatter
 
@@ -132,13 +131,6 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
             rows.append(row)
             print(format_row(row), flush=True)
     return rows
-
-
-def write_csv(path: str, rows: List[Dict[str, Any]]) -> None:
-    with open(path, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

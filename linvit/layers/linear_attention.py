@@ -145,9 +145,9 @@ class LinearAttention(nn.Module):
                 f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}")
 
     def _mix_tokens_fused(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the fused Function (training): it saves
-        only qkv, the output and per-row normalisers for backward, and returns the output token-major, so the
-        reshape below is a view."""
+        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the fused Function (training): it keeps as
+        many bytes as qkv for backward, plus the output and per-row normalisers, and returns the output
+        token-major, so the reshape below is a view."""
         B, N = qkv.shape[0], qkv.shape[1]
         if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
             out = fused_linear_attention_qkv(qkv, self.feature_map_name, self.eps, key_mask)
@@ -192,7 +192,7 @@ class LinearAttention(nn.Module):
         B, N, _ = x.shape
         key_mask = attn_mask_to_key_mask(attn_mask, B, N)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
-        if torch.jit.is_scripting():
+        if torch.jit.is_scripting():  # TorchScript cannot compile an autograd.Function: this branch hides it
             out = self._mix_tokens(qkv, key_mask)
         elif torch.is_grad_enabled() and self.fused_backward:
             out = self._mix_tokens_fused(qkv, key_mask)

@@ -8,12 +8,12 @@ With A = phi(Q) [Nq, D], K' = phi(K) [N, D] (masked keys zeroed, kept keys weigh
     dA = G' S^T,   dS = A^T G',   dK' = [V | 1] dS^T,   dV = K' dS[:, :Dv]
     dQ = phi'(Q) dA,   dK = phi'(K) (weight * dK')   (the feature map's vector-Jacobian product)
 
-a handful of [N, D] x [D, Dv + 1] matmuls and one elementwise pass per tensor. Only the inputs (q, k, v, or the
-packed qkv projection they are views of), the small S [D, Dv + 1], the normaliser den [Nq] per head and the
-output are saved: phi(q) and phi(k) are recomputed in backward, which costs one elementwise pass each but saves
-two [N, D] float32 tensors per layer; the output is the tensor the layer's projection saves anyway. Plain
-autograd of the same forward keeps phi(q), phi(k), the map's intermediates, [num | den] and the quotient (about
-10 [N, D] tensors per layer at 2048 px, 2-3 GB for ViT-S) and runs a backward op per forward op.
+a handful of [N, D] x [D, Dv + 1] matmuls and one elementwise pass per tensor. Saved for backward: the small
+S [D, Dv + 1], the normaliser den [Nq] per head, the output (the tensor the layer's projection saves anyway) and
+either phi(q), phi(k) and v (maps whose derivative is read off their output, ``FEATURE_MAP_OUTPUT_DERIVATIVES``:
+nothing is recomputed) or q, k and v (other maps: phi is recomputed in backward). Both are as many bytes as the
+qkv projection; plain autograd of the same forward also keeps the map's intermediates, [num | den] and the
+quotient, and runs a backward op per forward op.
 
 Two entry points: ``fused_linear_attention(q, k, v, ...)`` for any q [B, H, Nq, D], k [B, H, N, D],
 v [B, H, N, Dv]; ``fused_linear_attention_qkv(qkv, ...)`` for self-attention on timm's packed projection
@@ -30,8 +30,8 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from .feature_maps import FEATURE_MAP_OUTPUT_DERIVATIVES, get_feature_map, get_feature_map_vjp
-from .linear_attention import check_attention_inputs, compute_dtype
+from .feature_maps import FEATURE_MAP_OUTPUT_DERIVATIVES, get_feature_map_vjp
+from .linear_attention import _key_weights, _kv_and_key_sum, check_attention_inputs, compute_dtype
 
 __all__ = ['fused_linear_attention', 'fused_linear_attention_qkv', 'has_fused_backward', 'LinearAttentionFunction',
            'PackedLinearAttentionFunction']
@@ -42,12 +42,9 @@ def has_fused_backward(feature_map: str) -> bool:
     return get_feature_map_vjp(feature_map) is not None
 
 
-def _key_weights(key_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _key_weight_column(key_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """key_mask None, [B, N] or [B, H, N] (bool keeps a key, float weighs it) -> None or weights [B, H|1, N, 1]."""
-    if key_mask is None:
-        return None
-    w = key_mask.to(dtype)
-    return (w.unsqueeze(1) if w.dim() == 2 else w).unsqueeze(-1)
+    return None if key_mask is None else _key_weights(key_mask, dtype).unsqueeze(-1)
 
 
 def _mapped_keys(phi_k: torch.Tensor, v: torch.Tensor, w: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -64,13 +61,6 @@ def _eps_count(eps: float, n_keys: int, w: Optional[torch.Tensor]) -> Union[torc
         return eps * n_keys
     # with every key masked, num and den are exactly 0: a tiny count keeps 0 / (0 + eps * count) at 0
     return eps * w.sum(dim=-2, keepdim=True).clamp_min(1e-30)  # [B, H|1, 1, 1]
-
-
-def _kv_and_key_sum(phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """phi_k [B, H, N, D], v [B, H, N, Dv] -> S = [phi_k^T v | phi_k^T 1], [B, H, D, Dv + 1] (a transposed view of
-    rows [v^T phi_k ; 1^T phi_k]: the layout the query-side matmul ran fastest with, see linear_attention.py)."""
-    s_t = torch.cat([v.transpose(-2, -1) @ phi_k, phi_k.sum(dim=-2).unsqueeze(-2)], dim=-2)
-    return s_t.transpose(-2, -1)
 
 
 def _divide_token_major(num: torch.Tensor, den: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -161,7 +151,7 @@ class LinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, feature_map, eps, key_mask):
         dtype = compute_dtype(v.dtype)
-        w = _key_weights(key_mask, dtype)
+        w = _key_weight_column(key_mask, dtype)
         phi_q, phi_k = _map(feature_map, q.to(dtype)), _map(feature_map, k.to(dtype))
         out, s, den = _attend(phi_q, phi_k, v.to(dtype), eps, w, v.dtype)
         ctx.keeps_features = _keeps_features(feature_map, q.dtype) and _keeps_features(feature_map, k.dtype)
@@ -176,7 +166,7 @@ class LinearAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad):
         first, second, v, s, den, out, key_mask = ctx.saved_tensors
         dtype = s.dtype
-        w = _key_weights(key_mask, dtype)
+        w = _key_weight_column(key_mask, dtype)
         if ctx.keeps_features:  # phi(q), phi(k): q and k held the compute dtype, as these do
             dq, dk, dv = _backward(grad.to(dtype), None, None, v.to(dtype), ctx.feature_map, w, s, den,
                                    out.to(dtype), phi_q=first, phi_k=second)
@@ -203,7 +193,7 @@ class PackedLinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, feature_map, eps, key_mask):
         dtype = compute_dtype(qkv.dtype)
-        w = _key_weights(key_mask, dtype)
+        w = _key_weight_column(key_mask, dtype)
         q, k, v = _unpack_qkv(qkv.to(dtype))
         phi_q, phi_k = _map(feature_map, q), _map(feature_map, k)
         out, s, den = _attend(phi_q, phi_k, v, eps, w, qkv.dtype)
@@ -222,7 +212,7 @@ class PackedLinearAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad):
         first, second, third, s, den, out, key_mask = ctx.saved_tensors
         dtype = s.dtype
-        w = _key_weights(key_mask, dtype)
+        w = _key_weight_column(key_mask, dtype)
         grad, out = grad.to(dtype).transpose(1, 2), out.to(dtype).transpose(1, 2)
         if ctx.keeps_features:
             dq, dk, dv = _backward(grad, None, None, third, ctx.feature_map, w, s, den, out, phi_q=first,
@@ -269,7 +259,7 @@ def fused_linear_attention_qkv(qkv: torch.Tensor, feature_map: str = 'elu1', eps
 
 
 def _check_fused_map(feature_map: str) -> None:
-    get_feature_map(feature_map)  # unknown names raise ValueError listing the known ones
-    if not has_fused_backward(feature_map):
+    # get_feature_map_vjp raises a ValueError listing the known maps for an unknown name
+    if get_feature_map_vjp(feature_map) is None:
         raise ValueError(f"feature map {feature_map!r} has no registered vector-Jacobian product: register one with "
-                         f"register_feature_map(name, fn, vjp=...) or use linvit.ops.linear_attention")
+                         f"register_feature_map(name, fn, with_vjp=...) or use linvit.ops.linear_attention")
