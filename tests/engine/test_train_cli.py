@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from tiny_run import TINY_MODEL, TINY_RUN
+from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [*TINY_MODEL, *TINY_RUN]
@@ -62,7 +62,6 @@ def test_torchrun_two_gloo_processes_match_a_single_process_evaluation(tmp_path)
 
 def test_torchrun_segmentation_matches_a_single_process_evaluation(tmp_path):
     # 5 validation images over 2 ranks: the confusion matrices of unequal shards are summed, nothing counted twice
-    from test_train_seg import TINY_SEG
     run = tmp_path / 'seg_ddp'
     result = _run('-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'train.py',
                   '--config', 'configs/seg_demo.yaml', *TINY_MODEL, *TINY_SEG, 'data.synthetic.val_size=5',

@@ -9,15 +9,10 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from tiny_run import TINY_MODEL
+from tiny_run import TINY_MODEL, TINY_SEG
 
 from linvit.engine import evaluate, load_config, train
 from linvit.engine.segmentation import create_segmentation_model
-
-TINY_SEG = ['task=seg', 'data.img_size=32', 'data.batch_size=8', 'data.num_workers=0', 'data.synthetic.train_size=32',
-            'data.synthetic.val_size=6', 'data.aug.scale_range=[0.75,1.25]', 'data.aug.color_jitter=0.0',
-            'seg.neck_dim=16', 'seg.head_dim=16', 'seg.eval.mode=whole', 'train.epochs=2', 'train.log_every=1',
-            'train.warmup_epochs=0.5', 'train.lr=2e-3', 'train.pictures=false', 'device=cpu']
 
 
 @pytest.fixture

@@ -37,3 +37,13 @@ def forward() -> ModuleType:
 @pytest.fixture(scope='module')
 def step_bench() -> ModuleType:
     return load_tool('bench_train_step')
+
+
+@pytest.fixture(scope='module')
+def export_tool() -> ModuleType:
+    return load_tool('export_onnx')
+
+
+@pytest.fixture(scope='module')
+def predict_tool() -> ModuleType:
+    return load_tool('predict')

@@ -1,0 +1,366 @@
+"""ONNX export of linvit models (and timm ViTs, converted or hybrid, and segmentation models), verified in
+onnxruntime at several image sizes.
+
+    report = export_onnx(model, 'model.onnx', img_size=(512, 512))     # dynamic batch, height and width
+    print(report.table())                                               # max abs / rel error per checked size
+    session = ort_session('model.onnx')                                 # onnxruntime, this module's settings
+    logits = session.run(None, {'images': images.numpy()})[0]
+    meta = read_metadata('model.onnx')                                  # task, class names, mean/std, multiple
+
+How: ``torch.export.export`` (non-strict) traces the model in eval mode with torch's inference path (no autograd),
+and ``torch.onnx.export`` translates the ExportedProgram (PyTorch's dynamo-based exporter; the TorchScript one
+cannot keep height and width dynamic through timm's position-embedding resampling). With ``dynamic_size`` the
+image height and width are symbolic multiples of the model's patch size (``input_multiple``), so one file takes any
+such size, square or not; ``dynamic_batch`` makes the batch symbolic too. The file is written atomically and only
+after the check passes: a failed export or a failed check leaves no file behind (and an earlier file intact).
+
+The check runs the ONNX file in onnxruntime (CPU) and the float32 PyTorch model on the same seeded random images at
+the export size and at two more sizes (one of them non-square, see ``default_check_sizes``); the error per size is
+``max_abs = max |onnx - torch|`` and ``max_rel = max_abs / max |torch|`` (relative to the largest reference value,
+so that outputs near zero do not make it meaningless). Tolerances: 1e-4 (float32), 1e-2 (float16).
+
+float16 export: weights and activations are float16, the linear-attention core stays float32 inside the graph (the
+layer casts to float32 and back, see ``linvit.ops.linear_attention``), and the reference stays the float32 model.
+
+The file carries its own description in ONNX ``metadata_props`` (``read_metadata``): the task (classification or
+segmentation), class names, input normalisation (mean, std), the input multiple and the export size, so
+``tools/predict.py`` needs nothing else.
+
+Something that cannot be exported raises ``ExportError`` naming the module that was running when tracing failed (or
+the op that has no ONNX translation), with the original error chained; nothing falls back to another exporter.
+"""
+import contextlib
+import copy
+import inspect
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+__all__ = ['export_onnx', 'ExportReport', 'SizeCheck', 'ExportError', 'ExportCheckError', 'default_check_sizes',
+           'input_multiple', 'ort_session', 'read_metadata', 'METADATA_PREFIX', 'TOLERANCES', 'INPUT_NAME',
+           'OUTPUT_NAME']
+
+INPUT_NAME = 'images'
+OUTPUT_NAME = 'logits'
+METADATA_PREFIX = 'linvit.'
+#: default max_rel allowed by the check, per export dtype
+TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2}
+#: the largest image side, in patches, that a dynamic-size file declares (16,384 px at patch 16)
+MAX_SIDE_PATCHES = 1024
+
+Size2 = Tuple[int, int]
+
+
+class ExportError(RuntimeError):
+    """The model could not be exported; the message names the module or op and the original error is chained."""
+
+
+class ExportCheckError(RuntimeError):
+    """The exported file disagrees with PyTorch beyond the tolerance at some size (no file was written)."""
+
+
+@dataclass
+class SizeCheck:
+    """onnxruntime vs the float32 PyTorch model on one batch of images [batch, 3, height, width]."""
+    height: int
+    width: int
+    batch: int
+    max_abs: float
+    max_rel: float
+    tolerance: float
+    finite: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and self.max_rel <= self.tolerance
+
+
+@dataclass
+class ExportReport:
+    """What ``export_onnx`` wrote and how the file compared with PyTorch."""
+    path: str
+    img_size: Size2
+    dtype: str
+    opset: int
+    dynamic_size: bool
+    dynamic_batch: bool
+    checks: List[SizeCheck] = field(default_factory=list)
+    metadata: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    def table(self) -> str:
+        """The parity table: one row per checked size."""
+        lines = [f"{self.path}: {self.dtype}, opset {self.opset}, exported at {self.img_size[0]}x{self.img_size[1]}, "
+                 f"dynamic size {self.dynamic_size}, dynamic batch {self.dynamic_batch}",
+                 f"{'size':>11} {'batch':>5} {'max abs err':>12} {'max rel err':>12} {'tolerance':>10}  result"]
+        for c in self.checks:
+            verdict = 'ok' if c.ok else ('NOT FINITE' if not c.finite else 'FAILED')
+            lines.append(f"{c.height:>5}x{c.width:<5} {c.batch:>5} {c.max_abs:>12.3e} {c.max_rel:>12.3e} "
+                         f"{c.tolerance:>10.0e}  {verdict}")
+        return '\n'.join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+
+def _patch_embed(model: nn.Module) -> Optional[nn.Module]:
+    return getattr(model, 'patch_embed', None)
+
+
+def input_multiple(model: nn.Module) -> int:
+    """Image sides must be multiples of this: the model's ``input_multiple`` (segmentation models), else the
+    largest side of its patch embedding's patch, else 1."""
+    multiple = getattr(model, 'input_multiple', None)
+    if isinstance(multiple, int):
+        return multiple
+    patch = getattr(_patch_embed(model), 'patch_size', None)
+    if patch is None:
+        return 1
+    return int(max(patch)) if isinstance(patch, (tuple, list)) else int(patch)
+
+
+def _takes_only_its_size(model: nn.Module) -> bool:
+    """A timm ViT created without ``dynamic_img_size`` checks every image against its img_size."""
+    return bool(getattr(_patch_embed(model), 'strict_img_size', False))
+
+
+def _pair(size: Union[int, Sequence[int]], name: str) -> Size2:
+    pair = (size, size) if isinstance(size, int) else tuple(size)
+    if len(pair) != 2 or not all(isinstance(s, int) and s > 0 for s in pair):
+        raise ValueError(f"{name} must be a positive int or (height, width), got {size!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _check_size(size: Size2, multiple: int, name: str) -> None:
+    if size[0] % multiple or size[1] % multiple:
+        raise ValueError(f"{name} {size[0]}x{size[1]} is not a multiple of the model's patch size {multiple}; use "
+                         f"{_round_to(size[0], multiple)}x{_round_to(size[1], multiple)}")
+    if min(size) < 2 * multiple:
+        raise ValueError(f"{name} {size[0]}x{size[1]} is below 2 patches ({2 * multiple} px) on a side")
+
+
+def _round_to(value: float, multiple: int) -> int:
+    return max(2, round(value / multiple)) * multiple
+
+
+def default_check_sizes(img_size: Size2, multiple: int, dynamic_size: bool) -> List[Size2]:
+    """The export size, then (when the size is dynamic) a smaller non-square size (1/2 x 3/4 of it) and a larger
+    one (5/4 x 1 of it), rounded to the input multiple."""
+    sizes = [img_size]
+    if dynamic_size:
+        height, width = img_size
+        for scale_h, scale_w in ((0.5, 0.75), (1.25, 1.0)):
+            size = (_round_to(height * scale_h, multiple), _round_to(width * scale_w, multiple))
+            if size[0] == size[1]:  # keep one size non-square whatever the export size is
+                size = (size[0], size[1] + multiple)
+            if size not in sizes:
+                sizes.append(size)
+    return sizes
+
+
+def _model_metadata(model: nn.Module, img_size: Size2, dtype: torch.dtype,
+                    extra: Optional[Dict[str, Any]]) -> Dict[str, str]:
+    """What the file says about itself (``read_metadata``): values are JSON text."""
+    task = 'segmentation' if hasattr(model, 'num_classes') and hasattr(model, 'neck') else 'classification'
+    values: Dict[str, Any] = {'task': task, 'input_multiple': input_multiple(model), 'img_size': list(img_size),
+                              'dtype': str(dtype).replace('torch.', ''),
+                              'num_classes': int(getattr(model, 'num_classes', 0) or 0)}
+    pretrained = getattr(model, 'pretrained_cfg', None) or getattr(getattr(model, 'backbone', None),
+                                                                    'pretrained_cfg', None) or {}
+    if 'mean' in pretrained and 'std' in pretrained:
+        values.update(mean=list(pretrained['mean']), std=list(pretrained['std']))
+    values.update(extra or {})
+    return {METADATA_PREFIX + key: json.dumps(value) for key, value in values.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- tracing
+
+@contextlib.contextmanager
+def _module_stack(model: nn.Module) -> Iterator[List[str]]:
+    """The names of the modules whose forward is running, innermost last (left as they were when an exception
+    escaped: the module that failed is the last one)."""
+    stack: List[str] = []
+
+    def enter(label: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            stack.append(label)
+        return hook
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:  # returns None: the output stays as it is
+        if stack:
+            stack.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(f"{name or '(the model)'} ({type(module).__name__})")))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        yield stack
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _first_lines(error: BaseException, count: int = 6) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return '\n'.join(lines[:count])
+
+
+def _dynamic_shapes(multiple: int, dynamic_size: bool, dynamic_batch: bool) -> Optional[Dict[str, Dict[int, Any]]]:
+    dims: Dict[int, Any] = {}
+    if dynamic_batch:
+        dims[0] = torch.export.Dim('batch', min=1, max=4096)
+    if dynamic_size:
+        # sides as symbolic multiples of the patch: the patch grid stays an integer expression in the graph
+        height = torch.export.Dim('height_patches', min=2, max=MAX_SIDE_PATCHES)
+        width = torch.export.Dim('width_patches', min=2, max=MAX_SIDE_PATCHES)
+        dims[2] = height * multiple if multiple > 1 else height
+        dims[3] = width * multiple if multiple > 1 else width
+    return {'x': dims} if dims else None
+
+
+def _trace(model: nn.Module, example: torch.Tensor, multiple: int, dynamic_size: bool,
+           dynamic_batch: bool) -> torch.export.ExportedProgram:
+    shapes = _dynamic_shapes(multiple, dynamic_size, dynamic_batch)
+    if shapes is not None:
+        # torch.export names dynamic inputs by the forward's argument name
+        shapes = {_first_argument_name(model): shapes['x']}
+    with _module_stack(model) as stack, torch.no_grad():
+        try:
+            return torch.export.export(model, (example,), dynamic_shapes=shapes, strict=False)
+        except Exception as error:
+            where = f"in module {stack[-1]}" if stack else "outside any module's forward"
+            raise ExportError(f"torch.export could not trace {type(model).__name__} {where} at input "
+                              f"{list(example.shape)} {example.dtype}:\n{_first_lines(error)}") from error
+
+
+def _first_argument_name(model: nn.Module) -> str:
+    parameters = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not parameters:
+        raise ExportError(f"{type(model).__name__}.forward takes no positional argument for the images")
+    return parameters[0].name
+
+
+def _to_onnx(program: torch.export.ExportedProgram, model_name: str, opset: Optional[int]) -> Any:
+    try:
+        return torch.onnx.export(program, (), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                                 opset_version=opset, dynamo=True, optimize=True, verbose=False)
+    except Exception as error:
+        raise ExportError(f"the ONNX translation of {model_name} failed (an op without an ONNX translation is "
+                          f"named below):\n{_first_lines(error, 12)}") from error
+
+
+# ---------------------------------------------------------------------------------------------------- checking
+
+def ort_session(path: Union[str, os.PathLike], threads: Optional[int] = None) -> Any:
+    """An onnxruntime CPU session for a linvit ONNX file: every graph optimisation on, ``threads`` intra-op
+    threads (default: as many as torch uses), sequential execution (the graph is one chain of blocks)."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads or torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(path), sess_options=options, providers=['CPUExecutionProvider'])
+
+
+def _compare(session: Any, reference: nn.Module, size: Size2, batch: int, dtype: torch.dtype, tolerance: float,
+             seed: int) -> SizeCheck:
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, *size, generator=generator)
+    with torch.no_grad():
+        expected = reference(images).float()
+    got = torch.from_numpy(session.run(None, {INPUT_NAME: images.to(dtype).numpy()})[0]).float()
+    if got.shape != expected.shape:
+        raise ExportCheckError(f"at {size[0]}x{size[1]} the ONNX output has shape {list(got.shape)}, PyTorch's "
+                               f"{list(expected.shape)}")
+    max_abs = (got - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    return SizeCheck(height=size[0], width=size[1], batch=batch, max_abs=max_abs,
+                     max_rel=max_abs / scale if scale > 0 else max_abs, tolerance=tolerance,
+                     finite=bool(torch.isfinite(got).all()))
+
+
+def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """The ``linvit.*`` metadata of an ONNX file written by ``export_onnx`` (keys without the prefix, values
+    decoded): task, num_classes, class_names (if given), mean, std, input_multiple, img_size, dtype."""
+    import onnx
+    model = onnx.load(str(path), load_external_data=False)
+    return {prop.key[len(METADATA_PREFIX):]: json.loads(prop.value) for prop in model.metadata_props
+            if prop.key.startswith(METADATA_PREFIX)}
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union[int, Sequence[int]] = (224, 224),
+                dynamic_size: bool = True, dynamic_batch: bool = True, opset: Optional[int] = None,
+                dtype: torch.dtype = torch.float32, check_sizes: Optional[Sequence[Size2]] = None,
+                tolerance: Optional[float] = None, metadata: Optional[Dict[str, Any]] = None,
+                verbose: bool = False) -> ExportReport:
+    """Export ``model`` (images [B, 3, H, W] -> logits) to the ONNX file ``path`` and check it in onnxruntime.
+
+    img_size: the example image size (height, width) traced; with ``dynamic_size`` the file takes any multiple of
+        the patch size from 2 patches to ``MAX_SIDE_PATCHES`` on a side (the model must take any size:
+        ``dynamic_img_size=True`` for timm ViTs; segmentation models always do).
+    dtype: torch.float32 or torch.float16 (weights and activations; the attention core runs in float32).
+    check_sizes: (height, width) sizes to check (default ``default_check_sizes``: the export size and, when dynamic,
+        two more, one non-square); each runs a batch of 2 (1 when the batch is static).
+    tolerance: the largest max_rel accepted (default ``TOLERANCES[dtype]``); beyond it ``ExportCheckError`` is
+        raised and no file is written.
+    metadata: extra JSON-able values stored as ``linvit.<key>`` (e.g. class_names, model_name).
+    Returns the ``ExportReport``; ``verbose`` prints its table. The model itself is not modified.
+    """
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype must be one of {[str(d) for d in TOLERANCES]}, got {dtype}")
+    img_size = _pair(img_size, 'img_size')
+    multiple = input_multiple(model)
+    _check_size(img_size, multiple, 'img_size')
+    if dynamic_size and _takes_only_its_size(model):
+        raise ValueError(f"{type(model).__name__} takes only its img_size {tuple(_patch_embed(model).img_size)}: "
+                         f"create it with dynamic_img_size=True (timm.create_model(name, dynamic_img_size=True)) to "
+                         f"export a file that takes any size, or pass dynamic_size=False")
+    sizes = [_pair(s, 'check size') for s in (check_sizes or default_check_sizes(img_size, multiple, dynamic_size))]
+    for size in sizes:
+        _check_size(size, multiple, 'check size')
+        if not dynamic_size and size != img_size:
+            raise ValueError(f"check size {size[0]}x{size[1]}: a file exported with dynamic_size=False takes only "
+                             f"{img_size[0]}x{img_size[1]}")
+    tolerance = TOLERANCES[dtype] if tolerance is None else tolerance
+
+    reference = copy.deepcopy(model).float().eval()
+    exported = copy.deepcopy(reference).to(dtype)
+    batch = 2 if dynamic_batch else 1
+    example = torch.randn(batch, 3, *img_size, dtype=dtype)
+    program = _trace(exported, example, multiple, dynamic_size, dynamic_batch)
+    onnx_program = _to_onnx(program, type(model).__name__, opset)
+    props = _model_metadata(model, img_size, dtype, metadata)
+    onnx_program.model.metadata_props.update(props)
+    opset_used = int(onnx_program.model.opset_imports.get('', opset or 0))
+
+    report = ExportReport(path=str(path), img_size=img_size, dtype=str(dtype).replace('torch.', ''), opset=opset_used,
+                          dynamic_size=dynamic_size, dynamic_batch=dynamic_batch,
+                          metadata={k[len(METADATA_PREFIX):]: json.loads(v) for k, v in props.items()})
+    # written next to ``path`` and renamed onto it only after the check passes (same filesystem: an atomic rename)
+    destination = os.path.abspath(path)
+    with tempfile.TemporaryDirectory(prefix='.export-', dir=os.path.dirname(destination)) as scratch:
+        tmp = os.path.join(scratch, os.path.basename(destination))
+        onnx_program.save(tmp, external_data=False)
+        session = ort_session(tmp)
+        for index, size in enumerate(sizes):
+            report.checks.append(_compare(session, reference, size, batch, dtype, tolerance, seed=index))
+        del session
+        if verbose:
+            print(report.table())
+        if not report.ok:
+            raise ExportCheckError(f"the ONNX export of {type(model).__name__} disagrees with PyTorch beyond "
+                                   f"max_rel {tolerance:.0e}; no file was written:\n{report.table()}")
+        os.replace(tmp, destination)
+    return report

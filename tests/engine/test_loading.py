@@ -1,0 +1,94 @@
+"""linvit.engine.loading: a trained model back from a run directory, a checkpoint (EMA weights first) or a
+.safetensors file beside config.yaml, with its class names and normalisation; clear errors for what is not a run."""
+import os
+import shutil
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file, save_file
+
+from linvit.engine import train
+from linvit.engine.checkpoint import load_checkpoint
+from linvit.engine.loading import load_trained
+
+
+@pytest.fixture(scope='module')
+def ema_run(tmp_path_factory):
+    """A finished tiny classification run with EMA weights (so model and EMA weights differ)."""
+    from tiny_run import TINY_MODEL, TINY_RUN
+
+    from linvit.engine import load_config
+    out = tmp_path_factory.mktemp('loading') / 'run'
+    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'train.epochs=1', 'train.ema=true', 'train.ema_decay=0.5',
+                             f'output_dir={out}']))
+    return out
+
+
+def _same_weights(model, weights):
+    state = model.state_dict()
+    assert set(state) == set(weights)
+    return all(torch.equal(state[k], weights[k]) for k in weights)
+
+
+def test_a_run_directory_gives_its_final_weights_class_names_and_normalisation(ema_run):
+    trained = load_trained(str(ema_run))
+    assert trained.weights_path == os.path.join(str(ema_run), 'model.safetensors')
+    assert _same_weights(trained.model, load_file(ema_run / 'model.safetensors'))
+    assert trained.class_names == [str(n) for n in load_checkpoint(ema_run / 'last.pt')['class_names']]
+    assert trained.task == 'classification' and not trained.model.training
+    cfg = timm.models.get_pretrained_cfg('linvit_tiny_patch16_224')
+    assert trained.mean == tuple(cfg.mean) and trained.std == tuple(cfg.std)
+    assert trained.img_size == 32
+
+
+def test_a_checkpoint_gives_its_ema_weights(ema_run):
+    state = load_checkpoint(ema_run / 'last.pt')
+    assert not all(torch.equal(state['ema'][k], state['model'][k]) for k in state['model'])
+    trained = load_trained(str(ema_run / 'last.pt'))
+    assert _same_weights(trained.model, state['ema'])
+
+
+def test_dynamic_img_size_keeps_the_weights_and_takes_other_sizes(ema_run):
+    fixed = load_trained(str(ema_run))
+    dynamic = load_trained(str(ema_run), dynamic_img_size=True)
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(dynamic.model(images), fixed.model(images))
+        assert dynamic.model(torch.randn(1, 3, 48, 64)).shape == (1, len(fixed.class_names))
+    with pytest.raises(ValueError, match='img_size'):
+        fixed.model(torch.randn(1, 3, 48, 64))
+
+
+def test_safetensors_beside_its_config_and_numbered_classes_without_a_checkpoint(ema_run, tmp_path, caplog):
+    run = tmp_path / 'weights_only'
+    run.mkdir()
+    shutil.copy(ema_run / 'config.yaml', run / 'config.yaml')
+    weights = load_file(ema_run / 'model.safetensors')
+    save_file(weights, run / 'model.safetensors')
+    trained = load_trained(str(run / 'model.safetensors'))
+    classes = weights['head.weight'].shape[0]
+    assert trained.class_names == [str(i) for i in range(classes)]
+    assert 'numbered' in caplog.text
+
+
+def test_what_is_not_a_run_is_named(ema_run, tmp_path):
+    with pytest.raises(FileNotFoundError, match='does not exist'):
+        load_trained(str(tmp_path / 'missing'))
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(FileNotFoundError, match='not a linvit run directory'):
+        load_trained(str(tmp_path / 'empty'))
+    save_file({'x': torch.zeros(1)}, tmp_path / 'lonely.safetensors')
+    with pytest.raises(FileNotFoundError, match='no config.yaml next to it'):
+        load_trained(str(tmp_path / 'lonely.safetensors'))
+    torch.save({'model': {}}, tmp_path / 'bare.pt')
+    with pytest.raises(RuntimeError, match="no 'config'"):
+        load_trained(str(tmp_path / 'bare.pt'))
+    run = tmp_path / 'wrong_weights'
+    run.mkdir()
+    shutil.copy(ema_run / 'config.yaml', run / 'config.yaml')
+    weights = load_file(ema_run / 'model.safetensors')
+    weights['head.weight'] = weights['head.weight'][:, :5].contiguous()
+    save_file(weights, run / 'model.safetensors')
+    with pytest.raises(RuntimeError, match='does not fit the model'):
+        load_trained(str(run))

@@ -1,0 +1,201 @@
+"""linvit.export: every registered model, converted and hybrid ViTs and the segmentation model exported to ONNX with
+dynamic height and width, run in onnxruntime (a plain session, not the exporter's own check) against the float32
+PyTorch model at three sizes; fp16; metadata; errors that name the module; nothing written when a check fails."""
+import json
+
+import onnx
+import pytest
+import timm
+import torch
+import torch.nn as nn
+
+import linvit
+from linvit.export import ExportCheckError, ExportError, default_check_sizes, export_onnx, input_multiple, read_metadata
+from linvit.models.segmentation import SegmentationModel
+
+ort = pytest.importorskip('onnxruntime')
+
+pytestmark = pytest.mark.compiler
+
+
+def _wake_zero_init(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give zero-initialised parameters (local-mix convolutions, layer-scale-free biases) random values, so every
+    path of the model contributes to the output that is compared."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.any():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model.eval()
+
+
+def _run_onnx(path, images: torch.Tensor) -> torch.Tensor:
+    session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    name = session.get_inputs()[0].name
+    return torch.from_numpy(session.run(None, {name: images.numpy()})[0])
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+
+
+def _assert_matches_torch(model: nn.Module, path, sizes, batch: int = 2, rtol: float = 1e-4):
+    for index, (height, width) in enumerate(sizes):
+        images = torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(100 + index))
+        with torch.no_grad():
+            expected = model(images)
+        got = _run_onnx(path, images)
+        assert got.shape == expected.shape, (height, width)
+        error = _relative_error(got, expected)
+        assert error <= rtol, f"{height}x{width}: max relative error {error:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', timm.list_models('linvit_*'))
+def test_every_registered_model_exports_with_dynamic_size(name, tmp_path):
+    model = _wake_zero_init(timm.create_model(name, img_size=64, dynamic_img_size=True))
+    path = tmp_path / f'{name}.onnx'
+    report = export_onnx(model, path, img_size=64)
+    assert report.ok and len(report.checks) == 3 and path.is_file()
+    # sizes the exporter did not check, one of them non-square, and a third batch size
+    _assert_matches_torch(model, path, [(64, 64), (48, 96), (112, 80)], batch=3)
+
+
+def test_converted_timm_vit_and_hybrid_export(tmp_path):
+    vit = timm.create_model('vit_small_patch16_224', depth=3, img_size=64, dynamic_img_size=True)
+    linvit.convert_to_linear(vit, feature_map='relu', softmax_blocks=(1,))
+    _wake_zero_init(vit)
+    export_onnx(vit, tmp_path / 'converted.onnx', img_size=64)
+    _assert_matches_torch(vit, tmp_path / 'converted.onnx', [(32, 80), (96, 64)])
+    hybrid = _wake_zero_init(timm.create_model('linvit_tiny_patch16_224', depth=3, softmax_blocks=(0, 2),
+                                               img_size=64, dynamic_img_size=True, feature_map='focused'))
+    export_onnx(hybrid, tmp_path / 'hybrid.onnx', img_size=64)
+    _assert_matches_torch(hybrid, tmp_path / 'hybrid.onnx', [(48, 32), (80, 112)])
+
+
+def test_segmentation_model_outputs_logits_at_input_size(tmp_path):
+    backbone = timm.create_model('linvit_tiny_patch16_224', depth=4, num_classes=0, img_size=64,
+                                 dynamic_img_size=True)
+    model = _wake_zero_init(SegmentationModel(backbone, num_classes=5, neck_dim=32, head_dim=32))
+    path = tmp_path / 'seg.onnx'
+    report = export_onnx(model, path, img_size=64)
+    assert report.metadata['task'] == 'segmentation' and report.metadata['num_classes'] == 5
+    for height, width in [(64, 64), (48, 112), (96, 32)]:
+        out = _run_onnx(path, torch.randn(1, 3, height, width))
+        assert out.shape == (1, 5, height, width)
+    _assert_matches_torch(model, path, [(48, 112), (96, 32)])
+
+
+@pytest.mark.slow
+def test_fp16_export_at_4096_tokens_is_finite_and_near_fp32(tmp_path):
+    model = _wake_zero_init(timm.create_model('linvit_small_patch16_224', depth=4, img_size=1024,
+                                              dynamic_img_size=True))
+    path = tmp_path / 'fp16.onnx'
+    report = export_onnx(model, path, img_size=1024, dtype=torch.float16, check_sizes=[(1024, 1024)])
+    assert report.dtype == 'float16'
+    graph = onnx.load(str(path)).graph
+    assert {init.data_type for init in graph.initializer if len(init.dims) == 2} == {onnx.TensorProto.FLOAT16}
+    cast_targets = {attr.i for node in graph.node if node.op_type == 'Cast' for attr in node.attribute}
+    assert onnx.TensorProto.FLOAT in cast_targets, "the attention core must run in float32 inside the fp16 graph"
+    images = torch.randn(1, 3, 1024, 1024, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = model(images)
+    session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    got = torch.from_numpy(session.run(None, {'images': images.half().numpy()})[0]).float()
+    assert torch.isfinite(got).all()
+    assert _relative_error(got, expected) <= 1e-2
+
+
+def test_metadata_travels_with_the_file(tmp_path):
+    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8, num_classes=3,
+                              dynamic_img_size=True)
+    path = tmp_path / 'meta.onnx'
+    export_onnx(model, path, img_size=32, metadata={'class_names': ['cat', 'dog', 'émeu']})
+    meta = read_metadata(path)
+    assert meta['class_names'] == ['cat', 'dog', 'émeu']
+    assert meta['task'] == 'classification' and meta['num_classes'] == 3
+    assert meta['input_multiple'] == 8 and meta['img_size'] == [32, 32] and meta['dtype'] == 'float32'
+    assert meta['mean'] == list(model.pretrained_cfg['mean'])
+    raw = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert json.loads(raw['linvit.class_names']) == ['cat', 'dog', 'émeu']
+
+
+def test_static_export_takes_its_size_and_batch_only(tmp_path):
+    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8)
+    path = tmp_path / 'static.onnx'
+    report = export_onnx(model, path, img_size=32, dynamic_size=False, dynamic_batch=False)
+    assert [(c.height, c.width, c.batch) for c in report.checks] == [(32, 32, 1)]
+    session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    assert session.get_inputs()[0].shape == [1, 3, 32, 32]
+
+
+def test_a_model_that_takes_one_size_is_refused_for_dynamic_export(tmp_path):
+    model = timm.create_model('linvit_tiny_patch16_224', depth=1)
+    with pytest.raises(ValueError, match='dynamic_img_size=True'):
+        export_onnx(model, tmp_path / 'x.onnx', img_size=224)
+    assert not (tmp_path / 'x.onnx').exists()
+
+
+class _BranchesOnValues(nn.Module):
+    def forward(self, x):
+        if x.mean() > 0:  # data-dependent control flow: torch.export cannot trace it
+            return x * 2
+        return x
+
+
+def test_an_untraceable_module_is_named(tmp_path):
+    model = timm.create_model('linvit_tiny_patch16_224', depth=2, img_size=32, patch_size=8, dynamic_img_size=True)
+    model.blocks[1].ls1 = _BranchesOnValues()
+    with pytest.raises(ExportError, match=r'blocks\.1\.ls1 \(_BranchesOnValues\)'):
+        export_onnx(model, tmp_path / 'bad.onnx', img_size=32)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_check_writes_nothing_and_keeps_the_old_file(tmp_path):
+    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8, dynamic_img_size=True)
+    path = tmp_path / 'model.onnx'
+    path.write_bytes(b'the previous export')
+    with pytest.raises(ExportCheckError, match='no file was written'):
+        export_onnx(model, path, img_size=32, tolerance=0.0)
+    assert path.read_bytes() == b'the previous export'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['model.onnx']
+
+
+def test_a_file_that_differs_from_the_model_fails_the_check(tmp_path, monkeypatch):
+    """The check compares with the model as given: a graph traced from a slightly different model is caught."""
+    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8, dynamic_img_size=True)
+    original_trace = linvit.export._trace
+
+    def trace_a_perturbed_copy(exported, *args):
+        with torch.no_grad():
+            exported.head.bias.add_(1e-2)
+        return original_trace(exported, *args)
+
+    monkeypatch.setattr(linvit.export, '_trace', trace_a_perturbed_copy)
+    with pytest.raises(ExportCheckError, match='FAILED'):
+        export_onnx(model, tmp_path / 'off.onnx', img_size=32)
+    assert not (tmp_path / 'off.onnx').exists()
+
+
+def test_default_check_sizes_include_a_non_square_size():
+    sizes = default_check_sizes((64, 64), 16, dynamic_size=True)
+    assert sizes[0] == (64, 64) and len(sizes) == 3
+    assert any(h != w for h, w in sizes) and all(h % 16 == 0 and w % 16 == 0 for h, w in sizes)
+    assert default_check_sizes((64, 64), 16, dynamic_size=False) == [(64, 64)]
+
+
+def test_input_multiple_reads_the_patch_or_the_model():
+    assert input_multiple(timm.create_model('linvit_tiny_patch16_224', depth=1, patch_size=8)) == 8
+    backbone = timm.create_model('linvit_tiny_patch16_224', depth=1, num_classes=0, dynamic_img_size=True)
+    assert input_multiple(SegmentationModel(backbone, num_classes=2, neck_dim=8, head_dim=8)) == 16
+
+
+def test_bad_arguments_are_refused_with_the_reason(tmp_path):
+    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8, dynamic_img_size=True)
+    with pytest.raises(ValueError, match='not a multiple of the model.s patch size 8'):
+        export_onnx(model, tmp_path / 'x.onnx', img_size=(32, 36))
+    with pytest.raises(ValueError, match='dtype must be one of'):
+        export_onnx(model, tmp_path / 'x.onnx', img_size=32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match='takes only 32x32'):
+        export_onnx(model, tmp_path / 'x.onnx', img_size=32, dynamic_size=False, check_sizes=[(32, 48)])
+    assert list(tmp_path.iterdir()) == []
