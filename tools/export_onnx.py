@@ -16,7 +16,7 @@ is timed (batch 1, medians of interleaved calls after warm-up): PyTorch eager, P
 
 The file records its task, class names, normalisation and input multiple (``linvit.export.read_metadata``), which
 ``tools/predict.py`` reads. A run's classifier is exported with ``dynamic_img_size=True`` (same weights) unless
-``--static-size``; a model spec gets it too.
+``--no-dynamic-size``; a model spec gets it too.
 """
 import argparse
 import os
@@ -45,9 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--img-size', type=parse_size, metavar='SIZE',
                         help="the traced image size, N or HxW (default: the model's img_size, or the run's "
                              "data.img_size)")
-    parser.add_argument('--static-size', action='store_true',
-                        help='export for the traced image size only (default: any multiple of the patch size)')
-    parser.add_argument('--static-batch', action='store_true', help='export for batch 1 only (default: any batch)')
+    parser.add_argument('--dynamic-size', action=argparse.BooleanOptionalAction, default=True,
+                        help='a file that takes any image size whose sides the patch divides; --no-dynamic-size: '
+                             'the traced size only')
+    parser.add_argument('--dynamic-batch', action=argparse.BooleanOptionalAction, default=True,
+                        help='a file that takes any batch size; --no-dynamic-batch: batch 1 only')
     parser.add_argument('--opset', type=int, help="ONNX opset (default: the exporter's)")
     parser.add_argument('--fp16', action='store_true',
                         help='float16 weights and activations (the attention core stays float32 in the graph)')
@@ -75,7 +77,7 @@ def is_trained_source(source: str) -> bool:
 
 def load_source(args: argparse.Namespace) -> Tuple[nn.Module, Tuple[int, int], Dict[str, Any], str]:
     """(model in eval mode, export size, metadata, default output path) for a model spec or a trained run."""
-    dynamic = not args.static_size
+    dynamic = args.dynamic_size
     if is_trained_source(args.source):
         from linvit.engine.loading import load_trained
         trained = load_trained(args.source, dynamic_img_size=dynamic)
@@ -145,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default_out
     dtype = DTYPES['fp16' if args.fp16 else 'fp32']
     try:
-        report = export_onnx(model, out, img_size=size, dynamic_size=not args.static_size,
-                             dynamic_batch=not args.static_batch, opset=args.opset, dtype=dtype,
+        report = export_onnx(model, out, img_size=size, dynamic_size=args.dynamic_size,
+                             dynamic_batch=args.dynamic_batch, opset=args.opset, dtype=dtype,
                              check_sizes=args.check_sizes, tolerance=args.tolerance, metadata=metadata)
     except ExportCheckError as error:
         print(error, file=sys.stderr)

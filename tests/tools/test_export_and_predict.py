@@ -175,9 +175,12 @@ def test_onnx_segmentation_slides_like_pytorch(export_tool, predict_tool, seg_ru
 def test_export_tool_from_a_model_spec_and_its_errors(export_tool, tmp_path, capsys):
     path = tmp_path / 'tiny.onnx'
     status = export_tool.main(['linvit_tiny_patch16_224:depth=1,patch_size=8,num_classes=4', '--img-size', '32',
-                               '--out', str(path), '--no-latency', '--static-batch'])
+                               '--out', str(path), '--no-latency', '--no-dynamic-batch'])
     assert status == 0 and path.is_file()
     assert read_metadata(path)['model_name'] == 'linvit_tiny_patch16_224'
+    import onnxruntime
+    declared = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider']).get_inputs()[0].shape
+    assert declared[0] == 1 and isinstance(declared[2], str)  # static batch, dynamic height
     assert export_tool.main(['no_such_model_xyz', '--out', str(tmp_path / 'x.onnx')]) == 2
     assert 'no_such_model_xyz' in capsys.readouterr().err
     assert export_tool.main([str(tmp_path / 'missing_run'), '--out', str(tmp_path / 'y.onnx')]) == 2

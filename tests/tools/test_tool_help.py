@@ -5,9 +5,10 @@ import pytest
 
 
 @pytest.fixture(scope='module')
-def parsers(bench, prof, forward):
+def parsers(bench, prof, forward, export_tool, predict_tool):
     return {'bench_attention': bench.build_parser(), 'profile_resolution': prof.build_parser(),
-            'profile_forward': forward.build_parser(prof)}
+            'profile_forward': forward.build_parser(prof), 'export_onnx': export_tool.build_parser(),
+            'predict': predict_tool.build_parser()}
 
 
 def _options(parser):
@@ -18,7 +19,7 @@ def test_every_option_has_help_that_shows_its_default(parsers):
     for tool, parser in parsers.items():
         formatter = parser.formatter_class(tool)
         for action in _options(parser):
-            name = f"{tool} {action.option_strings[0]}"
+            name = f"{tool} {(action.option_strings or [action.dest])[0]}"
             assert action.help and action.help.strip(), f"{name} has no help"
             shown = formatter._get_help_string(action) % {'default': action.default, 'prog': tool}
             if action.default is not None:  # options without a default say what not giving them means
