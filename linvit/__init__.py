@@ -6,10 +6,21 @@ Public API:
     linvit.load_softmax_state_dict(model, state_dict)   # softmax checkpoint -> linear model, reports new keys
     timm.create_model('linvit_small_patch16_224', ...)   # registered by importing linvit (timm.list_models('linvit_*'))
     linvit.convert_to_linear(model, feature_map='elu1', local_mix=False, softmax_blocks=())   # timm ViT, in place
+    linvit.list_attention_kinds()   # every attn_kernel: feature maps + 'performer', 'linformer', 'gated', 'aft'
+    linvit.redraw_random_features(model, generator=g)   # Performer: new random features (never inside forward)
 """
 from . import fast as fast  # the compiled fast path (linvit.fast)
 from . import models, ops
-from .layers import LinearAttention, LocalMix, linear_attention_layer, load_softmax_state_dict
+from .layers import (
+    ATTENTION_FAMILIES,
+    LinearAttention,
+    LocalMix,
+    attention_layer,
+    linear_attention_layer,
+    list_attention_kinds,
+    load_softmax_state_dict,
+    redraw_random_features,
+)
 from .models import LinearVisionTransformer, convert_to_linear
 from .ops import FEATURE_MAPS, linear_attention, list_feature_maps
 
@@ -18,4 +29,5 @@ __version__ = '0.1.0'
 __all__ = ['models', 'ops', 'LinearAttention', 'linear_attention_layer', 'LocalMix', 'load_softmax_state_dict',
            'FEATURE_MAPS', 'linear_attention',
            'LinearVisionTransformer', 'convert_to_linear',
-           'list_feature_maps', '__version__']
+           'list_feature_maps', 'ATTENTION_FAMILIES', 'attention_layer', 'list_attention_kinds',
+           'redraw_random_features', '__version__']

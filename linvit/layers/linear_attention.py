@@ -181,6 +181,16 @@ class LinearAttention(nn.Module):
         mixed = linear_attention_from_features(phi_q, phi_k, to_compute_dtype(v), self.eps, key_mask)
         return mixed.to(v.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
 
+    def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
+            feat_size: Optional[List[int]]) -> torch.Tensor:
+        """The token mixing: qkv [B, N, 3, H, D] (and the layer input x [B, N, dim], the patch grid) -> [B, N, H * D].
+        The other attention families (``linvit.layers.families``) override this and keep the rest of the layer."""
+        if torch.jit.is_scripting():  # TorchScript cannot compile an autograd.Function: this branch hides it
+            return self._mix_tokens(qkv, key_mask)
+        if torch.is_grad_enabled() and self.fused_backward:
+            return self._mix_tokens_fused(qkv, key_mask)
+        return self._mix_tokens(qkv, key_mask)
+
     def forward(
             self,
             x: torch.Tensor,
@@ -192,12 +202,7 @@ class LinearAttention(nn.Module):
         B, N, _ = x.shape
         key_mask = attn_mask_to_key_mask(attn_mask, B, N)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
-        if torch.jit.is_scripting():  # TorchScript cannot compile an autograd.Function: this branch hides it
-            out = self._mix_tokens(qkv, key_mask)
-        elif torch.is_grad_enabled() and self.fused_backward:
-            out = self._mix_tokens_fused(qkv, key_mask)
-        else:
-            out = self._mix_tokens(qkv, key_mask)
+        out = self.mix(qkv, key_mask, x, feat_size)
         v = qkv[:, :, 2].transpose(1, 2)
         if self.local_mix is not None:
             out = self.local_mix.add_to(out, v, feat_size)

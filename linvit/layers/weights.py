@@ -10,13 +10,24 @@ from .local_mix import LocalMix
 _logger = logging.getLogger(__name__)
 
 
+def _family_only_keys(module: nn.Module) -> List[str]:
+    """State-dict keys (relative to ``module``) that its attention family adds to timm's Attention."""
+    if isinstance(module, LocalMix):
+        return list(module.state_dict())
+    if getattr(module, 'key_gate', None) is not None:  # gated linear attention: key and output gates
+        return [f"{name}.{key}" for name in ('key_gate', 'gate') for key in getattr(module, name).state_dict()]
+    if 'projection' in getattr(module, '_buffers', {}):  # Performer's random features
+        return ['projection']
+    return []
+
+
 def linear_only_parameter_names(model: nn.Module) -> List[str]:
-    """State-dict keys of branches that only linear attention has (a softmax checkpoint cannot provide them)."""
+    """State-dict keys of branches that only linear attention has (a softmax checkpoint cannot provide them):
+    local mixing, the gated family's gates, Performer's random features."""
     names = []
     for module_name, module in model.named_modules():
-        if isinstance(module, LocalMix):
-            prefix = f"{module_name}." if module_name else ""
-            names.extend(prefix + key for key in module.state_dict())
+        prefix = f"{module_name}." if module_name else ""
+        names.extend(prefix + key for key in _family_only_keys(module))
     return sorted(names)
 
 

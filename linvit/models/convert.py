@@ -12,14 +12,13 @@ Non-square inputs of another size (``dynamic_img_size=True``) then raise a Value
 converted (or the original) weights into the ``linvit_*`` model of the same width, which passes the grid.
 """
 import logging
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr
 
-from ..layers import LinearAttention, LocalMix
-from ..ops import get_feature_map
-from .linvit import resolve_feature_map, resolve_softmax_blocks
+from ..layers import ATTENTION_FAMILIES, LinearAttention, LocalMix, attention_layer, resolve_attention_kind
+from .linvit import resolve_softmax_blocks
 
 __all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites']
 
@@ -67,19 +66,29 @@ def linear_attention_from_softmax(
         local_mix_kernel: int = 3,
         num_prefix_tokens: int = 1,
         grid_size: Optional[Tuple[int, int]] = None,
+        family: str = 'linear',
+        family_options: Optional[Dict[str, Any]] = None,
 ) -> LinearAttention:
-    """A LinearAttention that holds ``attn``'s own submodules (same tensors, device, dtype, requires_grad).
+    """A LinearAttention (or a layer of another ``family`` of ``linvit.ATTENTION_FAMILIES``) that holds ``attn``'s
+    own submodules (same tensors, device, dtype, requires_grad).
 
     ``attn`` must be exactly ``timm.layers.Attention`` with attention dropout 0. The optional local-mix branch is
-    new: zero-initialised, on ``attn``'s device and dtype, with the given token layout (see ``LocalMix``).
+    new: zero-initialised, on ``attn``'s device and dtype, with the given token layout (see ``LocalMix``); so are
+    the family's own tensors (the gated family's gates, Performer's random features), freshly initialised.
     """
     if type(attn) is not Attention:
         raise ValueError(f"expected timm.layers.Attention, got {_qualified_name(attn)}")
     if attn.attn_drop.p > 0:
         raise ValueError(f"attention dropout p={attn.attn_drop.p}: linear attention forms no attention matrix to "
                          f"drop out; create the model with attn_drop_rate=0")
-    # the shell is built on the meta device: all its tensors are replaced by attn's own submodules below
-    linear = LinearAttention(
+    weight = attn.qkv.weight
+    options = dict(family_options or {})
+    if family == 'linformer':
+        options.update(num_prefix_tokens=num_prefix_tokens, grid_size=grid_size)
+    # plain linear attention has no tensors of its own: its shell is built on the meta device, and every tensor is
+    # then attn's own submodule; the other families build theirs where attn lives
+    placement = dict(device='meta') if family == 'linear' else dict(device=weight.device, dtype=weight.dtype)
+    linear = ATTENTION_FAMILIES[family](
         attn.qkv.in_features,
         num_heads=attn.num_heads,
         attn_head_dim=attn.head_dim,
@@ -88,29 +97,32 @@ def linear_attention_from_softmax(
         proj_bias=attn.proj.bias is not None,
         gated=attn.gate is not None,
         proj_drop=attn.proj_drop.p,
-        feature_map=feature_map,
-        device='meta',
+        feature_map=feature_map or 'elu1',
+        **placement,
+        **options,
     )
     for name in _SHARED_SUBMODULES:
+        if name == 'gate' and attn.gate is None and linear.gate is not None:
+            continue  # the gated family's own output gate, which the softmax layer did not have
         setattr(linear, name, getattr(attn, name))
     if local_mix:
-        weight = attn.qkv.weight
         linear.local_mix = LocalMix(linear.attn_dim, local_mix_kernel, num_prefix_tokens, grid_size,
                                     device=weight.device, dtype=weight.dtype)
     return linear.train(attn.training)
 
 
-def _token_layout(model: nn.Module) -> Tuple[int, Tuple[int, int]]:
-    """(num_prefix_tokens, patch grid) of a ViT-like model, which local mixing needs; ValueError if it has none."""
+def _token_layout(model: nn.Module, needed_by: str = 'local_mix') -> Tuple[int, Tuple[int, int]]:
+    """(num_prefix_tokens, patch grid) of a ViT-like model, which local mixing and low-rank attention need;
+    ValueError if it has none."""
     num_prefix_tokens = getattr(model, 'num_prefix_tokens', None)
     grid_size = getattr(getattr(model, 'patch_embed', None), 'grid_size', None)
     if num_prefix_tokens is None or grid_size is None:
-        raise ValueError(f"local_mix needs the token layout, but {type(model).__name__} has no num_prefix_tokens "
-                         f"and patch_embed.grid_size; convert with local_mix=False")
+        raise ValueError(f"{needed_by} needs the token layout, but {type(model).__name__} has no num_prefix_tokens "
+                         f"and patch_embed.grid_size")
     if getattr(model, 'dynamic_img_size', False):
-        _logger.warning("local_mix on a converted %s finds the patch grid from grid_size %s or a square token count; "
+        _logger.warning("%s on a converted %s finds the patch grid from grid_size %s or a square token count; "
                         "other non-square sizes raise. Load the weights into a linvit_* model for those.",
-                        type(model).__name__, tuple(grid_size))
+                        needed_by, type(model).__name__, tuple(grid_size))
     return int(num_prefix_tokens), (int(grid_size[0]), int(grid_size[1]))
 
 
@@ -121,13 +133,16 @@ def convert_to_linear(
         local_mix_kernel: int = 3,
         softmax_blocks: Sequence[int] = (),
         attn_kernel: Optional[str] = None,
+        attn_options: Optional[Dict[str, Any]] = None,
 ) -> nn.Module:
     """Replace the softmax attention of a timm model by linear attention, in place; returns ``model``.
 
     Args:
         model: a timm model whose attention is ``timm.layers.Attention`` (vit_*, deit_*, deit3_*, ...).
-        feature_map: feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1'; ``attn_kernel`` is its
-            deprecated spelling).
+        attn_kernel: a feature-map name (plain linear attention with it) or an attention family
+            (``linvit.list_attention_kinds()``: 'performer', 'linformer', 'gated', 'aft'); default plain linear.
+        feature_map: feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1') of the families that use one.
+        attn_options: the family's own options (``linvit.layers.FAMILY_OPTIONS``), e.g. {'low_rank_size': 8}.
         local_mix: add the zero-initialised depthwise-conv branch (see the module docstring for its grid). Off by
             default, unlike the ``linvit_*`` models: a converted model's forward does not pass the patch grid, so
             the branch only works at the construction grid or square grids.
@@ -139,8 +154,8 @@ def convert_to_linear(
     ``*.local_mix.conv.*`` when local_mix. Modules that are already LinearAttention are left as they are.
     Raises ValueError naming the module for models with other attention (or none at all).
     """
-    feature_map = resolve_feature_map(feature_map, attn_kernel)
-    get_feature_map(feature_map)
+    family, feature_map = resolve_attention_kind(attn_kernel, feature_map)
+    attention_layer(family, **dict(attn_options or {}))  # unknown options fail before anything changes
     if not isinstance(local_mix, bool):
         raise ValueError(f"local_mix must be True or False, got {local_mix!r}")
     sites = attention_sites(model)
@@ -148,7 +163,9 @@ def convert_to_linear(
         raise ValueError(f"convert_to_linear found no timm.layers.Attention in {_qualified_name(model)}: "
                          f"nothing to convert")
     keep_softmax = set(resolve_softmax_blocks(softmax_blocks, len(sites)))
-    num_prefix_tokens, grid_size = _token_layout(model) if local_mix else (0, None)
+    needs_grid = local_mix or family == 'linformer'
+    num_prefix_tokens, grid_size = _token_layout(model, 'local_mix' if local_mix else family) if needs_grid \
+        else (0, None)
     # every replacement is built (and every error raised) before the first one is put in: a failed conversion
     # leaves the model as it was
     replacements = []
@@ -165,7 +182,7 @@ def convert_to_linear(
                              "Attention, use linear_attention_from_softmax")
         try:
             linear = linear_attention_from_softmax(attn, feature_map, local_mix, local_mix_kernel,
-                                                   num_prefix_tokens, grid_size)
+                                                   num_prefix_tokens, grid_size, family, attn_options)
         except ValueError as error:
             raise ValueError(f"convert_to_linear cannot convert {path}: {error}") from error
         replacements.append((path, linear))

@@ -4,8 +4,13 @@ After ``import linvit``, ``timm.create_model(name, **kwargs)`` builds any of ``t
 Beyond VisionTransformer's arguments (img_size, dynamic_img_size, dynamic_img_pad, reg_tokens, class_token,
 qk_norm, init_values, ...), the attention is chosen by:
 
-    feature_map:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1'); ``attn_kernel`` is its
-                      deprecated spelling.
+    attn_kernel:      the attention: a feature-map name (plain linear attention with that map) or a family of
+                      ``linvit.ATTENTION_FAMILIES`` ('performer', 'linformer', 'gated', 'aft'); every name in
+                      ``linvit.list_attention_kinds()``. Default: plain linear attention with ``feature_map``.
+    feature_map:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1'), for the families that
+                      use one (plain and gated linear attention).
+    attn_options:     the family's own options (``linvit.layers.FAMILY_OPTIONS``), e.g. {'num_features': 128}
+                      (performer), {'low_rank_size': 8} (linformer).
     local_mix:        add the zero-initialised depthwise-conv branch on V over the patch grid (default True: unlike
                       a drop-in layer or a converted model, these models always know their patch grid).
     local_mix_kernel: its (odd) kernel size (default 3).
@@ -30,25 +35,14 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
-from ..layers import LocalMix, linear_attention_layer
+from ..layers import LocalMix, LowRankAttention, attention_layer, resolve_attention_kind
 from ..layers.weights import linear_only_parameter_names
 
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'ATTENTION_KINDS',
            'resolve_softmax_blocks', 'attention_kinds', 'patch_grid', 'check_image_size', 'checkpoint_filter_fn',
-           'resolve_feature_map']
+           'resolve_attention_kind']
 
 _logger = logging.getLogger(__name__)
-
-
-def resolve_feature_map(feature_map: Optional[str], attn_kernel: Optional[str], default: str = 'elu1') -> str:
-    """The feature-map name from ``feature_map`` or its deprecated spelling ``attn_kernel`` (a FutureWarning)."""
-    if attn_kernel is None:
-        return default if feature_map is None else feature_map
-    if feature_map is not None and feature_map != attn_kernel:
-        raise ValueError(f"feature_map={feature_map!r} and attn_kernel={attn_kernel!r} disagree; attn_kernel is the "
-                         f"deprecated spelling of feature_map: pass feature_map only")
-    warnings.warn("attn_kernel is deprecated and will be removed; use feature_map", FutureWarning, stacklevel=3)
-    return attn_kernel
 
 
 def _size_fixes(height: int, width: int, ph: int, pw: int) -> str:
@@ -159,7 +153,7 @@ class AttentionKind:
 
 
 ATTENTION_KINDS: Dict[str, AttentionKind] = {
-    'linear': AttentionKind(LinearAttentionBlock, lambda options: linear_attention_layer(**options)),
+    'linear': AttentionKind(LinearAttentionBlock, lambda options: attention_layer(**options)),
     'softmax': AttentionKind(SoftmaxAttentionBlock, lambda options: Attention),
 }
 
@@ -211,8 +205,10 @@ class LinearVisionTransformer(VisionTransformer):
     grid of the image and pass it to each block, and reject image sizes the model cannot take with a ValueError.
 
     Args:
-        feature_map: feature map of the linear attention (a name in ``linvit.ops.FEATURE_MAPS``); ``attn_kernel``
-            is accepted as its deprecated spelling.
+        attn_kernel: a feature map name (plain linear attention with it) or an attention family name (see
+            ``linvit.list_attention_kinds()``); None: plain linear attention with ``feature_map``.
+        feature_map: feature map (a name in ``linvit.ops.FEATURE_MAPS``) of the families that use one.
+        attn_options: the family's own options (``linvit.layers.FAMILY_OPTIONS``).
         local_mix: add the zero-initialised depthwise-conv branch on V over the patch grid.
         local_mix_kernel: odd kernel size of that branch.
         softmax_blocks: indices of blocks that keep timm's softmax Attention.
@@ -226,31 +222,36 @@ class LinearVisionTransformer(VisionTransformer):
             local_mix_kernel: int = 3,
             softmax_blocks: Sequence[int] = (),
             attn_kernel: Optional[str] = None,
+            attn_options: Optional[Dict[str, Any]] = None,
             **kwargs,
     ) -> None:
-        feature_map = resolve_feature_map(feature_map, attn_kernel)
+        family, feature_map = resolve_attention_kind(attn_kernel, feature_map)
         for name in ('block_fn', 'attn_layer'):
             if name in kwargs:
-                raise ValueError(f"{name}={kwargs[name]!r}: linvit chooses blocks and attention from feature_map, "
-                                 f"local_mix and softmax_blocks")
+                raise ValueError(f"{name}={kwargs[name]!r}: linvit chooses blocks and attention from attn_kernel, "
+                                 f"feature_map, local_mix and softmax_blocks")
         if not isinstance(local_mix, bool):
             raise ValueError(f"local_mix must be True or False, got {local_mix!r}")
         if local_mix and kwargs.get('patch_drop_rate', 0.) > 0:
             raise ValueError(f"patch_drop_rate={kwargs['patch_drop_rate']} drops patches from the grid that "
                              f"local_mix convolves over; use local_mix=False with patch dropout")
         kinds = attention_kinds(kwargs.get('depth', 12), softmax_blocks)
-        linear_options = dict(feature_map=feature_map, local_mix=local_mix, local_mix_kernel=local_mix_kernel)
+        linear_options = dict(family=family, feature_map=feature_map, local_mix=local_mix,
+                              local_mix_kernel=local_mix_kernel, **dict(attn_options or {}))
+        attention_layer(**linear_options)  # unknown options fail here, naming them
         super().__init__(block_fn=BlockPlan(kinds, linear_options), **kwargs)
+        self.attn_kernel = attn_kernel or feature_map
         self.feature_map = feature_map
         self.local_mix = local_mix
         self.softmax_blocks = [index for index, kind in enumerate(kinds) if kind == 'softmax']
         self._set_token_layout()
 
     def _set_token_layout(self) -> None:
-        """Give each local-mix branch the prefix-token count and the construction grid (its no-feat_size fallback)."""
+        """Give each module that reads the patch grid (local mixing, low-rank attention) the prefix-token count and
+        the construction grid (its no-feat_size fallback)."""
         grid_size = self.patch_embed.grid_size
         for module in self.modules():
-            if isinstance(module, LocalMix):
+            if isinstance(module, (LocalMix, LowRankAttention)):
                 module.num_prefix_tokens = self.num_prefix_tokens
                 module.grid_size = None if grid_size is None else (int(grid_size[0]), int(grid_size[1]))
 

@@ -169,12 +169,15 @@ def test_unknown_feature_map_is_rejected():
         _tiny(feature_map='cosine')
 
 
-def test_attn_kernel_is_a_deprecated_alias_of_feature_map():
-    with pytest.warns(FutureWarning, match='use feature_map'):
-        model = _tiny(attn_kernel='relu', depth=1)
-    assert model.blocks[0].attn.feature_map_name == 'relu'
+def test_attn_kernel_as_a_feature_map_agrees_with_feature_map():
+    model = _tiny(attn_kernel='relu', depth=1)
+    assert model.blocks[0].attn.feature_map_name == 'relu' and model.attn_kernel == 'relu'
     with pytest.raises(ValueError, match='disagree'):
         _tiny(attn_kernel='relu', feature_map='elu1', depth=1)
+    with pytest.raises(ValueError, match="attn_kernel='performer' uses no feature map"):
+        _tiny(attn_kernel='performer', feature_map='relu', depth=1)
+    with pytest.raises(ValueError, match=r"unknown performer attention options \['low_rank_size'\]"):
+        _tiny(attn_kernel='performer', attn_options={'low_rank_size': 4}, depth=1)
 
 
 def test_printed_model_shows_what_each_block_computes():

@@ -1,0 +1,156 @@
+"""The other attention families of the literature as pure tensor functions: Performer FAVOR+, low-rank (Linformer
+made resolution-agnostic), gated linear attention and AFT-simple. Shapes [B, H, N, D]; float32 cores with autocast
+off (float64 stays float64), outputs in the dtype of ``v``; nothing here holds parameters or state.
+
+    w = gaussian_projection(m, d, generator=g)                       # [m, d] orthogonal random features
+    out = performer_attention(q, k, v, w)                            # ~ softmax(q k^T / sqrt(d)) v, O(N m d)
+    out = low_rank_attention(q, k, v, grid=(h, w), num_prefix_tokens=1, size=16)   # softmax over 16x16 pooled keys
+    out = gated_linear_attention(q, k, v, key_gate, feature_map='elu1')            # phi(k) * gate, then linear
+    out = aft_simple(q, k, v)                                        # sigmoid(q) * sum_n softmax_n(k) v_n
+"""
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .feature_maps import get_feature_map
+from .linear_attention import compute_dtype, linear_attention_from_features
+
+__all__ = ['gaussian_projection', 'favor_features', 'performer_attention', 'pool_patch_tokens',
+           'low_rank_attention', 'gated_linear_attention', 'aft_simple']
+
+
+def _autocast_off(device: torch.device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def gaussian_projection(num_features: int, dim: int, orthogonal: bool = True,
+                        generator: Optional[torch.Generator] = None, device=None,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Random projection [num_features, dim] for FAVOR+: rows ~ N(0, I_dim).
+
+    orthogonal: rows drawn in blocks of ``dim`` mutually orthogonal directions (QR of a Gaussian matrix), each row
+        rescaled to the norm of an independent Gaussian vector so that every row is still marginally N(0, I)
+        (Choromanski et al. 2021, "Rethinking Attention with Performers", section 2.4); lower estimator variance
+        than i.i.d. rows at the same count. False: i.i.d. Gaussian rows.
+    """
+    if num_features < 1 or dim < 1:
+        raise ValueError(f"num_features and dim must be >= 1, got {num_features}, {dim}")
+    if not orthogonal:
+        return torch.randn(num_features, dim, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+    blocks = []
+    for _ in range(math.ceil(num_features / dim)):
+        gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        q, _ = torch.linalg.qr(gaussian)
+        blocks.append(q.T)  # rows are orthonormal directions
+    directions = torch.cat(blocks)[:num_features]
+    norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
+    return (directions * norms).to(device=device, dtype=dtype)
+
+
+def favor_features(x: torch.Tensor, projection: torch.Tensor, is_query: bool,
+                   key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Positive random features of FAVOR+: x [B, H, N, D] (already scaled by D^-1/4) -> [B, H, N, m],
+    phi(x) = exp(w_i . x - |x|^2 / 2 - c) / sqrt(m), with E[phi(q) . phi(k)] = exp(q . k) exp(-c_q - c_k).
+
+    The stabiliser c keeps exp from overflowing and cancels in normalised attention: for queries the max over
+    features per token, for keys one max per (batch, head) over every unmasked token and feature (a bool key_mask
+    [B, N] or [B, H, N] keeps padding, whatever it holds, out of it). It is detached: it is a constant of the
+    estimator, not a function to differentiate.
+    """
+    projected = torch.matmul(x, projection.to(x.dtype).T)                                   # [B, H, N, m]
+    half_norm = x.pow(2).sum(dim=-1, keepdim=True) / 2
+    if is_query:
+        shift = projected.amax(dim=-1, keepdim=True)
+    else:
+        masked = projected
+        if key_mask is not None and key_mask.dtype == torch.bool:
+            keep = key_mask[:, None, :, None] if key_mask.dim() == 2 else key_mask[..., None]
+            masked = projected.masked_fill(~keep, float('-inf'))
+        shift = masked.amax(dim=(-2, -1), keepdim=True)
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # every key masked
+    return torch.exp(projected - half_norm - shift.detach()) / math.sqrt(projection.shape[0])
+
+
+def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor,
+                        eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Performer FAVOR+ attention: q, k [B, H, N, D], v [B, H, N, Dv], projection [m, D] -> [B, H, N, Dv].
+
+    An unbiased estimate of softmax attention softmax(q k^T / sqrt(D)) v (exact as m -> infinity): q and k are
+    scaled by D^-1/4, mapped by ``favor_features`` and combined by the linear-attention core (mean normaliser, eps,
+    key_mask as in ``linear_attention``) in float32.
+    """
+    dtype = compute_dtype(v.dtype)
+    with _autocast_off(v.device):
+        scale = q.shape[-1] ** -0.25
+        phi_q = favor_features(q.to(dtype) * scale, projection.to(dtype), is_query=True)
+        phi_k = favor_features(k.to(dtype) * scale, projection.to(dtype), is_query=False, key_mask=key_mask)
+        out = linear_attention_from_features(phi_q, phi_k, v.to(dtype), eps, key_mask)
+    return out.to(v.dtype)
+
+
+def pool_patch_tokens(x: torch.Tensor, grid: Sequence[int], num_prefix_tokens: int, size: int) -> torch.Tensor:
+    """x [B, H, P + h * w, D] (P prefix tokens, then the h x w patch grid row-major) -> [B, H, P + size^2, D]: the
+    patch tokens average-pooled to a size x size grid (adaptive pooling: any h x w in, the same count out; a grid
+    smaller than size is repeated up), the prefix tokens kept as they are."""
+    b, heads, n, d = x.shape
+    h, w = int(grid[0]), int(grid[1])
+    prefix, patches = x[:, :, :num_prefix_tokens], x[:, :, num_prefix_tokens:]
+    maps = patches.reshape(b * heads, h, w, d).permute(0, 3, 1, 2)                          # [BH, D, h, w]
+    pooled = F.adaptive_avg_pool2d(maps, (size, size)).flatten(2).transpose(1, 2)          # [BH, size^2, D]
+    return torch.cat([prefix, pooled.reshape(b, heads, size * size, d)], dim=2)
+
+
+def low_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequence[int],
+                       num_prefix_tokens: int, size: int) -> torch.Tensor:
+    """Softmax attention of every query over keys and values compressed along the token axis: q, k, v
+    [B, H, N, D] with N = num_prefix_tokens + grid[0] * grid[1] -> [B, H, N, D], keys/values pooled to
+    num_prefix_tokens + size^2 (``pool_patch_tokens``). Linformer (Wang et al. 2020) compresses with a learned
+    N x k matrix, tied to one sequence length; pooling on the 2D patch grid (as PVT's spatial reduction) keeps one
+    set of weights valid at any image size. Cost O(N size^2 D)."""
+    dtype = compute_dtype(v.dtype)
+    with _autocast_off(v.device):
+        keys = pool_patch_tokens(k.to(dtype), grid, num_prefix_tokens, size)
+        values = pool_patch_tokens(v.to(dtype), grid, num_prefix_tokens, size)
+        out = F.scaled_dot_product_attention(q.to(dtype), keys, values)
+    return out.to(v.dtype)
+
+
+def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_gate: torch.Tensor,
+                           feature_map: str = 'elu1', eps: float = 1e-6,
+                           key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Linear attention whose keys are gated per token and channel: q, k, key_gate [B, H, N, D] (gate values in
+    (0, 1)), v [B, H, N, Dv] -> [B, H, N, Dv]; out_i = sum_j phi(q_i).(g_j * phi(k_j)) v_j / normaliser. The gate
+    lets a token switch channels of its key off for every query (a data-dependent focus that plain linear
+    attention lacks); a constant gate cancels in the normaliser."""
+    dtype = compute_dtype(v.dtype)
+    fn = get_feature_map(feature_map)
+    with _autocast_off(v.device):
+        phi_q = fn(q.to(dtype))
+        phi_k = fn(k.to(dtype)) * key_gate.to(dtype)
+        out = linear_attention_from_features(phi_q, phi_k, v.to(dtype), eps, key_mask)
+    return out.to(v.dtype)
+
+
+def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """AFT-simple (Zhai et al. 2021, "An Attention Free Transformer"): q, k, v [B, N, C] -> [B, N, C],
+    out_t = sigmoid(q_t) * sum_n softmax_n(k)_n * v_n, the softmax over tokens per channel (max-subtracted, float32).
+    key_mask [B, N]: bool (True = a real token) or float weights multiplying each token's exp(k)."""
+    dtype = compute_dtype(v.dtype)
+    with _autocast_off(v.device):
+        keys = k.to(dtype)
+        if key_mask is not None and key_mask.dtype == torch.bool:
+            keys = keys.masked_fill(~key_mask[..., None], float('-inf'))
+        shift = keys.amax(dim=1, keepdim=True).detach()
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        weights = torch.exp(keys - shift)                                                    # [B, N, C]
+        if key_mask is not None and key_mask.dtype != torch.bool:
+            weights = weights * key_mask.to(dtype)[..., None]
+        values = v.to(dtype)
+        if key_mask is not None and key_mask.dtype == torch.bool:
+            values = values.masked_fill(~key_mask[..., None], 0.0)  # padding may hold NaN; weight 0 * NaN is NaN
+        context = (weights * values).sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp_min(1e-30)
+        out = torch.sigmoid(q.to(dtype)) * context
+    return out.to(v.dtype)
