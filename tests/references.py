@@ -5,7 +5,7 @@ reference it is compared against. Everything computes in float64 and builds the 
 
 Test modules import this file as ``references``: pytest puts tests/ on sys.path (``pythonpath`` in pyproject.toml).
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -156,3 +156,64 @@ def linear_attention_layer_ref(state: Dict[str, torch.Tensor], x: torch.Tensor, 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64 (Frobenius norms over the whole tensor)."""
     return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+# ---- the other attention families, written from their papers' formulas (float64, quadratic where it applies) ----
+
+
+def favor_ref(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """Performer's positive random features without any stabiliser: exp(w_i . x - |x|^2 / 2) / sqrt(m), float64."""
+    x, w = x.double(), projection.double()
+    return torch.exp(x @ w.T - (x * x).sum(-1, keepdim=True) / 2) / w.shape[0] ** 0.5
+
+
+def performer_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor,
+                  eps: float = 1e-6) -> torch.Tensor:
+    """FAVOR+ as an explicit N x N matrix: A = phi(q d^-1/4) phi(k d^-1/4)^T, out = mean_j A_ij v_j / (mean_j A_ij
+    + eps), float64 [B, H, N, Dv]."""
+    scale = q.shape[-1] ** -0.25
+    sim = favor_ref(q.double() * scale, projection) @ favor_ref(k.double() * scale, projection).transpose(-2, -1)
+    n = k.shape[-2]
+    return (sim @ v.double() / n) / (sim.sum(-1, keepdim=True) / n + eps)
+
+
+def softmax_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v in float64."""
+    logits = q.double() @ k.double().transpose(-2, -1) / q.shape[-1] ** 0.5
+    return torch.softmax(logits, dim=-1) @ v.double()
+
+
+def adaptive_pool_ref(x: torch.Tensor, grid: Tuple[int, int], prefix: int, size: int) -> torch.Tensor:
+    """x [B, H, prefix + h*w, D] -> [B, H, prefix + size*size, D]: bin (i, j) averages rows floor(i h / size) ..
+    ceil((i + 1) h / size) - 1 and the same columns (PyTorch's adaptive pooling bins), written as loops."""
+    h, w = grid
+    patches = x[:, :, prefix:].double().reshape(*x.shape[:2], h, w, x.shape[-1])
+    rows = []
+    for i in range(size):
+        r0, r1 = (i * h) // size, -((-(i + 1) * h) // size)
+        for j in range(size):
+            c0, c1 = (j * w) // size, -((-(j + 1) * w) // size)
+            rows.append(patches[:, :, r0:r1, c0:c1].mean(dim=(2, 3)))
+    return torch.cat([x[:, :, :prefix].double(), torch.stack(rows, dim=2)], dim=2)
+
+
+def low_rank_ref(q, k, v, grid, prefix: int, size: int) -> torch.Tensor:
+    """Softmax attention of every query over keys and values pooled on the patch grid, float64."""
+    return softmax_attention_ref(q, adaptive_pool_ref(k, grid, prefix, size), adaptive_pool_ref(v, grid, prefix, size))
+
+
+def gated_ref(q, k, v, gate, feature_map: str = 'elu1', eps: float = 1e-6) -> torch.Tensor:
+    """Linear attention with gated keys: A_ij = phi(q_i) . (g_j * phi(k_j)), out = mean_j A_ij v_j /
+    (mean_j A_ij + eps), float64."""
+    phi = FEATURE_MAP_REFS[feature_map]
+    sim = phi(q.double()) @ (gate.double() * phi(k.double())).transpose(-2, -1)
+    n = k.shape[-2]
+    return (sim @ v.double() / n) / (sim.sum(-1, keepdim=True) / n + eps)
+
+
+def aft_simple_ref(q, k, v) -> torch.Tensor:
+    """AFT-simple: out_t = sigmoid(q_t) * sum_n exp(k_n) v_n / sum_n exp(k_n) per channel, q, k, v [B, N, C],
+    float64 (no max subtraction: the tests keep k small)."""
+    weights = torch.exp(k.double())
+    context = (weights * v.double()).sum(1, keepdim=True) / weights.sum(1, keepdim=True)
+    return torch.sigmoid(q.double()) * context

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from .feature_maps import get_feature_map
 from .linear_attention import compute_dtype, linear_attention_from_features
 
-__all__ = ['gaussian_projection', 'favor_features', 'performer_attention', 'pool_patch_tokens',
+__all__ = ['gaussian_projection', 'favor_features', 'performer_attention', 'adaptive_pooling_matrix',
+           'pool_patch_tokens',
            'low_rank_attention', 'gated_linear_attention', 'aft_simple']
 
 
@@ -42,7 +43,10 @@ def gaussian_projection(num_features: int, dim: int, orthogonal: bool = True,
     blocks = []
     for _ in range(math.ceil(num_features / dim)):
         gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        q, _ = torch.linalg.qr(gaussian)
+        q, r = torch.linalg.qr(gaussian)
+        # QR's sign convention biases Q; fixing the signs of R's diagonal makes Q Haar-distributed, so each
+        # direction is uniform on the sphere (Mezzadri 2007)
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
         blocks.append(q.T)  # rows are orthonormal directions
     directions = torch.cat(blocks)[:num_features]
     norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
@@ -90,15 +94,30 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     return out.to(v.dtype)
 
 
+def adaptive_pooling_matrix(n: int, size: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[size, n] averaging matrix of adaptive pooling from n to size positions: row i averages positions
+    floor(i n / size) .. ceil((i + 1) n / size) - 1 (PyTorch's adaptive_avg_pool bins). Built from aranges of the
+    (possibly symbolic) length n, so an exported graph keeps n dynamic, where adaptive_avg_pool2d is traced into
+    fixed kernel sizes."""
+    rows = torch.arange(size, device=device)[:, None]
+    cols = torch.arange(n, device=device)[None, :]
+    inside = (cols >= (rows * n) // size) & (cols < ((rows + 1) * n + size - 1) // size)
+    weights = inside.to(dtype)
+    return weights / weights.sum(dim=1, keepdim=True)
+
+
 def pool_patch_tokens(x: torch.Tensor, grid: Sequence[int], num_prefix_tokens: int, size: int) -> torch.Tensor:
     """x [B, H, P + h * w, D] (P prefix tokens, then the h x w patch grid row-major) -> [B, H, P + size^2, D]: the
-    patch tokens average-pooled to a size x size grid (adaptive pooling: any h x w in, the same count out; a grid
-    smaller than size is repeated up), the prefix tokens kept as they are."""
-    b, heads, n, d = x.shape
-    h, w = int(grid[0]), int(grid[1])
+    patch tokens average-pooled to a size x size grid with adaptive pooling's bins (any h x w in, the same count
+    out; a grid smaller than size repeats tokens), the prefix tokens kept as they are."""
+    b, heads, _, d = x.shape
+    h, w = grid[0], grid[1]
     prefix, patches = x[:, :, :num_prefix_tokens], x[:, :, num_prefix_tokens:]
-    maps = patches.reshape(b * heads, h, w, d).permute(0, 3, 1, 2)                          # [BH, D, h, w]
-    pooled = F.adaptive_avg_pool2d(maps, (size, size)).flatten(2).transpose(1, 2)          # [BH, size^2, D]
+    rows = adaptive_pooling_matrix(h, size, x.device, x.dtype)                              # [size, h]
+    cols = adaptive_pooling_matrix(w, size, x.device, x.dtype)                              # [size, w]
+    grid_tokens = patches.reshape(b, heads, h, w * d)
+    pooled = torch.matmul(rows, grid_tokens).reshape(b, heads, size, w, d)                  # pool rows
+    pooled = torch.matmul(cols, pooled)                                                     # pool columns
     return torch.cat([prefix, pooled.reshape(b, heads, size * size, d)], dim=2)
 
 
