@@ -81,7 +81,8 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
                         eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Performer FAVOR+ attention: q, k [B, H, N, D], v [B, H, N, Dv], projection [m, D] -> [B, H, N, Dv].
 
-    An unbiased estimate of softmax attention softmax(q k^T / sqrt(D)) v (exact as m -> infinity): q and k are
+    An estimate of softmax attention softmax(q k^T / sqrt(D)) v (its kernel exp(q.k / sqrt(D)) estimated without
+    bias; the normalised output converges as m grows): q and k are
     scaled by D^-1/4, mapped by ``favor_features`` and combined by the linear-attention core (mean normaliser, eps,
     key_mask as in ``linear_attention``) in float32.
     """
