@@ -29,7 +29,7 @@ from ..ops.families import (
     low_rank_attention,
     performer_attention,
 )
-from .linear_attention import _LINEAR_ONLY_OPTIONS, LinearAttention
+from .linear_attention import _LINEAR_ONLY_OPTIONS, LinearAttention, configured_layer
 from .local_mix import resolve_token_grid
 
 __all__ = ['PerformerAttention', 'LowRankAttention', 'GatedLinearAttention', 'AFTAttention', 'ATTENTION_FAMILIES',
@@ -46,6 +46,18 @@ torch.fx.wrap('resolve_token_grid')
 def _heads_first(t: torch.Tensor) -> torch.Tensor:
     """[B, N, H, D] -> [B, H, N, D] (a view)."""
     return t.transpose(1, 2)
+
+
+def _normed_heads(layer: LinearAttention, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, N, 3, H, D] -> q, k (through the layer's q/k norms), v, each [B, H, N, D]."""
+    q, k, v = qkv.unbind(2)
+    return layer.q_norm(_heads_first(q)), layer.k_norm(_heads_first(k)), _heads_first(v)
+
+
+def _tokens_last(out: torch.Tensor) -> torch.Tensor:
+    """[B, H, N, D] -> [B, N, H * D]."""
+    b, h, n, d = out.shape
+    return out.transpose(1, 2).reshape(b, n, h * d)
 
 
 class PerformerAttention(LinearAttention):
@@ -81,10 +93,8 @@ class PerformerAttention(LinearAttention):
 
     def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
             feat_size: Optional[List[int]]) -> torch.Tensor:
-        B, N = qkv.shape[0], qkv.shape[1]
-        q, k, v = (_heads_first(t) for t in qkv.unbind(2))
-        out = performer_attention(self.q_norm(q), self.k_norm(k), v, self.projection, self.eps, key_mask)
-        return out.transpose(1, 2).reshape(B, N, self.attn_dim)
+        q, k, v = _normed_heads(self, qkv)
+        return _tokens_last(performer_attention(q, k, v, self.projection, self.eps, key_mask))
 
 
 class LowRankAttention(LinearAttention):
@@ -113,12 +123,9 @@ class LowRankAttention(LinearAttention):
             feat_size: Optional[List[int]]) -> torch.Tensor:
         if key_mask is not None:
             raise ValueError("linformer attention pools keys over the patch grid and cannot apply a key mask")
-        B, N = qkv.shape[0], qkv.shape[1]
-        grid = resolve_token_grid(N, self.num_prefix_tokens, self.grid_size, feat_size)
-        q, k, v = (_heads_first(t) for t in qkv.unbind(2))
-        out = low_rank_attention(self.q_norm(q), self.k_norm(k), v, grid, self.num_prefix_tokens,
-                                 self.low_rank_size)
-        return out.transpose(1, 2).reshape(B, N, self.attn_dim)
+        grid = resolve_token_grid(qkv.shape[1], self.num_prefix_tokens, self.grid_size, feat_size)
+        q, k, v = _normed_heads(self, qkv)
+        return _tokens_last(low_rank_attention(q, k, v, grid, self.num_prefix_tokens, self.low_rank_size))
 
 
 class GatedLinearAttention(LinearAttention):
@@ -139,11 +146,9 @@ class GatedLinearAttention(LinearAttention):
     def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
             feat_size: Optional[List[int]]) -> torch.Tensor:
         B, N = qkv.shape[0], qkv.shape[1]
-        q, k, v = (_heads_first(t) for t in qkv.unbind(2))
+        q, k, v = _normed_heads(self, qkv)
         gate = _heads_first(torch.sigmoid(self.key_gate(x)).reshape(B, N, self.num_heads, self.head_dim))
-        out = gated_linear_attention(self.q_norm(q), self.k_norm(k), v, gate, self.feature_map_name, self.eps,
-                                     key_mask)
-        return out.transpose(1, 2).reshape(B, N, self.attn_dim)
+        return _tokens_last(gated_linear_attention(q, k, v, gate, self.feature_map_name, self.eps, key_mask))
 
 
 class AFTAttention(LinearAttention):
@@ -227,16 +232,8 @@ def attention_layer(family: str = 'linear', **options: Any) -> Type[LinearAttent
         raise ValueError(f"unknown {family} attention options {unknown}; known: {list(allowed)}")
     if options.get('feature_map') is not None and options['feature_map'] not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {options['feature_map']!r}; known: {list_feature_maps()}")
-    base = ATTENTION_FAMILIES[family]
     defaults = {k: v for k, v in options.items() if not (k == 'feature_map' and v is None)}
-
-    class Configured(base):
-        def __init__(self, dim: int, **kwargs) -> None:
-            super().__init__(dim, **{**defaults, **kwargs})
-
-    Configured.__name__ = base.__name__
-    Configured.__qualname__ = f"{base.__name__}[{', '.join(f'{k}={v!r}' for k, v in defaults.items())}]"
-    return Configured
+    return configured_layer(ATTENTION_FAMILIES[family], defaults)
 
 
 def redraw_random_features(model: nn.Module, generator: Optional[torch.Generator] = None) -> int:

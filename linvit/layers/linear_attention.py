@@ -228,13 +228,18 @@ def linear_attention_layer(**options) -> Type[LinearAttention]:
         raise ValueError(f"unknown LinearAttention options {unknown}; known: {list(_LINEAR_ONLY_OPTIONS)}")
     if 'feature_map' in options:
         get_feature_map(options['feature_map'])
+    return configured_layer(LinearAttention, options)
+
+
+def configured_layer(base: Type[LinearAttention], options: dict) -> Type[LinearAttention]:
+    """A subclass of ``base`` whose constructor options default to ``options`` (already validated)."""
     defaults = dict(options)
 
-    class ConfiguredLinearAttention(LinearAttention):
+    class Configured(base):
         def __init__(self, dim: int, **kwargs) -> None:
             super().__init__(dim, **{**defaults, **kwargs})
 
-    # printed models show LinearAttention(...) with its options in extra_repr, not the subclass's internal name
-    ConfiguredLinearAttention.__name__ = LinearAttention.__name__
-    ConfiguredLinearAttention.__qualname__ = f"LinearAttention[{', '.join(f'{k}={v!r}' for k, v in options.items())}]"
-    return ConfiguredLinearAttention
+    # printed models show the base class (LinearAttention(...)) with its options, not the subclass's internal name
+    Configured.__name__ = base.__name__
+    Configured.__qualname__ = f"{base.__name__}[{', '.join(f'{k}={v!r}' for k, v in defaults.items())}]"
+    return Configured
