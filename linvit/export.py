@@ -213,7 +213,8 @@ def _first_lines(error: BaseException, count: int = 6) -> str:
     return '\n'.join(lines[:count])
 
 
-def _dynamic_shapes(multiple: int, dynamic_size: bool, dynamic_batch: bool) -> Optional[Dict[str, Dict[int, Any]]]:
+def _dynamic_dims(multiple: int, dynamic_size: bool, dynamic_batch: bool) -> Dict[int, Any]:
+    """{dimension of the images: its torch.export Dim} for what stays symbolic in the file."""
     dims: Dict[int, Any] = {}
     if dynamic_batch:
         dims[0] = torch.export.Dim('batch', min=1, max=4096)
@@ -223,15 +224,14 @@ def _dynamic_shapes(multiple: int, dynamic_size: bool, dynamic_batch: bool) -> O
         width = torch.export.Dim('width_patches', min=2, max=MAX_SIDE_PATCHES)
         dims[2] = height * multiple if multiple > 1 else height
         dims[3] = width * multiple if multiple > 1 else width
-    return {'x': dims} if dims else None
+    return dims
 
 
 def _trace(model: nn.Module, example: torch.Tensor, multiple: int, dynamic_size: bool,
            dynamic_batch: bool) -> torch.export.ExportedProgram:
-    shapes = _dynamic_shapes(multiple, dynamic_size, dynamic_batch)
-    if shapes is not None:
-        # torch.export names dynamic inputs by the forward's argument name
-        shapes = {_first_argument_name(model): shapes['x']}
+    dims = _dynamic_dims(multiple, dynamic_size, dynamic_batch)
+    # torch.export names dynamic inputs by the forward's argument name
+    shapes = {_first_argument_name(model): dims} if dims else None
     with _module_stack(model) as stack, torch.no_grad():
         try:
             return torch.export.export(model, (example,), dynamic_shapes=shapes, strict=False)

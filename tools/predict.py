@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 import linvit  # noqa: F401  (registers linvit_* with timm)
 from linvit.data.folder import list_images, load_rgb, readable_extensions
-from linvit.data.transforms import build_transforms
+from linvit.data.transforms import build_seg_transforms, build_transforms
 from linvit.engine.plots import class_palette, overlay_mask
 from linvit.inference import SEGMENT_MODES, segment
 
@@ -154,11 +154,6 @@ def collect_inputs(inputs: Sequence[str]) -> Tuple[List[Item], List[Tuple[str, s
     return items, missing
 
 
-def read_image(path: str) -> np.ndarray:
-    """uint8 [H, W, 3] RGB; raises on a file PIL cannot decode (the caller reports and skips it)."""
-    return load_rgb(path)
-
-
 def _batches(run: Logits, images: torch.Tensor, max_batch: Optional[int]) -> torch.Tensor:
     if not max_batch or images.shape[0] == max_batch:
         return run(images)
@@ -193,7 +188,7 @@ def classify(predictor: Predictor, items: List[Item], args: argparse.Namespace,
 
     for item in tqdm(items, desc='classify', unit='img', file=sys.stderr):
         try:
-            image = read_image(item.path)
+            image = load_rgb(item.path)
         except Exception as error:  # PIL raises many types for unreadable files
             report_skip(item.path, error, skipped)
             continue
@@ -210,27 +205,17 @@ def classify(predictor: Predictor, items: List[Item], args: argparse.Namespace,
     return rows
 
 
-def _normalise(image: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """uint8 [H, W, 3] -> float32 [1, 3, H, W], (x / 255 - mean) / std."""
-    x = torch.from_numpy(np.array(image)).permute(2, 0, 1).float().div_(255)  # a writable copy of PIL's array
-    mean_t = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
-    std_t = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
-    return ((x - mean_t) / std_t).unsqueeze(0)
-
-
 def save_mask_png(mask: np.ndarray, path: str, num_classes: int) -> None:
     """Class ids as an 8-bit PNG (16-bit above 256 classes), pixel value = class id."""
     dtype = np.uint8 if num_classes <= 256 else np.uint16
     Image.fromarray(mask.astype(dtype)).save(path)
 
 
-def segment_image(predictor: Predictor, image: np.ndarray, mode: str, window: int, stride: Optional[int],
+def segment_image(predictor: Predictor, images: torch.Tensor, mode: str, window: int, stride: Optional[int],
                   batch_size: int) -> np.ndarray:
-    """uint8 [H, W, 3] -> class ids int64 [H, W] (argmax of the full-resolution logits)."""
-    images = _normalise(image, predictor.mean, predictor.std)
-    run = (lambda x: _batches(predictor.run, x, predictor.max_batch)) if predictor.max_batch else predictor.run
-    logits = segment(run, images, mode, window=window, stride=stride,
-                     batch_size=predictor.max_batch or batch_size, pad_multiple=predictor.multiple)
+    """Normalised images [1, 3, H, W] -> class ids int64 [H, W] (argmax of the full-resolution logits)."""
+    logits = segment(lambda x: _batches(predictor.run, x, predictor.max_batch), images, mode, window=window,
+                     stride=stride, batch_size=batch_size, pad_multiple=predictor.multiple)
     return logits[0].argmax(dim=0).numpy()
 
 
@@ -243,14 +228,18 @@ def segment_all(predictor: Predictor, items: List[Item], args: argparse.Namespac
     window = args.window or predictor.seg_defaults.get('window') or predictor.img_size[0]
     stride = args.stride or predictor.seg_defaults.get('stride')
     palette = class_palette(len(predictor.class_names))
+    # validation's pipeline: normalisation only, at full resolution
+    transform = build_seg_transforms(None, predictor.img_size[0], predictor.mean, predictor.std, ignore_index=255,
+                                     train=False)
     written = 0
     for item in tqdm(items, desc=f'segment ({mode})', unit='img', file=sys.stderr):
         try:
-            image = read_image(item.path)
+            image = load_rgb(item.path)
         except Exception as error:  # PIL raises many types for unreadable files
             report_skip(item.path, error, skipped)
             continue
-        mask = segment_image(predictor, image, mode, window, stride, args.batch_size)
+        images = transform(image=image)['image'].unsqueeze(0)
+        mask = segment_image(predictor, images, mode, window, stride, args.batch_size)
         stem = os.path.join(args.out, item.name)
         os.makedirs(os.path.dirname(stem) or '.', exist_ok=True)
         save_mask_png(mask, f"{stem}_mask.png", len(predictor.class_names))

@@ -24,7 +24,7 @@ from .checkpoint import load_checkpoint
 from .config import ConfigError, config_from_yaml, load_config
 from .tasks import build_task, normalization_of
 
-__all__ = ['TrainedModel', 'load_trained', 'find_run_files', 'RUN_WEIGHTS', 'TASK_KINDS']
+__all__ = ['TrainedModel', 'load_trained', 'find_run_files', 'evaluated_weights', 'RUN_WEIGHTS', 'TASK_KINDS']
 
 _logger = logging.getLogger(__name__)
 
@@ -95,12 +95,16 @@ def find_run_files(path: str) -> RunFiles:
     return RunFiles(state['config'], path, path, checkpoint=state)
 
 
+def evaluated_weights(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """The weights a training checkpoint's run evaluates: its EMA weights when it has them, else its model's."""
+    return state['ema'] if state.get('ema') is not None else state['model']
+
+
 def _weights(files: RunFiles) -> Dict[str, torch.Tensor]:
     if files.weights_path.endswith('.safetensors'):
         from safetensors.torch import load_file
         return load_file(files.weights_path)
-    state = files.checkpoint if files.checkpoint is not None else load_checkpoint(files.weights_path)
-    return state['ema'] if state.get('ema') is not None else state['model']
+    return evaluated_weights(files.checkpoint if files.checkpoint is not None else load_checkpoint(files.weights_path))
 
 
 def _class_names(files: RunFiles) -> Optional[List[str]]:

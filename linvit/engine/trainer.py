@@ -45,6 +45,7 @@ from .checkpoint import (
 )
 from .config import config_to_yaml
 from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
+from .loading import evaluated_weights
 from .sampler import ResumableSampler, ShardSampler
 from .tasks import Task, build_task, normalization_of
 
@@ -571,8 +572,7 @@ def _load_weights(path: str) -> Dict[str, Any]:
     state = load_checkpoint(path)
     if 'model' not in state:
         raise RuntimeError(f"{path} is not a linvit training checkpoint: it has no 'model' entry")
-    weights = state['ema'] if state.get('ema') is not None else state['model']
-    return {'weights': weights, 'class_names': state.get('class_names')}
+    return {'weights': evaluated_weights(state), 'class_names': state.get('class_names')}
 
 
 def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, float]:
