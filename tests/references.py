@@ -217,3 +217,55 @@ def aft_simple_ref(q, k, v) -> torch.Tensor:
     weights = torch.exp(k.double())
     context = (weights * v.double()).sum(1, keepdim=True) / weights.sum(1, keepdim=True)
     return torch.sigmoid(q.double()) * context
+
+
+# ---- causal and bidirectional (decayed / gated) linear attention: explicit products of multipliers, float64 ----
+
+
+def _multipliers_ref(b: int, h: int, n: int, decay, gate) -> torch.Tensor:
+    """Per-step multipliers m [B, H, N, Dg] = decay_h * gate (1 without either), float64."""
+    m = torch.ones(b, h, n, 1, dtype=torch.float64)
+    if decay is not None:
+        m = m * torch.as_tensor(decay, dtype=torch.float64).reshape(-1).expand(h).reshape(1, h, 1, 1)
+    if gate is not None:
+        m = m * gate.double()
+    return m
+
+
+def causal_ref(q, k, v, feature_map: str = 'elu1', decay=None, gate=None, eps: float = 1e-6) -> torch.Tensor:
+    """out_t = sum_{j<=t} sum_c phi(q_t)_c phi(k_j)_c w_tjc v_j / (same with v = 1 + eps (t + 1)), where
+    w_tjc = prod_{l=j+1}^{t} decay_h gate_lc, built by explicit products over each pair (float64)."""
+    phi = FEATURE_MAP_REFS[feature_map]
+    b, h, n, _ = q.shape
+    m = _multipliers_ref(b, h, n, decay, gate)
+    w = torch.zeros(b, h, n, n, m.shape[-1], dtype=torch.float64)
+    for t in range(n):
+        for j in range(t + 1):
+            w[:, :, t, j] = m[:, :, j + 1:t + 1].prod(dim=2)
+    pq, pk = phi(q.double()), phi(k.double())
+    sim = torch.einsum('bhtc,bhjc,bhtjc->bhtj', pq, pk, w.expand(-1, -1, -1, -1, pq.shape[-1]))
+    seen = torch.arange(1, n + 1, dtype=torch.float64).reshape(n, 1)
+    return (sim @ v.double()) / (sim.sum(-1, keepdim=True) + eps * seen)
+
+
+def bidirectional_ref(q, k, v, feature_map: str = 'elu1', decay=None, gate=None, eps: float = 1e-6,
+                      orders=None) -> torch.Tensor:
+    """out_i = sum_j w_ij phi(q_i)^T phi(k_j) v_j / (sum_j w_ij phi(q_i)^T phi(k_j) + eps N |orders|), w_ij summed
+    over the token orders; in one order, the product of the multipliers of the tokens passed going from j to i
+    (i included, j not), per channel (float64, loops over pairs)."""
+    phi = FEATURE_MAP_REFS[feature_map]
+    b, h, n, _ = q.shape
+    m = _multipliers_ref(b, h, n, decay, gate)
+    orders = orders if orders is not None else [torch.arange(n)]
+    w = torch.zeros(b, h, n, n, m.shape[-1], dtype=torch.float64)
+    for order in orders:
+        order = [int(i) for i in order]
+        position = {token: p for p, token in enumerate(order)}
+        for i in range(n):
+            for j in range(n):
+                pi, pj = position[i], position[j]
+                passed = order[pj + 1:pi + 1] if pj <= pi else order[pi:pj]
+                w[:, :, i, j] += m[:, :, passed].prod(dim=2) if passed else 1.0
+    pq, pk = phi(q.double()), phi(k.double())
+    sim = torch.einsum('bhtc,bhjc,bhtjc->bhtj', pq, pk, w.expand(-1, -1, -1, -1, pq.shape[-1]))
+    return (sim @ v.double()) / (sim.sum(-1, keepdim=True) + eps * n * len(orders))

@@ -1,4 +1,14 @@
 """Pure tensor functions for linear attention. Shapes are [B, H, N, D]; nothing here holds parameters."""
+from .causal import (
+    CAUSAL_FORMS,
+    CausalState,
+    ChunkedCausalScan,
+    bidirectional_linear_attention,
+    causal_linear_attention,
+    causal_linear_attention_step,
+    causal_linear_scan,
+    retention_decays,
+)
 from .feature_maps import (
     FEATURE_MAP_OUTPUT_DERIVATIVES,
     FEATURE_MAP_VJPS,
@@ -23,5 +33,7 @@ __all__ = [
     'elu1', 'relu', 'focused', 'get_feature_map', 'get_feature_map_vjp', 'get_inplace_feature_map',
     'list_feature_maps', 'register_feature_map', 'check_attention_inputs', 'compute_dtype', 'linear_attention',
     'linear_attention_from_features', 'quadratic_linear_attention', 'fused_linear_attention',
-    'fused_linear_attention_qkv', 'has_fused_backward',
+    'fused_linear_attention_qkv', 'has_fused_backward', 'causal_linear_attention', 'causal_linear_attention_step',
+    'causal_linear_scan', 'CausalState', 'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays',
+    'CAUSAL_FORMS',
 ]

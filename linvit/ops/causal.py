@@ -1,0 +1,502 @@
+"""Causal linear attention as an RNN (Katharopoulos et al. 2020), with a decay (RetNet) and data-dependent gates
+(GLA), in three forms that compute one function, and bidirectional scans for images.
+
+With features Q = phi(q), K = phi(k) [N, D], values with a ones column Va = [v | 1] [N, Dv + 1] and per-step log
+multipliers a [N, Dg] (Dg = D: a gate per channel; Dg = 1: one per token; a_t = log(decay) + log(gate_t)):
+
+    S_t = diag(exp(a_t)) S_{t-1} + K_t Va_t^T          [D, Dv + 1], S_0 = 0
+    [num_t | den_t] = Q_t^T S_t,   out_t = num_t / (den_t + eps (t + 1))
+
+i.e. out_t = sum_{j<=t} sum_c Q_tc K_jc w_tjc v_j / (same with 1 for v_j, + eps (t + 1)), with weights
+w_tjc = exp(sum_{l=j+1}^{t} a_lc) <= 1. eps is relative to the mean similarity over the t + 1 keys seen, as the
+non-causal core's: without decay or gate, the last row equals non-causal linear attention over the whole sequence.
+
+Forms (``form=``):
+    parallel:  the masked quadratic [N, N] (per-channel gates: [N, N, D]) form; exact, O(N^2), for short sequences.
+    chunked:   quadratic inside chunks of ``chunk_size`` tokens, states at chunk boundaries from a parallel
+               (Hillis-Steele) scan over chunks: O(N L D + N D Dv + (N / L) log(N / L) D Dv). Trains through
+               ``ChunkedCausalScan``, an autograd Function that saves only its inputs and recomputes the states
+               in backward (the paper's memory-efficient backward).
+    recurrent: one step at a time (``causal_linear_attention_step``), O(D Dv) memory whatever the length.
+
+Numerics: every weight is formed as exp of a sum of log multipliers that are <= 0: cumulative products are never
+taken over the sequence (they underflow after a few thousand gates of 0.99), and the chunked form splits
+exp(b_t - b_j) at chunk boundaries into factors that are each <= 1, so nothing overflows either. Log multipliers
+below ``LOG_MULTIPLIER_MIN`` (gates below exp(-80) ~ 2e-35) count as that value, so a gate of exactly 0 stays finite.
+Cores run in float32 (float64 for float64 inputs) with autocast off; outputs take the dtype of ``v``.
+"""
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from .feature_maps import FeatureMap, get_feature_map
+from .linear_attention import compute_dtype
+
+__all__ = ['causal_linear_attention', 'causal_linear_attention_step', 'CausalState', 'causal_linear_scan',
+           'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays', 'log_multipliers',
+           'CAUSAL_FORMS', 'LOG_MULTIPLIER_MIN']
+
+CAUSAL_FORMS = ('parallel', 'chunked', 'recurrent')
+LOG_MULTIPLIER_MIN = -80.0
+
+Decay = Union[None, float, Sequence[float], torch.Tensor]
+
+
+def retention_decays(num_heads: int) -> torch.Tensor:
+    """RetNet's per-head decays gamma_h = 1 - 2^(-5 - h) for h < 8 heads, spread over the same range (1/32 .. 1/4096
+    forgetting per step) for more heads: [num_heads] float64, from short-range to long-range heads."""
+    exponents = torch.linspace(5.0, 12.0, num_heads, dtype=torch.float64) if num_heads > 8 else \
+        torch.arange(5, 5 + num_heads, dtype=torch.float64)
+    return 1.0 - torch.pow(2.0, -exponents)
+
+
+def _autocast_off(device_type: str):
+    # autocast has no meta device; meta tensors carry shapes only
+    if device_type == 'meta':
+        return torch.autocast(device_type='cpu', enabled=False)
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+def _decay_logs(decay: Decay, num_heads: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+    """decay None, a float or per-head values in (0, 1] -> log(decay) as [1, H, 1, 1] (None for no decay)."""
+    if decay is None:
+        return None
+    gamma = torch.as_tensor(decay, dtype=dtype, device=device) if not isinstance(decay, torch.Tensor) \
+        else decay.to(device=device, dtype=dtype)
+    if gamma.dim() == 0:
+        gamma = gamma.expand(num_heads)
+    if gamma.shape != (num_heads,):
+        raise ValueError(f"decay must be a float or hold one value per head ({num_heads}), got shape "
+                         f"{list(gamma.shape)}")
+    if not gamma.requires_grad and not torch.compiler.is_compiling() and gamma.device.type != 'meta' \
+            and not bool(((gamma > 0) & (gamma <= 1)).all()):
+        raise ValueError(f"decay values must lie in (0, 1], got {gamma.tolist()}")
+    return torch.log(gamma).view(1, num_heads, 1, 1)
+
+
+def log_multipliers(q: torch.Tensor, decay: Decay = None, gate: Optional[torch.Tensor] = None,
+                    log_gate: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The per-step log multipliers a = log(decay) + log(gate) in the compute dtype, or None without either.
+
+    q: [B, H, N, D] (for shapes, dtype and device). decay: None, a float or [H] values in (0, 1]. gate: values in
+    [0, 1] of shape [B, H, N, D] (per channel) or [B, H, N, 1] (per token); or log_gate: its log (<= 0), same shapes.
+    Returns [B|1, H, N|1, D|1], clamped below at LOG_MULTIPLIER_MIN.
+    """
+    if gate is not None and log_gate is not None:
+        raise ValueError("pass gate or log_gate, not both")
+    dtype = compute_dtype(q.dtype)
+    b, h, n, d = q.shape
+    out = _decay_logs(decay, h, dtype, q.device)
+    if gate is not None or log_gate is not None:
+        name, given = ('gate', gate) if gate is not None else ('log_gate', log_gate)
+        if given.dim() != 4 or list(given.shape[:3]) != [b, h, n] or given.shape[3] not in (1, d):
+            raise ValueError(f"{name} must have shape [B, H, N, D] = {[b, h, n, d]} or [B, H, N, 1], got "
+                             f"{list(given.shape)}")
+        given = given.to(dtype)
+        logs = torch.log(given) if gate is not None else given
+        out = logs if out is None else out + logs
+    if out is None:
+        return None
+    return out.clamp_min(LOG_MULTIPLIER_MIN)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (('q', q), ('k', k), ('v', v)):
+        if t.dim() != 4:
+            raise ValueError(f"causal linear attention expects {name} of shape [B, H, N, D], got {list(t.shape)}")
+    if q.shape != k.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q and k must be [B, H, N, D] and v [B, H, N, Dv] with the same B, H, N: got q "
+                         f"{list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+
+
+def _with_ones(v: torch.Tensor) -> torch.Tensor:
+    """v [..., N, Dv] -> [v | 1] [..., N, Dv + 1]: one matmul gives numerator and normaliser."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def _normalize(out1: torch.Tensor, eps: float, count: torch.Tensor) -> torch.Tensor:
+    """[num | den] [..., N, Dv + 1] -> num / (den + eps * count), count [N, 1] keys seen per row."""
+    return out1[..., :-1] / (out1[..., -1:] + eps * count)
+
+
+def _steps_seen(n: int, offset: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[N, 1]: offset + 1, ..., offset + N (keys each causal row has seen)."""
+    return torch.arange(offset + 1, offset + n + 1, dtype=dtype, device=device).unsqueeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------- the three forms
+
+
+def _pair_weights(b: torch.Tensor) -> torch.Tensor:
+    """Cumulative log multipliers b [..., L, Dg] -> w [..., L, L, Dg], w[t, j] = exp(b_t - b_j) for j <= t, else 0.
+
+    The difference is masked before exp, so the j > t entries (positive exponents) never overflow."""
+    n = b.shape[-2]
+    diff = b.unsqueeze(-2) - b.unsqueeze(-3)  # [..., t, j, Dg]
+    causal = torch.ones(n, n, dtype=torch.bool, device=b.device).tril().unsqueeze(-1)
+    return torch.exp(diff.masked_fill(~causal, -math.inf))
+
+
+def _weighted_scores(phi_q: torch.Tensor, phi_k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
+    """sum_c Q_tc K_jc w_tjc -> [..., L, L] (w None: causal mask only; w [..., L, L, 1]: scalar weights)."""
+    if w is None:
+        n = phi_q.shape[-2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=phi_q.device).tril()
+        return (phi_q @ phi_k.transpose(-2, -1)).masked_fill(~causal, 0.0)
+    if w.shape[-1] == 1:
+        return (phi_q @ phi_k.transpose(-2, -1)) * w.squeeze(-1)
+    return torch.einsum('...tc,...jc,...tjc->...tj', phi_q, phi_k, w)
+
+
+def _parallel_scan(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor,
+                   a: Optional[torch.Tensor]) -> torch.Tensor:
+    """The masked quadratic form: [B, H, N, D] x2, va [B, H, N, E], a [B|1, H, N|1, Dg] or None -> [B, H, N, E]."""
+    w = None
+    if a is not None:
+        n = phi_q.shape[-2]
+        w = _pair_weights(torch.cumsum(a.expand(*a.shape[:2], n, a.shape[-1]), dim=-2))
+    return _weighted_scores(phi_q, phi_k, w) @ va
+
+
+def _recurrent_scan(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor,
+                    a: Optional[torch.Tensor]) -> torch.Tensor:
+    """One token at a time through the state S [B, H, D, E]: the RNN form, O(D E) memory per step."""
+    b, h, n, d = phi_q.shape
+    state = phi_q.new_zeros(b, h, d, va.shape[-1])
+    outs = []
+    for t in range(n):
+        a_t = None if a is None else a[:, :, min(t, a.shape[2] - 1)]
+        state = _advance(state, phi_k[:, :, t], va[:, :, t], a_t)
+        outs.append((phi_q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
+    return torch.stack(outs, dim=2)
+
+
+def _advance(state: torch.Tensor, phi_k_t: torch.Tensor, va_t: torch.Tensor,
+             a_t: Optional[torch.Tensor]) -> torch.Tensor:
+    """S <- diag(exp(a_t)) S + K_t Va_t^T: state [B, H, D, E], phi_k_t [B, H, D], va_t [B, H, E], a_t [B|1, H, Dg]."""
+    if a_t is not None:
+        state = state * torch.exp(a_t).unsqueeze(-1)
+    return state + phi_k_t.unsqueeze(-1) * va_t.unsqueeze(-2)
+
+
+def _pad_to_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[B, H, N, X] -> [B, H, nc, L, X], zero-padded at the end to a whole number of chunks."""
+    n = t.shape[2]
+    pad = (-n) % chunk
+    if pad:
+        t = F.pad(t, (0, 0, 0, pad))
+    return t.reshape(t.shape[0], t.shape[1], -1, chunk, t.shape[-1])
+
+
+def _unchunk(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, H, nc, L, X] -> [B, H, N, X] (padding dropped)."""
+    return t.reshape(t.shape[0], t.shape[1], -1, t.shape[-1])[:, :, :n]
+
+
+def _inclusive_state_scan(u: torch.Tensor, alpha: Optional[torch.Tensor]) -> torch.Tensor:
+    """E_c = diag(exp(alpha_c)) E_{c-1} + u_c over chunks c, all at once.
+
+    u: [B, H, nc, D, E]; alpha: [B, H, nc, Dg] (<= 0) or None (then a cumulative sum). Hillis-Steele: log2(nc)
+    rounds, each combining every chunk with the one 2^r before it; the multipliers are exp of sums of log values
+    <= 0, so nothing overflows over any number of chunks."""
+    if alpha is None:
+        return torch.cumsum(u, dim=2)
+    nc = u.shape[2]
+    shift = 1
+    while shift < nc:
+        carried = torch.exp(alpha[:, :, shift:]).unsqueeze(-1) * u[:, :, :-shift]
+        u = torch.cat([u[:, :, :shift], u[:, :, shift:] + carried], dim=2)
+        alpha = torch.cat([alpha[:, :, :shift], alpha[:, :, shift:] + alpha[:, :, :-shift]], dim=2)
+        shift *= 2
+    return u
+
+
+class _Chunks(NamedTuple):
+    """The chunked views of one call: q, k [B, H, nc, L, D], va [B, H, nc, L, E]; with multipliers, b the log
+    multipliers summed from each chunk's start [B, H, nc, L, Dg] and the chunk totals [B, H, nc, Dg]."""
+    q: torch.Tensor
+    k: torch.Tensor
+    va: torch.Tensor
+    b: Optional[torch.Tensor]
+    total: Optional[torch.Tensor]
+
+
+def _split_chunks(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor, a: Optional[torch.Tensor],
+                  chunk: int) -> _Chunks:
+    b = total = None
+    if a is not None:
+        n = phi_q.shape[2]
+        a = a.expand(phi_q.shape[0], phi_q.shape[1], n, a.shape[-1])
+        b = torch.cumsum(_pad_to_chunks(a, chunk), dim=-2)
+        total = b[..., -1, :]
+    return _Chunks(_pad_to_chunks(phi_q, chunk), _pad_to_chunks(phi_k, chunk), _pad_to_chunks(va, chunk), b, total)
+
+
+def _keys_to_chunk_end(c: _Chunks) -> torch.Tensor:
+    """K_j * exp(total - b_j): each key weighted to the end of its chunk (factors <= 1) [B, H, nc, L, D]."""
+    return c.k if c.b is None else c.k * torch.exp(c.total.unsqueeze(-2) - c.b)
+
+
+def _queries_from_chunk_start(c: _Chunks) -> torch.Tensor:
+    """Q_t * exp(b_t): each query weighted from its chunk's start (factors <= 1) [B, H, nc, L, D]."""
+    return c.q if c.b is None else c.q * torch.exp(c.b)
+
+
+def _states_before_chunks(c: _Chunks, k_end: torch.Tensor) -> torch.Tensor:
+    """S_c, the state after every token before chunk c [B, H, nc, D, E] (zero for the first chunk)."""
+    ends = _inclusive_state_scan(k_end.transpose(-2, -1) @ c.va, c.total)
+    return torch.cat([torch.zeros_like(ends[:, :, :1]), ends[:, :, :-1]], dim=2)
+
+
+def _intra_weights(c: _Chunks) -> Optional[torch.Tensor]:
+    return None if c.b is None else _pair_weights(c.b)
+
+
+def _chunked_forward(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor, a: Optional[torch.Tensor],
+                     chunk: int) -> torch.Tensor:
+    """[num | den] of the chunked form: intra-chunk quadratic + queries times the state before their chunk."""
+    c = _split_chunks(phi_q, phi_k, va, a, chunk)
+    states = _states_before_chunks(c, _keys_to_chunk_end(c))
+    out = _weighted_scores(c.q, c.k, _intra_weights(c)) @ c.va + _queries_from_chunk_start(c) @ states
+    return _unchunk(out, phi_q.shape[2])
+
+
+def _states_after_chunks(c: _Chunks, grad: torch.Tensor) -> torch.Tensor:
+    """R_c = sum over later chunks c' of exp(totals strictly between) (Q exp(b))^T dO [B, H, nc, D, E]: what
+    the queries after chunk c ask of a key at its end (the backward pass's reverse-time state)."""
+    per_chunk = _queries_from_chunk_start(c).transpose(-2, -1) @ grad
+    total = None if c.total is None else c.total.flip(2)
+    from_right = _inclusive_state_scan(per_chunk.flip(2), total).flip(2)
+    return torch.cat([from_right[:, :, 1:], torch.zeros_like(from_right[:, :, :1])], dim=2)
+
+
+def _chunked_backward(grad: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor,
+                      a: Optional[torch.Tensor], chunk: int, need_a: bool
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Gradients of sum(grad * [num | den]) w.r.t. phi_q, phi_k, va and a, recomputing the chunk states.
+
+    With G_tj = dO_t . Va_j and weights w: dQ_t = sum_j G_tj w_tj * K_j, dK_j = sum_t G_tj w_tj * Q_t,
+    dVa_j = sum_t (Q_t . w_tj K_j) dO_t, each as intra-chunk products plus one matmul with the forward state
+    (dQ) or the reverse state (dK, dVa); and with B the global cumulative log multipliers (w_tj = exp(B_t - B_j)),
+    dB_t = Q_t * dQ_t - K_t * dK_t, so da_l = sum_{t >= l} dB_t.
+    """
+    n = phi_q.shape[2]
+    c = _split_chunks(phi_q, phi_k, va, a, chunk)
+    g = _pad_to_chunks(grad, chunk)
+    k_end = _keys_to_chunk_end(c)
+    before = _states_before_chunks(c, k_end)
+    after = _states_after_chunks(c, g)
+    w = _intra_weights(c)
+    pair_grad = g @ c.va.transpose(-2, -1)  # G [.., t, j]
+    d_va = _weighted_scores(c.q, c.k, w).transpose(-2, -1) @ g + k_end @ after
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
+    pair_grad = pair_grad.masked_fill(~causal, 0.0)
+    if w is None or w.shape[-1] == 1:
+        weighted = pair_grad if w is None else pair_grad * w.squeeze(-1)
+        d_q = weighted @ c.k
+        d_k = weighted.transpose(-2, -1) @ c.q
+    else:
+        d_q = torch.einsum('...tj,...tjc,...jc->...tc', pair_grad, w, c.k)
+        d_k = torch.einsum('...tj,...tjc,...tc->...jc', pair_grad, w, c.q)
+    inter_q = g @ before.transpose(-2, -1)
+    inter_k = c.va @ after.transpose(-2, -1)
+    if c.b is not None:
+        inter_q = inter_q * torch.exp(c.b)
+        inter_k = inter_k * torch.exp(c.total.unsqueeze(-2) - c.b)
+    d_q = _unchunk(d_q + inter_q, n)
+    d_k = _unchunk(d_k + inter_k, n)
+    d_a = None
+    if need_a:
+        d_b = phi_q * d_q - phi_k * d_k
+        if a.shape[-1] == 1:
+            d_b = d_b.sum(dim=-1, keepdim=True)
+        d_a = d_b.flip(2).cumsum(dim=2).flip(2)
+        d_a = d_a.sum_to_size(a.shape)
+    return d_q, d_k, _unchunk(d_va, n), d_a
+
+
+class ChunkedCausalScan(torch.autograd.Function):
+    """[num | den] = the chunked causal scan of (phi_q, phi_k, va, a) with the memory-efficient backward.
+
+    Saves only its inputs (phi_q, phi_k [B, H, N, D], va [B, H, N, E], a [B|1, H, N|1, Dg]); backward recomputes
+    the chunk states forward in time (for dQ) and backward in time (for dK, dVa), as the paper's Algorithm 1 does
+    per token. No [N, D, E] tensor is ever kept. Traceable by dynamo (no graph break under torch.compile).
+    """
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, va, a, chunk):
+        ctx.chunk = chunk
+        ctx.save_for_backward(phi_q, phi_k, va, a)
+        return _chunked_forward(phi_q, phi_k, va, a, chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        phi_q, phi_k, va, a = ctx.saved_tensors
+        need_a = a is not None and ctx.needs_input_grad[3]
+        d_q, d_k, d_va, d_a = _chunked_backward(grad.contiguous(), phi_q, phi_k, va, a, ctx.chunk, need_a)
+        return d_q, d_k, d_va, d_a, None
+
+
+def _check_form(form: str, chunk_size: int) -> None:
+    if form not in CAUSAL_FORMS:
+        raise ValueError(f"form must be one of {list(CAUSAL_FORMS)}, got {form!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def causal_linear_scan(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor, a: Optional[torch.Tensor] = None,
+                       form: str = 'chunked', chunk_size: int = 64) -> torch.Tensor:
+    """The unnormalised causal scan on features, in one dtype with autocast off: out_t = Q_t^T S_t.
+
+    phi_q, phi_k: [B, H, N, D] (non-negative); va: [B, H, N, E] (values, usually with a ones column);
+    a: log multipliers [B|1, H, N|1, Dg] (Dg in {1, D}, <= 0) or None. Returns [B, H, N, E].
+    """
+    _check_form(form, chunk_size)
+    if form == 'parallel':
+        return _parallel_scan(phi_q, phi_k, va, a)
+    if form == 'recurrent':
+        return _recurrent_scan(phi_q, phi_k, va, a)
+    return ChunkedCausalScan.apply(phi_q, phi_k, va, a, chunk_size)
+
+
+def _features(q: torch.Tensor, k: torch.Tensor, feature_map: Union[str, FeatureMap]
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    phi = get_feature_map(feature_map) if isinstance(feature_map, str) else feature_map
+    dtype = compute_dtype(q.dtype)
+    return phi(q.to(dtype)), phi(k.to(dtype))
+
+
+def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            feature_map: Union[str, FeatureMap] = 'elu1', decay: Decay = None,
+                            gate: Optional[torch.Tensor] = None, eps: float = 1e-6, form: str = 'chunked',
+                            chunk_size: int = 64, log_gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal linear attention: token t attends to tokens 0..t (see the module docstring for the formula).
+
+    Args:
+        q, k: [B, H, N, D]; v: [B, H, N, Dv].
+        feature_map: a name in ``FEATURE_MAPS`` or a function [..., D] -> non-negative [..., D].
+        decay: None, a float or [H] per-head values in (0, 1] (RetNet's gamma; may require grad).
+        gate: data-dependent forget gate in [0, 1], [B, H, N, D] (per channel, GLA) or [B, H, N, 1] (per token);
+            or ``log_gate``, its log (<= 0, e.g. logsigmoid of a projection), which keeps tiny gates exact.
+        eps: added to the normaliser times the number of keys seen.
+        form: 'parallel', 'chunked' or 'recurrent' (same function; see the module docstring).
+        chunk_size: tokens per chunk of the chunked form (any N; the last chunk is padded).
+
+    Returns:
+        [B, H, N, Dv] in the dtype of ``v``, computed in float32 (float64 for float64 inputs).
+    """
+    _check_qkv(q, k, v)
+    _check_form(form, chunk_size)
+    dtype = compute_dtype(v.dtype)
+    with _autocast_off(v.device.type):
+        a = log_multipliers(q, decay, gate, log_gate)
+        phi_q, phi_k = _features(q, k, feature_map)
+        out1 = causal_linear_scan(phi_q, phi_k, _with_ones(v.to(dtype)), a, form, chunk_size)
+        out = _normalize(out1, eps, _steps_seen(q.shape[2], 0, dtype, v.device))
+    return out.to(v.dtype)
+
+
+class CausalState(NamedTuple):
+    """The recurrent state after ``steps`` tokens: kv = sum_j w_j phi(k_j) [v_j | 1]^T, [B, H, D, Dv + 1], in the
+    compute dtype. Its size does not depend on how many tokens it has seen."""
+    kv: torch.Tensor
+    steps: int
+
+
+def causal_linear_attention_step(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
+                                 state: Optional[CausalState] = None,
+                                 feature_map: Union[str, FeatureMap] = 'elu1', decay: Decay = None,
+                                 gate_t: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                                 log_gate_t: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, CausalState]:
+    """One step of the recurrent form: (out_t, new state) for the next token.
+
+    q_t, k_t: [B, H, D]; v_t: [B, H, Dv]; state: None before the first token; gate_t / log_gate_t: [B, H, D] or
+    [B, H, 1]. Feeding tokens 0..N-1 in order gives causal_linear_attention's rows. Returns out_t [B, H, Dv] in the
+    dtype of ``v_t`` and the state (constant size).
+    """
+    if q_t.dim() != 3 or k_t.shape != q_t.shape or v_t.dim() != 3 or v_t.shape[:2] != q_t.shape[:2]:
+        raise ValueError(f"a step takes q_t, k_t [B, H, D] and v_t [B, H, Dv] with the same B, H: got q_t "
+                         f"{list(q_t.shape)}, k_t {list(k_t.shape)}, v_t {list(v_t.shape)}")
+    dtype = compute_dtype(v_t.dtype)
+    b, h, d = q_t.shape
+    with _autocast_off(v_t.device.type):
+        gate = None if gate_t is None else gate_t.unsqueeze(2)
+        log_gate = None if log_gate_t is None else log_gate_t.unsqueeze(2)
+        a = log_multipliers(q_t.unsqueeze(2), decay, gate, log_gate)
+        phi_q, phi_k = _features(q_t, k_t, feature_map)
+        kv = state.kv if state is not None else torch.zeros(b, h, d, v_t.shape[-1] + 1, dtype=dtype,
+                                                                device=v_t.device)
+        steps = state.steps if state is not None else 0
+        kv = _advance(kv, phi_k, _with_ones(v_t.to(dtype)), None if a is None else a[:, :, 0])
+        out1 = (phi_q.unsqueeze(-2) @ kv).squeeze(-2)
+        out = out1[..., :-1] / (out1[..., -1:] + eps * (steps + 1))
+    return out.to(v_t.dtype), CausalState(kv, steps + 1)
+
+
+# ---------------------------------------------------------------------------------------------- bidirectional
+
+
+def _bidirectional_scan(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor, a: Optional[torch.Tensor],
+                        chunk_size: int) -> torch.Tensor:
+    """[num | den] of a forward and a backward causal scan over one token order, the diagonal counted once.
+
+    The backward scan runs the causal scan on the reversed sequence (its multipliers reversed too), so the weight
+    between tokens i and j is the product of the multipliers of the tokens passed going from j to i, i included
+    and j not, in either direction."""
+    forward = causal_linear_scan(phi_q, phi_k, va, a, 'chunked', chunk_size)
+    a_rev = a if a is None or a.shape[2] == 1 else a.flip(2)
+    backward = causal_linear_scan(phi_q.flip(2), phi_k.flip(2), va.flip(2), a_rev, 'chunked', chunk_size).flip(2)
+    diagonal = (phi_q * phi_k).sum(dim=-1, keepdim=True) * va
+    return forward + backward - diagonal
+
+
+def _take_tokens(t: Optional[torch.Tensor], order: torch.Tensor) -> Optional[torch.Tensor]:
+    if t is None or t.shape[2] == 1:
+        return t
+    return t.index_select(2, order)
+
+
+def bidirectional_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   feature_map: Union[str, FeatureMap] = 'elu1', decay: Decay = None,
+                                   gate: Optional[torch.Tensor] = None, eps: float = 1e-6, chunk_size: int = 64,
+                                   orders: Optional[List[torch.Tensor]] = None,
+                                   log_gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Non-causal decayed / gated linear attention as forward + backward scans (Vision-RWKV, ViG style):
+
+        out_i = sum_j w_ij phi(q_i)^T phi(k_j) v_j / (sum_j w_ij phi(q_i)^T phi(k_j) + eps N |orders|)
+
+    with w_ij (per channel for per-channel gates) summed over the token orders: in one order, the product of the
+    multipliers (decay times gate) of the tokens passed going from j to i, i included and j not (decay only:
+    gamma^|i - j|); the diagonal counts once per order. Every token sees every other at linear cost, with more
+    weight nearby: locality without a window.
+
+    Args:
+        q, k: [B, H, N, D]; v: [B, H, N, Dv]; feature_map, decay, gate / log_gate, eps: as causal_linear_attention.
+        orders: token orders to scan, each a permutation LongTensor [N] (e.g. raster and column order of a patch
+            grid); None: the given order only.
+
+    Returns:
+        [B, H, N, Dv] in the dtype of ``v``.
+    """
+    _check_qkv(q, k, v)
+    _check_form('chunked', chunk_size)
+    n = q.shape[2]
+    orders = orders if orders is not None else [torch.arange(n, device=q.device)]
+    for order in orders:
+        if order.shape != (n,):
+            raise ValueError(f"each order must be a permutation of the N = {n} tokens, got shape {list(order.shape)}")
+    dtype = compute_dtype(v.dtype)
+    with _autocast_off(v.device.type):
+        a = log_multipliers(q, decay, gate, log_gate)
+        phi_q, phi_k = _features(q, k, feature_map)
+        va = _with_ones(v.to(dtype))
+        total = None
+        for order in orders:
+            scanned = _bidirectional_scan(_take_tokens(phi_q, order), _take_tokens(phi_k, order),
+                                          _take_tokens(va, order), _take_tokens(a, order), chunk_size)
+            back = scanned.index_select(2, torch.argsort(order))
+            total = back if total is None else total + back
+        out = total[..., :-1] / (total[..., -1:] + eps * n * len(orders))
+    return out.to(v.dtype)
