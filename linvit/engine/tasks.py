@@ -72,7 +72,7 @@ def register_task(cls: Type[Task]) -> Type[Task]:
 
 def build_task(cfg: DictConfig) -> Task:
     # the built-in tasks register themselves when their module is imported
-    from . import classification, segmentation  # noqa: F401
+    from . import autoregressive, classification, segmentation  # noqa: F401
     if cfg.task not in TASKS:
         raise ValueError(f"task={cfg.task!r} is not one of {sorted(TASKS)}")
     return TASKS[cfg.task](cfg)

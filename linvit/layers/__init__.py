@@ -3,6 +3,7 @@ from .families import (
     ATTENTION_FAMILIES,
     FAMILY_OPTIONS,
     AFTAttention,
+    BidirectionalAttention,
     GatedLinearAttention,
     LowRankAttention,
     PerformerAttention,
@@ -19,4 +20,5 @@ from .weights import load_softmax_state_dict
 __all__ = ['LinearAttention', 'linear_attention_layer', 'LocalMix', 'attn_mask_to_key_mask',
            'resolve_token_grid', 'load_softmax_state_dict', 'NoMixingAttention', 'ATTENTION_FAMILIES',
            'FAMILY_OPTIONS', 'PerformerAttention', 'LowRankAttention', 'GatedLinearAttention', 'AFTAttention',
+           'BidirectionalAttention',
            'attention_layer', 'list_attention_kinds', 'redraw_random_features', 'resolve_attention_kind']

@@ -15,13 +15,16 @@ names, so a softmax checkpoint loads into any of them (the family's own tensors 
 | linformer | softmax over keys/values pooled to r x r | O(N r^2 d) | none |
 | gated | linear attention, keys gated per token and channel, output gated | O(N d^2) | ``key_gate``, ``gate`` |
 | aft | sigmoid(q) * sum_n softmax_n(k) v_n (AFT-simple) | O(N C) | none |
+| bidirectional | linear attention weighted by decay^distance, forward + backward scans | O(N d^2) | ``scan_gate`` |
 """
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..ops import FEATURE_MAPS, list_feature_maps
+from ..ops.causal import SCAN_ORDERS, bidirectional_linear_attention, grid_scan_orders, retention_decays
 from ..ops.families import (
     aft_simple,
     gated_linear_attention,
@@ -32,7 +35,8 @@ from ..ops.families import (
 from .linear_attention import _LINEAR_ONLY_OPTIONS, LinearAttention, configured_layer
 from .local_mix import resolve_token_grid
 
-__all__ = ['PerformerAttention', 'LowRankAttention', 'GatedLinearAttention', 'AFTAttention', 'ATTENTION_FAMILIES',
+__all__ = ['PerformerAttention', 'LowRankAttention', 'GatedLinearAttention', 'AFTAttention', 'BidirectionalAttention',
+           'ATTENTION_FAMILIES',
            'FAMILY_OPTIONS', 'attention_layer', 'list_attention_kinds', 'resolve_attention_kind',
            'redraw_random_features', 'FAMILIES_WITH_FEATURE_MAP']
 
@@ -40,6 +44,8 @@ torch.fx.wrap('performer_attention')
 torch.fx.wrap('low_rank_attention')
 torch.fx.wrap('gated_linear_attention')
 torch.fx.wrap('aft_simple')
+torch.fx.wrap('bidirectional_linear_attention')
+torch.fx.wrap('grid_scan_orders')
 torch.fx.wrap('resolve_token_grid')
 
 
@@ -68,6 +74,8 @@ class PerformerAttention(LinearAttention):
 
     num_features: m, random features per head (default: head_dim). orthogonal: orthogonal blocks (else i.i.d.).
     """
+
+    supports_causal = False
 
     def __init__(self, dim: int, num_features: Optional[int] = None, orthogonal: bool = True, **kwargs) -> None:
         super().__init__(dim, **kwargs)
@@ -105,6 +113,8 @@ class LowRankAttention(LinearAttention):
     padded tokens would be pooled with real ones.
     """
 
+    supports_causal = False
+
     def __init__(self, dim: int, low_rank_size: int = 16, **kwargs) -> None:
         super().__init__(dim, **kwargs)
         if low_rank_size < 1:
@@ -133,6 +143,8 @@ class GatedLinearAttention(LinearAttention):
     sigmoid(key_gate(x)), and timm's output gate (``gated=True``: out * sigmoid(gate(x))), around linear attention
     with ``feature_map``. With a constant key gate it is plain linear attention (the constant cancels)."""
 
+    supports_causal = False
+
     def __init__(self, dim: int, **kwargs) -> None:
         kwargs['gated'] = True
         super().__init__(dim, **kwargs)
@@ -156,6 +168,8 @@ class AFTAttention(LinearAttention):
     v over the tokens weighted by softmax over tokens of k (``linvit.ops.families.aft_simple``). Heads only group
     the channels for the optional q/k norms."""
 
+    supports_causal = False
+
     def __init__(self, dim: int, **kwargs) -> None:
         super().__init__(dim, **kwargs)
         self.fused_backward = False
@@ -174,6 +188,88 @@ class AFTAttention(LinearAttention):
         return aft_simple(q, k, v.reshape(B, N, self.attn_dim), key_mask)
 
 
+#: gates are sigmoid(z) ** (1 / GATE_TEMPERATURE) as in GLA (near 1: slow forgetting); the gate projection starts
+#: at weight 0 and bias GATE_INIT_BIAS, a gate of 0.9989 per token, so a new layer starts as the decay alone
+GATE_TEMPERATURE = 16.0
+GATE_INIT_BIAS = 4.0
+
+
+def resolve_decays(decay: Any, num_heads: int) -> Optional[Tuple[float, ...]]:
+    """decay option -> per-head decays (H floats) or None: 'retnet' (RetNet's schedule, ``retention_decays``),
+    None (no decay), a float, or one float per head, each in (0, 1]."""
+    if decay is None:
+        return None
+    if isinstance(decay, str):
+        if decay != 'retnet':
+            raise ValueError(f"decay must be 'retnet', None, a float or one float per head, got {decay!r}")
+        return tuple(retention_decays(num_heads).tolist())
+    values = [float(decay)] * num_heads if isinstance(decay, (int, float)) else [float(d) for d in decay]
+    if len(values) != num_heads or not all(0.0 < value <= 1.0 for value in values):
+        raise ValueError(f"decay must hold one value in (0, 1] (or one per head: {num_heads}), got {decay!r}")
+    return tuple(values)
+
+
+class BidirectionalAttention(LinearAttention):
+    """Bidirectional decayed / gated linear attention over the patch grid (Vision-RWKV, ViG style): the sum of a
+    forward and a backward causal scan (``linvit.ops.bidirectional_linear_attention``), along raster order and,
+    with ``scan_orders='raster+column'``, also column order, so a token weighs another by decay^distance along
+    rows and along columns: locality at linear cost, no window.
+
+    decay: 'retnet' (per-head RetNet decays 1 - 2^-5 .. ), None, a float or one per head (a buffer, not trained).
+    data_gate: add a data-dependent per-token, per-channel gate sigmoid(scan_gate(x)) ** (1 / 16) (GLA); its
+        projection starts near a gate of 1. scan_chunk_size: tokens per chunk of the scans.
+    Prefix tokens come first in every order (the class token sits next to the first patches).
+    """
+    supports_causal = False
+
+    def __init__(self, dim: int, decay: Any = 'retnet', data_gate: bool = False, scan_orders: str = 'raster+column',
+                 scan_chunk_size: int = 64, **kwargs) -> None:
+        super().__init__(dim, **kwargs)
+        if scan_orders not in SCAN_ORDERS:
+            raise ValueError(f"scan_orders must be one of {list(SCAN_ORDERS)}, got {scan_orders!r}")
+        if isinstance(scan_chunk_size, bool) or not isinstance(scan_chunk_size, int) or scan_chunk_size < 1:
+            raise ValueError(f"scan_chunk_size must be an int >= 1, got {scan_chunk_size!r}")
+        decays = resolve_decays(decay, self.num_heads)
+        self.decay = decay
+        self.scan_orders = scan_orders
+        self.scan_chunk_size = scan_chunk_size
+        self.num_prefix_tokens = kwargs.get('num_prefix_tokens', 1)
+        grid = kwargs.get('grid_size')
+        self.grid_size: Optional[Tuple[int, int]] = None if grid is None else (int(grid[0]), int(grid[1]))
+        self.fused_backward = False
+        device = self.qkv.weight.device
+        # python floats, not a buffer: a fixed hyperparameter that model.half() must not round (1 - 2^-12 is 1.0
+        # in bfloat16) and that the state_dict need not carry
+        self.decays = decays
+        self.scan_gate: Optional[nn.Linear] = None
+        if data_gate:
+            self.scan_gate = nn.Linear(dim, self.attn_dim, device=device, dtype=self.qkv.weight.dtype)
+            if device.type != 'meta':
+                nn.init.zeros_(self.scan_gate.weight)
+                nn.init.constant_(self.scan_gate.bias, GATE_INIT_BIAS)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, family='bidirectional', "
+                f"feature_map={self.feature_map_name!r}, decay={self.decay!r}, "
+                f"data_gate={self.scan_gate is not None}, scan_orders={self.scan_orders!r}")
+
+    def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
+            feat_size: Optional[List[int]]) -> torch.Tensor:
+        if key_mask is not None:
+            raise ValueError("bidirectional attention scans the patch grid and cannot apply a key mask")
+        B, N = qkv.shape[0], qkv.shape[1]
+        grid = resolve_token_grid(N, self.num_prefix_tokens, self.grid_size, feat_size)
+        orders = grid_scan_orders(grid, self.num_prefix_tokens, self.scan_orders, qkv.device)
+        q, k, v = _normed_heads(self, qkv)
+        log_gate = None
+        if self.scan_gate is not None:
+            log_gate = _heads_first(F.logsigmoid(self.scan_gate(x)).reshape(B, N, self.num_heads, self.head_dim))
+            log_gate = log_gate / GATE_TEMPERATURE
+        out = bidirectional_linear_attention(q, k, v, self.feature_map, decay=self.decays, log_gate=log_gate,
+                                             eps=self.eps, chunk_size=self.scan_chunk_size, orders=orders)
+        return _tokens_last(out)
+
+
 #: attention family name -> layer class (every class takes LinearAttention's arguments plus FAMILY_OPTIONS)
 ATTENTION_FAMILIES: Dict[str, Type[LinearAttention]] = {
     'linear': LinearAttention,
@@ -181,14 +277,15 @@ ATTENTION_FAMILIES: Dict[str, Type[LinearAttention]] = {
     'linformer': LowRankAttention,
     'gated': GatedLinearAttention,
     'aft': AFTAttention,
+    'bidirectional': BidirectionalAttention,
 }
 #: options each family adds to LinearAttention's (``attn_options`` of the models and convert_to_linear)
 FAMILY_OPTIONS: Dict[str, Tuple[str, ...]] = {
     'linear': (), 'performer': ('num_features', 'orthogonal'), 'linformer': ('low_rank_size',), 'gated': (),
-    'aft': (),
+    'aft': (), 'bidirectional': ('decay', 'data_gate', 'scan_orders', 'scan_chunk_size'),
 }
 #: families whose mixing uses a feature map (``feature_map`` applies to them only)
-FAMILIES_WITH_FEATURE_MAP = ('linear', 'gated')
+FAMILIES_WITH_FEATURE_MAP = ('linear', 'gated', 'bidirectional')
 
 
 def list_attention_kinds() -> List[str]:

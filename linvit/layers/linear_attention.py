@@ -5,6 +5,9 @@ import torch
 import torch.nn as nn
 
 from ..ops import (
+    CausalState,
+    causal_linear_attention,
+    causal_linear_attention_step,
     compute_dtype,
     fused_linear_attention,
     fused_linear_attention_qkv,
@@ -16,10 +19,8 @@ from ..ops import (
 from .local_mix import LocalMix
 
 
-def check_tokens(x: torch.Tensor, dim: int, is_causal: bool) -> None:
-    """Raise ValueError unless x is [B, N, dim] and the call is non-causal."""
-    if is_causal:
-        raise ValueError("LinearAttention is non-causal; is_causal=True is not supported")
+def check_tokens(x: torch.Tensor, dim: int) -> None:
+    """Raise ValueError unless x is [B, N, dim]."""
     if x.dim() != 3 or x.shape[-1] != dim:
         raise ValueError(f"LinearAttention expects tokens of shape [B, N, {dim}], got {list(x.shape)}")
 
@@ -58,6 +59,7 @@ torch.fx.wrap('attn_mask_to_key_mask')
 torch.fx.wrap('linear_attention_from_features')
 torch.fx.wrap('fused_linear_attention')
 torch.fx.wrap('fused_linear_attention_qkv')
+torch.fx.wrap('causal_linear_attention')
 
 
 class LinearAttention(nn.Module):
@@ -76,9 +78,20 @@ class LinearAttention(nn.Module):
             softmax checkpoint lacks. The grid is found as ``linvit.layers.local_mix`` documents, using
             ``num_prefix_tokens`` (class + register tokens before the patches) and ``grid_size``.
 
+        causal: attend causally by default (token i sees tokens 0..i), as ``forward(x, is_causal=True)`` does:
+            "Transformers are RNNs" - trained in parallel through the chunked scan with its memory-efficient backward
+            (``linvit.ops.causal``), run token by token with ``step``. Needs local_mix=False (the convolution sees
+            later patches) and no attn_mask.
+        causal_chunk_size: tokens per chunk of the causal scan.
+
     forward: x [B, N, dim] -> [B, N, dim_out]; attn_mask is an optional key-padding mask (see
     ``attn_mask_to_key_mask``); feat_size (H, W) is the patch grid for the local branch.
+    step: x_t [B, dim] and the state after the previous tokens -> ([B, dim_out], state): the recurrent form.
     """
+
+    #: whether this family has a causal form (forward with is_causal=True, step)
+    supports_causal = True
+
 
     def __init__(
             self,
@@ -100,6 +113,8 @@ class LinearAttention(nn.Module):
             local_mix_kernel: int = 3,
             num_prefix_tokens: int = 1,
             grid_size: Optional[Tuple[int, int]] = None,
+            causal: bool = False,
+            causal_chunk_size: int = 64,
             device=None,
             dtype=None,
     ) -> None:
@@ -114,6 +129,13 @@ class LinearAttention(nn.Module):
                              f"use proj_drop or drop_path instead")
         if eps <= 0:
             raise ValueError(f"eps must be > 0, got {eps}")
+        if causal and not self.supports_causal:
+            raise ValueError(f"{type(self).__name__} has no causal form; causal attention is plain linear attention "
+                             f"(a feature map as attn_kernel)")
+        if causal and local_mix:
+            raise ValueError(_CAUSAL_LOCAL_MIX)
+        if isinstance(causal_chunk_size, bool) or not isinstance(causal_chunk_size, int) or causal_chunk_size < 1:
+            raise ValueError(f"causal_chunk_size must be an int >= 1, got {causal_chunk_size!r}")
         head_dim = attn_head_dim if attn_head_dim is not None else dim // num_heads
         dim_out = dim_out or dim
         self.dim = dim
@@ -127,6 +149,8 @@ class LinearAttention(nn.Module):
         # with autograd, maps that have a registered derivative train through the fused Function (linvit.ops.fused)
         self.fused_backward = has_fused_backward(feature_map)
         self.eps = eps
+        self.causal = causal
+        self.causal_chunk_size = causal_chunk_size
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
@@ -141,8 +165,9 @@ class LinearAttention(nn.Module):
     def extra_repr(self) -> str:
         # print(model) should say what each block computes: the map, eps and whether the local branch is on
         local = 'off' if self.local_mix is None else f"{self.local_mix.kernel_size}x{self.local_mix.kernel_size}"
+        causal = ', causal=True' if self.causal else ''
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}")
+                f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}{causal}")
 
     def _mix_tokens_fused(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the fused Function (training): it keeps as
@@ -191,6 +216,33 @@ class LinearAttention(nn.Module):
             return self._mix_tokens_fused(qkv, key_mask)
         return self._mix_tokens(qkv, key_mask)
 
+    @torch.jit.unused
+    def mix_causal(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Causal token mixing: qkv [B, N, 3, H, D] -> [B, N, H * D], token i from tokens 0..i (chunked scan)."""
+        B, N = qkv.shape[0], qkv.shape[1]
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = causal_linear_attention(self.q_norm(q), self.k_norm(k), v, self.feature_map, eps=self.eps,
+                                      form='chunked', chunk_size=self.causal_chunk_size)
+        return out.transpose(1, 2).reshape(B, N, self.attn_dim)
+
+    @torch.jit.unused
+    def _check_causal_call(self, attn_mask: Optional[torch.Tensor]) -> None:
+        if not self.supports_causal:
+            raise ValueError(f"{type(self).__name__} has no causal form (is_causal=True); causal attention is plain "
+                             f"linear attention (a feature map as attn_kernel)")
+        if self.local_mix is not None:
+            raise ValueError(_CAUSAL_LOCAL_MIX)
+        if attn_mask is not None:
+            raise ValueError("causal linear attention takes no attn_mask (the causal mask is built in)")
+
+    def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Output norm, timm's gate and the projection: out [..., H * D] (x [..., dim] the layer input)."""
+        out = self.norm(out)
+        if self.gate is not None:
+            out = out * self.gate(x).sigmoid()
+        out = self.proj(out)
+        return self.proj_drop(out)
+
     def forward(
             self,
             x: torch.Tensor,
@@ -198,22 +250,39 @@ class LinearAttention(nn.Module):
             is_causal: bool = False,
             feat_size: Optional[List[int]] = None,
     ) -> torch.Tensor:
-        check_tokens(x, self.dim, is_causal)
+        check_tokens(x, self.dim)
         B, N, _ = x.shape
-        key_mask = attn_mask_to_key_mask(attn_mask, B, N)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        if is_causal or self.causal:
+            self._check_causal_call(attn_mask)
+            return self._finish(self.mix_causal(qkv), x)
+        key_mask = attn_mask_to_key_mask(attn_mask, B, N)
         out = self.mix(qkv, key_mask, x, feat_size)
         v = qkv[:, :, 2].transpose(1, 2)
         if self.local_mix is not None:
             out = self.local_mix.add_to(out, v, feat_size)
-        out = self.norm(out)
-        if self.gate is not None:
-            out = out * self.gate(x).sigmoid()
-        out = self.proj(out)
-        return self.proj_drop(out)
+        return self._finish(out, x)
+
+    @torch.jit.unused
+    def step(self, x_t: torch.Tensor, state: Optional[CausalState] = None) -> Tuple[torch.Tensor, CausalState]:
+        """The recurrent form: one token x_t [B, dim] after the tokens summarised by ``state`` (None: the first
+        token) -> (output [B, dim_out], new state). Feeding tokens 0..N-1 gives forward(x, is_causal=True)'s rows;
+        the state (``linvit.ops.CausalState``, [B, H, D, D + 1] per layer) does not grow with N."""
+        if x_t.dim() != 2 or x_t.shape[-1] != self.dim:
+            raise ValueError(f"LinearAttention.step expects one token per sample [B, {self.dim}], got "
+                             f"{list(x_t.shape)}")
+        self._check_causal_call(None)
+        B = x_t.shape[0]
+        q, k, v = self.qkv(x_t).reshape(B, 3, self.num_heads, self.head_dim).unbind(1)
+        out, state = causal_linear_attention_step(self.q_norm(q), self.k_norm(k), v, state, self.feature_map,
+                                                  eps=self.eps)
+        return self._finish(out.reshape(B, self.attn_dim), x_t), state
 
 
-_LINEAR_ONLY_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size')
+_CAUSAL_LOCAL_MIX = ("causal attention needs local_mix=False: the local branch convolves over neighbouring patches, "
+                     "later ones included")
+_LINEAR_ONLY_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size',
+                        'causal', 'causal_chunk_size')
 
 
 def linear_attention_layer(**options) -> Type[LinearAttention]:

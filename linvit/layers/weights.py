@@ -16,6 +16,8 @@ def _family_only_keys(module: nn.Module) -> List[str]:
         return list(module.state_dict())
     if getattr(module, 'key_gate', None) is not None:  # gated linear attention: key and output gates
         return [f"{name}.{key}" for name in ('key_gate', 'gate') for key in getattr(module, name).state_dict()]
+    if getattr(module, 'scan_gate', None) is not None:  # bidirectional attention's data-dependent gate
+        return [f"scan_gate.{key}" for key in module.scan_gate.state_dict()]
     if 'projection' in getattr(module, '_buffers', {}):  # Performer's random features
         return ['projection']
     return []

@@ -11,8 +11,11 @@ qk_norm, init_values, ...), the attention is chosen by:
                       use one (plain and gated linear attention).
     attn_options:     the family's own options (``linvit.layers.FAMILY_OPTIONS``), e.g. {'num_features': 128}
                       (performer), {'low_rank_size': 8} (linformer).
-    local_mix:        add the zero-initialised depthwise-conv branch on V over the patch grid (default True: unlike
-                      a drop-in layer or a converted model, these models always know their patch grid).
+    local_mix:        add the zero-initialised depthwise-conv branch on V over the patch grid (default True, False for
+                      causal models: unlike a drop-in layer or a converted model, these models know their patch grid).
+    causal:           causal linear attention in every block (token i sees tokens 0..i in raster order, the class
+                      token first): for autoregressive models; ``recurrent_init`` / ``recurrent_step`` then run the
+                      model as an RNN, patch by patch. A causal checkpoint loads into a non-causal model unchanged.
     local_mix_kernel: its (odd) kernel size (default 3).
     softmax_blocks:   indices of blocks that keep timm's softmax ``Attention`` (a hybrid); default none.
 
@@ -23,7 +26,7 @@ same width and depth loads strictly apart from the ``local_mix`` tensors (see ``
 import logging
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -35,12 +38,13 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
-from ..layers import LocalMix, LowRankAttention, attention_layer, resolve_attention_kind
+from ..layers import BidirectionalAttention, LocalMix, LowRankAttention, attention_layer, resolve_attention_kind
 from ..layers.weights import linear_only_parameter_names
+from ..ops import CausalState
 
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'ATTENTION_KINDS',
-           'resolve_softmax_blocks', 'attention_kinds', 'patch_grid', 'check_image_size', 'checkpoint_filter_fn',
-           'resolve_attention_kind']
+           'RecurrentState', 'resolve_softmax_blocks', 'attention_kinds', 'patch_grid', 'check_image_size',
+           'checkpoint_filter_fn', 'resolve_attention_kind']
 
 _logger = logging.getLogger(__name__)
 
@@ -125,6 +129,13 @@ class LinearAttentionBlock(Block):
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
 
+    @torch.jit.unused
+    def step(self, x_t: torch.Tensor, state: Optional[CausalState]) -> Tuple[torch.Tensor, CausalState]:
+        """The block as an RNN cell: one token x_t [B, C] after those summarised by ``state`` -> ([B, C], state)."""
+        y, state = self.attn.step(self.norm1(x_t), state)
+        x_t = x_t + self.drop_path1(self.ls1(y))
+        return x_t + self.drop_path2(self.ls2(self.mlp(self.norm2(x_t)))), state
+
 
 class SoftmaxAttentionBlock(Block):
     """timm's ``Block`` with softmax ``Attention``; takes (and ignores) feat_size so every block has one signature.
@@ -197,6 +208,20 @@ class BlockPlan:
         return ATTENTION_KINDS[kind].block(depth=depth, attn_layer=self.layers[kind], **block_kwargs)
 
 
+@dataclass
+class RecurrentState:
+    """Where recurrent inference stands: ``position`` tokens fed (prefix tokens first), each block's attention
+    state (``linvit.ops.CausalState``: [B, H, D, D + 1], whatever the position) and ``inputs`` [B, prefix + H * W, C],
+    the prefix tokens and every position's embedding for the grid being read."""
+    inputs: torch.Tensor
+    position: int
+    layers: List[Optional[CausalState]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inputs.shape[1]
+
+
 class LinearVisionTransformer(VisionTransformer):
     """timm's VisionTransformer with linear attention (optionally hybrid with softmax blocks).
 
@@ -209,23 +234,32 @@ class LinearVisionTransformer(VisionTransformer):
             ``linvit.list_attention_kinds()``); None: plain linear attention with ``feature_map``.
         feature_map: feature map (a name in ``linvit.ops.FEATURE_MAPS``) of the families that use one.
         attn_options: the family's own options (``linvit.layers.FAMILY_OPTIONS``).
-        local_mix: add the zero-initialised depthwise-conv branch on V over the patch grid.
+        local_mix: add the zero-initialised depthwise-conv branch on V over the patch grid (default: not causal).
         local_mix_kernel: odd kernel size of that branch.
         softmax_blocks: indices of blocks that keep timm's softmax Attention.
+        causal: causal attention in every block (see the module docstring); forward_features(x, is_causal=True)
+            does the same for one call.
         **kwargs: VisionTransformer's arguments, except block_fn and attn_layer (chosen by the above).
     """
 
     def __init__(
             self,
             feature_map: Optional[str] = None,
-            local_mix: bool = True,
+            local_mix: Optional[bool] = None,
             local_mix_kernel: int = 3,
             softmax_blocks: Sequence[int] = (),
             attn_kernel: Optional[str] = None,
             attn_options: Optional[Dict[str, Any]] = None,
+            causal: bool = False,
             **kwargs,
     ) -> None:
         family, feature_map = resolve_attention_kind(attn_kernel, feature_map)
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be True or False, got {causal!r}")
+        if causal and local_mix:
+            raise ValueError("causal=True needs local_mix=False: the local branch convolves over neighbouring "
+                             "patches, later ones included")
+        local_mix = not causal if local_mix is None else local_mix
         for name in ('block_fn', 'attn_layer'):
             if name in kwargs:
                 raise ValueError(f"{name}={kwargs[name]!r}: linvit chooses blocks and attention from attn_kernel, "
@@ -238,11 +272,14 @@ class LinearVisionTransformer(VisionTransformer):
         kinds = attention_kinds(kwargs.get('depth', 12), softmax_blocks)
         linear_options = dict(family=family, feature_map=feature_map, local_mix=local_mix,
                               local_mix_kernel=local_mix_kernel, **dict(attn_options or {}))
+        if causal:
+            linear_options['causal'] = True
         attention_layer(**linear_options)  # unknown options fail here, naming them
         super().__init__(block_fn=BlockPlan(kinds, linear_options), **kwargs)
         self.attn_kernel = attn_kernel or feature_map
         self.feature_map = feature_map
         self.local_mix = local_mix
+        self.causal = causal
         self.softmax_blocks = [index for index, kind in enumerate(kinds) if kind == 'softmax']
         self._set_token_layout()
 
@@ -251,7 +288,7 @@ class LinearVisionTransformer(VisionTransformer):
         the construction grid (its no-feat_size fallback)."""
         grid_size = self.patch_embed.grid_size
         for module in self.modules():
-            if isinstance(module, (LocalMix, LowRankAttention)):
+            if isinstance(module, (LocalMix, LowRankAttention, BidirectionalAttention)):
                 module.num_prefix_tokens = self.num_prefix_tokens
                 module.grid_size = None if grid_size is None else (int(grid_size[0]), int(grid_size[1]))
 
@@ -280,7 +317,9 @@ class LinearVisionTransformer(VisionTransformer):
             attn_mask: Optional[torch.Tensor] = None,
             is_causal: bool = False,
     ) -> torch.Tensor:
-        """Images [B, C, H, W] -> normalised tokens [B, prefix + H' * W', C'] (H' = H / patch, rounded up if padded)."""
+        """Images [B, C, H, W] -> normalised tokens [B, prefix + H' * W', C'] (H' = H / patch, rounded up if padded);
+        causal in raster order when is_causal or the model is causal."""
+        is_causal = is_causal or self.causal
         x, feat_size = self._embed(x)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
@@ -313,6 +352,7 @@ class LinearVisionTransformer(VisionTransformer):
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        is_causal = is_causal or self.causal
         x, feat_size = self._embed(x)
         blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[:max_index + 1]
         intermediates = []
@@ -344,6 +384,65 @@ class LinearVisionTransformer(VisionTransformer):
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates
+
+    # ---- recurrent inference: the causal model as an RNN over patches in raster order
+
+    @torch.jit.unused
+    def recurrent_init(self, batch_size: int, feat_size: Optional[Sequence[int]] = None
+                       ) -> Tuple[torch.Tensor, RecurrentState]:
+        """Start reading (or generating) an image patch by patch: feeds the prefix tokens (class / register tokens)
+        and returns their output features [B, prefix, C] (after the final norm, as forward_features) and the state.
+
+        feat_size: the patch grid (H', W') of the image (position embeddings are resampled for it as for an image of
+        that size; a fixed-size model takes only its own grid); default the model's grid. Every block must be
+        linear; the model runs as it is (call ``eval()`` first for inference).
+        """
+        softmax = [i for i, blk in enumerate(self.blocks) if not isinstance(blk, LinearAttentionBlock)]
+        if softmax:
+            raise ValueError(f"recurrent inference needs linear attention in every block; blocks {softmax} use "
+                             f"softmax attention")
+        grid = tuple(int(g) for g in (feat_size if feat_size is not None else self.patch_embed.grid_size))
+        if not self.dynamic_img_size and grid != tuple(self.patch_embed.grid_size):
+            raise ValueError(f"this model takes only its {tuple(self.patch_embed.grid_size)} patch grid, got "
+                             f"feat_size={grid}; create it with dynamic_img_size=True for other sizes")
+        weight = self.patch_embed.proj.weight
+        shape = (batch_size, grid[0], grid[1], self.embed_dim) if self.dynamic_img_size else \
+            (batch_size, grid[0] * grid[1], self.embed_dim)
+        # timm's own _pos_embed on zero patch tokens gives the prefix tokens and every position's embedding
+        inputs = self._pos_embed(torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+        state = RecurrentState(inputs, 0, [None] * len(self.blocks))
+        outputs = []
+        for _ in range(self.num_prefix_tokens):
+            out, state = self._recurrent_token(inputs[:, state.position], state)
+            outputs.append(out)
+        prefix = torch.stack(outputs, 1) if outputs else inputs.new_zeros(batch_size, 0, self.embed_dim)
+        return prefix, state
+
+    @torch.jit.unused
+    def recurrent_step(self, patch: torch.Tensor, state: RecurrentState) -> Tuple[torch.Tensor, RecurrentState]:
+        """Feed the next patch in raster order: patch [B, C_in, p, p] -> its output features [B, C] (equal to
+        forward_features(image, is_causal=True)[:, prefix + t]) and the new state; the memory it holds does not
+        grow with the number of patches fed."""
+        ph, pw = self.patch_embed.patch_size
+        expected = [state.inputs.shape[0], self.patch_embed.proj.in_channels, ph, pw]
+        if list(patch.shape) != expected:
+            raise ValueError(f"recurrent_step expects one patch per sample of shape {expected}, got "
+                             f"{list(patch.shape)}")
+        if state.position >= state.num_tokens:
+            raise ValueError(f"every one of the {state.num_tokens - self.num_prefix_tokens} patches of the grid has "
+                             f"been fed; start again with recurrent_init")
+        token = self.patch_embed.norm(self.patch_embed.proj(patch).flatten(1))
+        return self._recurrent_token(token + state.inputs[:, state.position], state)
+
+    @torch.jit.unused
+    def _recurrent_token(self, token: torch.Tensor, state: RecurrentState) -> Tuple[torch.Tensor, RecurrentState]:
+        """One embedded token [B, C] through norm_pre, every block's recurrent step and the final norm."""
+        x = self.norm_pre(token)
+        layers = []
+        for blk, layer_state in zip(self.blocks, state.layers):
+            x, layer_state = blk.step(x, layer_state)
+            layers.append(layer_state)
+        return self.norm(x), RecurrentState(state.inputs, state.position + 1, layers)
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor],

@@ -7,6 +7,7 @@ from .causal import (
     causal_linear_attention,
     causal_linear_attention_step,
     causal_linear_scan,
+    grid_scan_orders,
     retention_decays,
 )
 from .feature_maps import (
@@ -35,5 +36,5 @@ __all__ = [
     'linear_attention_from_features', 'quadratic_linear_attention', 'fused_linear_attention',
     'fused_linear_attention_qkv', 'has_fused_backward', 'causal_linear_attention', 'causal_linear_attention_step',
     'causal_linear_scan', 'CausalState', 'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays',
-    'CAUSAL_FORMS',
+    'CAUSAL_FORMS', 'grid_scan_orders',
 ]

@@ -36,9 +36,10 @@ from .linear_attention import compute_dtype
 
 __all__ = ['causal_linear_attention', 'causal_linear_attention_step', 'CausalState', 'causal_linear_scan',
            'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays', 'log_multipliers',
-           'CAUSAL_FORMS', 'LOG_MULTIPLIER_MIN']
+           'grid_scan_orders', 'SCAN_ORDERS', 'CAUSAL_FORMS', 'LOG_MULTIPLIER_MIN']
 
 CAUSAL_FORMS = ('parallel', 'chunked', 'recurrent')
+SCAN_ORDERS = ('raster', 'raster+column')
 LOG_MULTIPLIER_MIN = -80.0
 
 Decay = Union[None, float, Sequence[float], torch.Tensor]
@@ -60,19 +61,25 @@ def _autocast_off(device_type: str):
 
 
 def _decay_logs(decay: Decay, num_heads: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
-    """decay None, a float or per-head values in (0, 1] -> log(decay) as [1, H, 1, 1] (None for no decay)."""
+    """decay None, a float or per-head values in (0, 1] -> log(decay) as [1, H, 1, 1] (None for no decay).
+
+    Python numbers are checked here; tensors only on the CPU (checking a GPU tensor would wait for the device)."""
     if decay is None:
         return None
-    gamma = torch.as_tensor(decay, dtype=dtype, device=device) if not isinstance(decay, torch.Tensor) \
-        else decay.to(device=device, dtype=dtype)
-    if gamma.dim() == 0:
-        gamma = gamma.expand(num_heads)
+    if isinstance(decay, torch.Tensor):
+        gamma = decay.to(device=device, dtype=dtype)
+        check = gamma.device.type == 'cpu' and not gamma.requires_grad and not torch.compiler.is_compiling()
+        values = gamma.reshape(-1).tolist() if check else []
+    else:
+        values = [float(decay)] if isinstance(decay, (int, float)) else [float(d) for d in decay]
+        gamma = torch.tensor(values, dtype=dtype, device=device)
+    if not all(0.0 < value <= 1.0 for value in values):
+        raise ValueError(f"decay values must lie in (0, 1], got {values}")
+    if gamma.dim() == 0 or gamma.numel() == 1:
+        gamma = gamma.reshape(1).expand(num_heads)
     if gamma.shape != (num_heads,):
         raise ValueError(f"decay must be a float or hold one value per head ({num_heads}), got shape "
                          f"{list(gamma.shape)}")
-    if not gamma.requires_grad and not torch.compiler.is_compiling() and gamma.device.type != 'meta' \
-            and not bool(((gamma > 0) & (gamma <= 1)).all()):
-        raise ValueError(f"decay values must lie in (0, 1], got {gamma.tolist()}")
     return torch.log(gamma).view(1, num_heads, 1, 1)
 
 
@@ -450,6 +457,20 @@ def _bidirectional_scan(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tens
     backward = causal_linear_scan(phi_q.flip(2), phi_k.flip(2), va.flip(2), a_rev, 'chunked', chunk_size).flip(2)
     diagonal = (phi_q * phi_k).sum(dim=-1, keepdim=True) * va
     return forward + backward - diagonal
+
+
+def grid_scan_orders(grid: Tuple[int, int], num_prefix_tokens: int, orders: str = 'raster+column',
+                     device: Optional[torch.device] = None) -> List[torch.Tensor]:
+    """Token orders over prefix tokens + an H x W patch grid: 'raster' (row by row, the sequence order) and, with
+    'raster+column', also column by column; prefix tokens come first in both. Each a LongTensor [prefix + H * W]."""
+    if orders not in SCAN_ORDERS:
+        raise ValueError(f"scan orders must be one of {list(SCAN_ORDERS)}, got {orders!r}")
+    h, w = grid
+    raster = torch.arange(num_prefix_tokens + h * w, device=device)
+    if orders == 'raster':
+        return [raster]
+    column = torch.arange(h * w, device=device).reshape(h, w).transpose(0, 1).reshape(-1) + num_prefix_tokens
+    return [raster, torch.cat([raster[:num_prefix_tokens], column])]
 
 
 def _take_tokens(t: Optional[torch.Tensor], order: torch.Tensor) -> Optional[torch.Tensor]:
