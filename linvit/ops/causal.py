@@ -190,16 +190,17 @@ def _advance(state: torch.Tensor, phi_k_t: torch.Tensor, va_t: torch.Tensor,
 
 def _pad_to_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """[B, H, N, X] -> [B, H, nc, L, X], zero-padded at the end to a whole number of chunks."""
+    # padded even by 0 tokens, to an explicit count of at least 2 chunks: no branch on the length and no size-1
+    # chunk dimension, whose layout torch.export would specialise, so an exported graph keeps N symbolic
     n = t.shape[2]
-    pad = (-n) % chunk
-    if pad:
-        t = F.pad(t, (0, 0, 0, pad))
-    return t.reshape(t.shape[0], t.shape[1], -1, chunk, t.shape[-1])
+    num_chunks = torch.sym_max(2, (n + chunk - 1) // chunk)
+    t = F.pad(t, (0, 0, 0, num_chunks * chunk - n))
+    return t.reshape(t.shape[0], t.shape[1], num_chunks, chunk, t.shape[-1])
 
 
 def _unchunk(t: torch.Tensor, n: int) -> torch.Tensor:
     """[B, H, nc, L, X] -> [B, H, N, X] (padding dropped)."""
-    return t.reshape(t.shape[0], t.shape[1], -1, t.shape[-1])[:, :, :n]
+    return t.flatten(2, 3).narrow(2, 0, n)
 
 
 def _inclusive_state_scan(u: torch.Tensor, alpha: Optional[torch.Tensor]) -> torch.Tensor:
@@ -218,6 +219,24 @@ def _inclusive_state_scan(u: torch.Tensor, alpha: Optional[torch.Tensor]) -> tor
         alpha = torch.cat([alpha[:, :, :shift], alpha[:, :, shift:] + alpha[:, :, :-shift]], dim=2)
         shift *= 2
     return u
+
+
+def _exclusive_state_matrix(u: torch.Tensor, alpha: Optional[torch.Tensor]) -> torch.Tensor:
+    """The states before each chunk, S_c = sum_{k<c} exp(C_{c-1} - C_k) u_k (C the cumulative sum of alpha, in
+    float64 so that differences of long sums keep their precision), as one weighted sum over chunks.
+
+    Shape-agnostic: no loop whose length depends on the chunk count and no slice along the chunks, so an exported
+    graph keeps N symbolic (a slice of one chunk would be specialised). O(nc^2 D E) work; used when exporting."""
+    b, h, nc, d, e = u.shape
+    before = torch.ones(nc, nc, dtype=torch.bool, device=u.device).tril(-1)
+    if alpha is None:
+        return (before.to(u.dtype) @ u.reshape(b, h, nc, d * e)).reshape(b, h, nc, d, e)
+    cumulative = torch.cumsum(alpha.double(), dim=2)  # [B, H, nc, Dg]
+    diff = (cumulative - alpha.double()).unsqueeze(3) - cumulative.unsqueeze(2)  # C_{c-1} - C_k: [B, H, c, k, Dg]
+    weights = torch.exp(diff.masked_fill(~before.unsqueeze(-1), -math.inf)).to(u.dtype)
+    if alpha.shape[-1] == 1:
+        return (weights.squeeze(-1) @ u.reshape(b, h, nc, d * e)).reshape(b, h, nc, d, e)
+    return torch.einsum('bhckd,bhkde->bhcde', weights, u)
 
 
 class _Chunks(NamedTuple):
@@ -253,6 +272,8 @@ def _queries_from_chunk_start(c: _Chunks) -> torch.Tensor:
 
 def _states_before_chunks(c: _Chunks, k_end: torch.Tensor) -> torch.Tensor:
     """S_c, the state after every token before chunk c [B, H, nc, D, E] (zero for the first chunk)."""
+    if torch.compiler.is_exporting():
+        return _exclusive_state_matrix(k_end.transpose(-2, -1) @ c.va, c.total)
     ends = _inclusive_state_scan(k_end.transpose(-2, -1) @ c.va, c.total)
     return torch.cat([torch.zeros_like(ends[:, :, :1]), ends[:, :, :-1]], dim=2)
 

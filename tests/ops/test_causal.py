@@ -290,3 +290,15 @@ def test_bidirectional_gradients_equal_the_reference():
                            [q, k, v, gate])
     for name, x, y in zip('qkvg', got, ref):
         assert rel_err(x, y) < 1e-10, name
+
+
+@pytest.mark.parametrize('variant', ['plain', 'decay-per-head', 'gate-channel', 'gate-token'])
+def test_the_export_path_states_equal_the_scan(variant, monkeypatch):
+    # under torch.export the chunk states come from one weighted sum over chunks (no loop over the chunk count)
+    q, k, v = _qkv(2, 3, 150, 8, 5)
+    kw = VARIANTS[variant](2, 3, 150, 8)
+    scanned = causal_linear_attention(q, k, v, chunk_size=16, **kw)
+    monkeypatch.setattr(torch.compiler, 'is_exporting', lambda: True)
+    exported = causal_linear_attention(q, k, v, chunk_size=16, **kw)
+    assert rel_err(exported, scanned) < 1e-12
+    assert rel_err(exported, causal_ref(q, k, v, **kw)) < 1e-12
