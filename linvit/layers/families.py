@@ -217,18 +217,20 @@ class BidirectionalAttention(LinearAttention):
 
     decay: 'retnet' (per-head RetNet decays 1 - 2^-5 .. ), None, a float or one per head (a buffer, not trained).
     data_gate: add a data-dependent per-token, per-channel gate sigmoid(scan_gate(x)) ** (1 / 16) (GLA); its
-        projection starts near a gate of 1. scan_chunk_size: tokens per chunk of the scans.
+        projection starts near a gate of 1. scan_chunk_size: tokens per chunk of the scans (None: 64, 16 with the
+        per-channel gate; see ``linvit.ops.causal.default_chunk_size``).
     Prefix tokens come first in every order (the class token sits next to the first patches).
     """
     supports_causal = False
 
     def __init__(self, dim: int, decay: Any = 'retnet', data_gate: bool = False, scan_orders: str = 'raster+column',
-                 scan_chunk_size: int = 64, **kwargs) -> None:
+                 scan_chunk_size: Optional[int] = None, **kwargs) -> None:
         super().__init__(dim, **kwargs)
         if scan_orders not in SCAN_ORDERS:
             raise ValueError(f"scan_orders must be one of {list(SCAN_ORDERS)}, got {scan_orders!r}")
-        if isinstance(scan_chunk_size, bool) or not isinstance(scan_chunk_size, int) or scan_chunk_size < 1:
-            raise ValueError(f"scan_chunk_size must be an int >= 1, got {scan_chunk_size!r}")
+        if scan_chunk_size is not None and (isinstance(scan_chunk_size, bool) or not isinstance(scan_chunk_size, int)
+                                            or scan_chunk_size < 1):
+            raise ValueError(f"scan_chunk_size must be an int >= 1 or None, got {scan_chunk_size!r}")
         decays = resolve_decays(decay, self.num_heads)
         self.decay = decay
         self.scan_orders = scan_orders
@@ -265,7 +267,7 @@ class BidirectionalAttention(LinearAttention):
         if self.scan_gate is not None:
             log_gate = _heads_first(F.logsigmoid(self.scan_gate(x)).reshape(B, N, self.num_heads, self.head_dim))
             log_gate = log_gate / GATE_TEMPERATURE
-        out = bidirectional_linear_attention(q, k, v, self.feature_map, decay=self.decays, log_gate=log_gate,
+        out = bidirectional_linear_attention(q, k, v, self.feature_map_name, decay=self.decays, log_gate=log_gate,
                                              eps=self.eps, chunk_size=self.scan_chunk_size, orders=orders)
         return _tokens_last(out)
 

@@ -25,6 +25,34 @@ def check_tokens(x: torch.Tensor, dim: int) -> None:
         raise ValueError(f"LinearAttention expects tokens of shape [B, N, {dim}], got {list(x.shape)}")
 
 
+def check_traced_causality(is_causal: bool, traced_causal: bool) -> None:
+    """Run-time check of an fx-traced layer or model: the graph was traced with its own causal mode (``traced_causal``)
+    and cannot switch; raise ValueError if a call asks for causal attention where the graph is not causal."""
+    if is_causal and not traced_causal:
+        raise ValueError("this fx graph was traced non-causal (is_causal is fixed at tracing); trace the model with "
+                         "causal=True for causal attention")
+
+
+def check_causal_mask(attn_mask: Optional[torch.Tensor]) -> None:
+    """Causal linear attention builds its mask in: ValueError for an attn_mask (an fx leaf: checked at run time)."""
+    if attn_mask is not None:
+        raise ValueError("causal linear attention takes no attn_mask (the causal mask is built in)")
+
+
+def causal_call(is_causal: bool, causal_default: bool) -> bool:
+    """Whether a forward call attends causally: is_causal or the module's own ``causal``.
+
+    Under torch.fx symbolic tracing is_causal is a Proxy (timm's forward takes it as an argument) that no branch can
+    read: the graph keeps the module's own mode, with a node that fails at run time if a call asks for causal
+    attention where the graph is not causal."""
+    if torch.jit.is_scripting():
+        return is_causal or causal_default
+    if torch.fx._symbolic_trace.is_fx_tracing():
+        check_traced_causality(is_causal, causal_default)
+        return causal_default
+    return is_causal or causal_default
+
+
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     """Cast to the attention core's dtype (float32, or float64 for float64 inputs)."""
     return x.to(compute_dtype(x.dtype))
@@ -54,6 +82,8 @@ def attn_mask_to_key_mask(attn_mask: Optional[torch.Tensor], batch: int, n_token
 
 
 torch.fx.wrap('check_tokens')
+torch.fx.wrap('check_traced_causality')
+torch.fx.wrap('check_causal_mask')
 torch.fx.wrap('to_compute_dtype')
 torch.fx.wrap('attn_mask_to_key_mask')
 torch.fx.wrap('linear_attention_from_features')
@@ -221,7 +251,7 @@ class LinearAttention(nn.Module):
         """Causal token mixing: qkv [B, N, 3, H, D] -> [B, N, H * D], token i from tokens 0..i (chunked scan)."""
         B, N = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out = causal_linear_attention(self.q_norm(q), self.k_norm(k), v, self.feature_map, eps=self.eps,
+        out = causal_linear_attention(self.q_norm(q), self.k_norm(k), v, self.feature_map_name, eps=self.eps,
                                       form='chunked', chunk_size=self.causal_chunk_size)
         return out.transpose(1, 2).reshape(B, N, self.attn_dim)
 
@@ -232,8 +262,7 @@ class LinearAttention(nn.Module):
                              f"linear attention (a feature map as attn_kernel)")
         if self.local_mix is not None:
             raise ValueError(_CAUSAL_LOCAL_MIX)
-        if attn_mask is not None:
-            raise ValueError("causal linear attention takes no attn_mask (the causal mask is built in)")
+        check_causal_mask(attn_mask)
 
     def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Output norm, timm's gate and the projection: out [..., H * D] (x [..., dim] the layer input)."""
@@ -253,7 +282,7 @@ class LinearAttention(nn.Module):
         check_tokens(x, self.dim)
         B, N, _ = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
-        if is_causal or self.causal:
+        if causal_call(is_causal, self.causal):
             self._check_causal_call(attn_mask)
             return self._finish(self.mix_causal(qkv), x)
         key_mask = attn_mask_to_key_mask(attn_mask, B, N)

@@ -39,6 +39,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
 from ..layers import BidirectionalAttention, LocalMix, LowRankAttention, attention_layer, resolve_attention_kind
+from ..layers.linear_attention import causal_call
 from ..layers.weights import linear_only_parameter_names
 from ..ops import CausalState
 
@@ -319,7 +320,7 @@ class LinearVisionTransformer(VisionTransformer):
     ) -> torch.Tensor:
         """Images [B, C, H, W] -> normalised tokens [B, prefix + H' * W', C'] (H' = H / patch, rounded up if padded);
         causal in raster order when is_causal or the model is causal."""
-        is_causal = is_causal or self.causal
+        is_causal = causal_call(is_causal, self.causal)
         x, feat_size = self._embed(x)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
@@ -352,7 +353,7 @@ class LinearVisionTransformer(VisionTransformer):
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        is_causal = is_causal or self.causal
+        is_causal = causal_call(is_causal, self.causal)
         x, feat_size = self._embed(x)
         blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[:max_index + 1]
         intermediates = []
@@ -459,7 +460,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor],
     if linear_only and not any(name in out for name in linear_only):
         own = model.state_dict()
         out.update({name: own[name] for name in linear_only})
-        _logger.info("softmax checkpoint: kept the initial values of linear-only tensors %s", ', '.join(linear_only))
+        _logger.info("checkpoint without this model's linear-only tensors (a softmax ViT, or a linvit model without "
+                     "them, e.g. causal): kept their initial values: %s", ', '.join(linear_only))
     return out
 
 

@@ -181,13 +181,12 @@ def test_layer_key_padding_mask_matches_unpadded():
         torch.testing.assert_close(layer(padded, attn_mask=mask)[:, :12], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_layer_rejects_full_attention_mask_and_causal():
+def test_layer_rejects_full_attention_mask():
+    # (is_causal=True is the causal form: tests/layers/test_causal_attention.py)
     layer = LinearAttention(DIM, HEADS)
     x = _tokens(n=6)
     with pytest.raises(ValueError, match=r'key-padding masks only.*got \[2, 1, 6, 6\]'):
         layer(x, attn_mask=torch.ones(2, 1, 6, 6, dtype=torch.bool))
-    with pytest.raises(ValueError, match='non-causal'):
-        layer(x, is_causal=True)
 
 
 def test_layer_rejects_bad_token_shapes():
@@ -450,9 +449,10 @@ def test_half_precision_tokens_meet_the_core_in_float32(monkeypatch, dtype):
     assert seen == [('training',) + (torch.float32,) * 3, ('inference',) + (torch.float32,) * 3]
 
 
-def test_the_non_causal_error_says_what_is_supported():
-    with pytest.raises(ValueError, match=r'^LinearAttention is non-causal; is_causal=True is not supported$'):
-        LinearAttention(DIM, HEADS)(_tokens(), is_causal=True)
+def test_a_causal_call_with_local_mixing_says_what_is_supported():
+    with pytest.raises(ValueError, match=r'^causal attention needs local_mix=False: the local branch convolves over '
+                                         r'neighbouring patches, later ones included$'):
+        LinearAttention(DIM, HEADS, local_mix=True, grid_size=(4, 4))(_tokens(), is_causal=True)
 
 
 def test_defaults_and_biases_build_timms_parameters():

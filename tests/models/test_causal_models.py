@@ -128,3 +128,14 @@ def test_causal_training_step_compiles_without_graph_breaks():
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), name
     torch._dynamo.reset()
 
+
+
+def test_fx_tracing_keeps_the_models_own_mode():
+    causal = _model()
+    traced = torch.fx.symbolic_trace(causal)
+    images = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(traced(images), causal(images))
+    plain = torch.fx.symbolic_trace(_model(causal=False, local_mix=False))
+    with pytest.raises(ValueError, match='traced non-causal'):
+        plain(images, is_causal=True)

@@ -335,24 +335,26 @@ def test_grad_checkpointing_passes_the_grid_and_mask_to_linear_blocks(path, loca
 
 @pytest.mark.parametrize('path', ['forward_features', 'forward_intermediates'])
 def test_grad_checkpointing_passes_is_causal_to_the_blocks(path):
-    """Softmax blocks attend causally through the checkpoint; linear ones refuse is_causal there as without it."""
+    """Softmax blocks attend causally through the checkpoint; linear ones with local mixing refuse is_causal there as
+    without it (causal linear models: tests/models/test_causal_models.py)."""
     model = _tiny(depth=2, softmax_blocks=(0, 1), dynamic_img_size=True).eval()
     x = _images(1, 64, 96)
     checkpointed, plain = _checkpointed_and_plain(model, path, x, is_causal=True)
     torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
     non_causal, _ = _checkpointed_and_plain(model, path, x)
     assert not torch.allclose(checkpointed[0], non_causal[0])
-    with pytest.raises(ValueError, match='is_causal'):
+    with pytest.raises(ValueError, match='causal attention needs local_mix=False'):
         _checkpointed_and_plain(_tiny(depth=1).eval(), path, _images(1, 224, 224), is_causal=True)
 
 
 def test_a_linear_block_called_alone_is_not_causal():
-    """timm's Block API: block(x) with the defaults is the non-causal attention (linear attention refuses causal)."""
+    """timm's Block API: block(x) with the defaults is the non-causal attention (with local mixing, causal calls are
+    refused)."""
     block = _tiny(depth=1).eval().blocks[0]
     tokens = torch.randn(2, 1 + 9, 192)
     with torch.no_grad():
         assert torch.equal(block(tokens), block(tokens, attn_mask=None, is_causal=False, feat_size=[3, 3]))
-        with pytest.raises(ValueError, match='is_causal=True is not supported'):
+        with pytest.raises(ValueError, match='causal attention needs local_mix=False'):
             block(tokens, is_causal=True)
 
 
@@ -716,8 +718,8 @@ def test_softmax_checkpoint_file_loads_with_resampled_pos_embed(tmp_path, caplog
         model = timm.create_model('linvit_small_patch16_512', pretrained=True,
                                   pretrained_cfg_overlay=dict(file=str(path)))
     assert messages_of(caplog, 'linvit.models.linvit') == [
-        "softmax checkpoint: kept the initial values of linear-only tensors "
-        + ', '.join(sorted(k for k in model.state_dict() if 'local_mix' in k))]
+        "checkpoint without this model's linear-only tensors (a softmax ViT, or a linvit model without them, e.g. "
+        "causal): kept their initial values: " + ', '.join(sorted(k for k in model.state_dict() if 'local_mix' in k))]
     state = model.state_dict()
     expected_pos = resample_abs_pos_embed(source['pos_embed'], new_size=(32, 32), old_size=(14, 14),
                                           num_prefix_tokens=1, antialias=True)

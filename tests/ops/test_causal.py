@@ -213,7 +213,7 @@ def test_retention_decays():
 
 @pytest.mark.parametrize('kwargs, message', [
     ({'form': 'scan'}, 'form must be one of'),
-    ({'chunk_size': 0}, 'chunk_size must be an int >= 1'),
+    ({'chunk_size': 0}, 'chunk_size must be an int >= 1 or None'),
     ({'decay': 1.5}, r'decay values must lie in \(0, 1\]'),
     ({'decay': [0.9, 0.9]}, 'one value per head'),
     ({'gate': torch.ones(1, 3, 10, 5)}, r'gate must have shape \[B, H, N, D\]'),

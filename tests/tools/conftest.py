@@ -47,3 +47,8 @@ def export_tool() -> ModuleType:
 @pytest.fixture(scope='module')
 def predict_tool() -> ModuleType:
     return load_tool('predict')
+
+
+@pytest.fixture(scope='module')
+def causal_bench() -> ModuleType:
+    return load_tool('bench_causal')

@@ -5,10 +5,10 @@ import pytest
 
 
 @pytest.fixture(scope='module')
-def parsers(bench, prof, forward, export_tool, predict_tool):
+def parsers(bench, prof, forward, export_tool, predict_tool, causal_bench):
     return {'bench_attention': bench.build_parser(), 'profile_resolution': prof.build_parser(),
             'profile_forward': forward.build_parser(prof), 'export_onnx': export_tool.build_parser(),
-            'predict': predict_tool.build_parser()}
+            'predict': predict_tool.build_parser(), 'bench_causal': causal_bench.build_parser()}
 
 
 def _options(parser):
