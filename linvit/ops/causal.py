@@ -22,7 +22,7 @@ Forms (``form=``):
 Numerics: every weight is formed as exp of a sum of log multipliers that are <= 0: cumulative products are never
 taken over the sequence (they underflow after a few thousand gates of 0.99), and the chunked form splits
 exp(b_t - b_j) at chunk boundaries into factors that are each <= 1, so nothing overflows either. Log multipliers
-below ``LOG_MULTIPLIER_MIN`` (gates below exp(-80) ~ 2e-35) count as that value, so a gate of exactly 0 stays finite.
+below ``LOG_MULTIPLIER_MIN`` (gates below exp(-40) ~ 4e-18) count as that value, so a gate of exactly 0 stays finite.
 Cores run in float32 (float64 for float64 inputs) with autocast off; outputs take the dtype of ``v``.
 """
 import math
@@ -40,7 +40,11 @@ __all__ = ['causal_linear_attention', 'causal_linear_attention_step', 'CausalSta
 
 CAUSAL_FORMS = ('parallel', 'chunked', 'recurrent')
 SCAN_ORDERS = ('raster', 'raster+column')
-LOG_MULTIPLIER_MIN = -80.0
+LOG_MULTIPLIER_MIN = -40.0
+#: per-channel gates inside a chunk are weighted as exp(b_t) * exp(-b_j), b summed from the chunk's start, in float64:
+#: exp(-b_j) <= exp(40 L) stays finite in float64 (up to ~e^709) for chunks of up to 17 tokens; longer chunks form
+#: the [L, L, D] weights directly (exact too, but L times the memory traffic)
+FACTORED_MAX_CHUNK = 17
 
 Decay = Union[None, float, Sequence[float], torch.Tensor]
 
@@ -206,17 +210,22 @@ def _unchunk(t: torch.Tensor, n: int) -> torch.Tensor:
 def _inclusive_state_scan(u: torch.Tensor, alpha: Optional[torch.Tensor]) -> torch.Tensor:
     """E_c = diag(exp(alpha_c)) E_{c-1} + u_c over chunks c, all at once.
 
-    u: [B, H, nc, D, E]; alpha: [B, H, nc, Dg] (<= 0) or None (then a cumulative sum). Hillis-Steele: log2(nc)
+    u: [B, H, nc, D, E], consumed (updated in place); alpha: [B, H, nc, Dg] (<= 0) or None (then a cumulative
+    sum). Hillis-Steele: log2(nc)
     rounds, each combining every chunk with the one 2^r before it; the multipliers are exp of sums of log values
     <= 0, so nothing overflows over any number of chunks."""
     if alpha is None:
         return torch.cumsum(u, dim=2)
     nc = u.shape[2]
+    # in place: u is a fresh buffer of the caller's (inside the autograd Function, nothing else holds it) and alpha
+    # a small copy; each round's carried terms are computed from the previous round's values before the update
+    alpha = alpha.clone()
     shift = 1
     while shift < nc:
         carried = torch.exp(alpha[:, :, shift:]).unsqueeze(-1) * u[:, :, :-shift]
-        u = torch.cat([u[:, :, :shift], u[:, :, shift:] + carried], dim=2)
-        alpha = torch.cat([alpha[:, :, :shift], alpha[:, :, shift:] + alpha[:, :, :-shift]], dim=2)
+        carried_alpha = alpha[:, :, :-shift].clone()
+        u[:, :, shift:] += carried
+        alpha[:, :, shift:] += carried_alpha
         shift *= 2
     return u
 
@@ -278,8 +287,48 @@ def _states_before_chunks(c: _Chunks, k_end: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(ends[:, :, :1]), ends[:, :, :-1]], dim=2)
 
 
-def _intra_weights(c: _Chunks) -> Optional[torch.Tensor]:
-    return None if c.b is None else _pair_weights(c.b)
+def _channel_factors(c: _Chunks) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(Q exp(b), K exp(-b)) in float64 [B, H, nc, L, D]: their products are the per-channel weights w_tjc for
+    j <= t (see FACTORED_MAX_CHUNK). Entries with j > t are large but finite and are masked after the product."""
+    b = c.b.double()
+    return c.q.double() * torch.exp(b), c.k.double() * torch.exp(-b)
+
+
+def _factored(c: _Chunks) -> bool:
+    return c.b is not None and c.b.shape[-1] > 1 and c.q.shape[-2] <= FACTORED_MAX_CHUNK
+
+
+def _causal_mask(c: _Chunks) -> torch.Tensor:
+    n = c.q.shape[-2]
+    return torch.ones(n, n, dtype=torch.bool, device=c.q.device).tril()
+
+
+def _intra_scores(c: _Chunks) -> torch.Tensor:
+    """P_tj = sum_c Q_tc K_jc w_tjc for the pairs inside each chunk (0 for j > t): [B, H, nc, L, L]."""
+    if _factored(c):
+        q64, k64 = _channel_factors(c)
+        return (q64 @ k64.transpose(-2, -1)).masked_fill(~_causal_mask(c), 0.0).to(c.q.dtype)
+    return _weighted_scores(c.q, c.k, None if c.b is None else _pair_weights(c.b))
+
+
+def _intra_grads(c: _Chunks, pair_grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Intra-chunk parts of dQ_t = sum_j G_tj w_tj * K_j and dK_j = sum_t G_tj w_tj * Q_t, with G [.., t, j] already
+    zero for j > t."""
+    if c.b is None:
+        return pair_grad @ c.k, pair_grad.transpose(-2, -1) @ c.q
+    if _factored(c):
+        q64, k64 = _channel_factors(c)
+        g64 = pair_grad.double()
+        b = c.b.double()
+        d_q = torch.exp(b) * (g64 @ k64)
+        d_k = torch.exp(-b) * (g64.transpose(-2, -1) @ q64)
+        return d_q.to(c.q.dtype), d_k.to(c.k.dtype)
+    w = _pair_weights(c.b)
+    if w.shape[-1] == 1:
+        weighted = pair_grad * w.squeeze(-1)
+        return weighted @ c.k, weighted.transpose(-2, -1) @ c.q
+    return (torch.einsum('...tj,...tjc,...jc->...tc', pair_grad, w, c.k),
+            torch.einsum('...tj,...tjc,...tc->...jc', pair_grad, w, c.q))
 
 
 def _chunked_forward(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor, a: Optional[torch.Tensor],
@@ -287,7 +336,7 @@ def _chunked_forward(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor,
     """[num | den] of the chunked form: intra-chunk quadratic + queries times the state before their chunk."""
     c = _split_chunks(phi_q, phi_k, va, a, chunk)
     states = _states_before_chunks(c, _keys_to_chunk_end(c))
-    out = _weighted_scores(c.q, c.k, _intra_weights(c)) @ c.va + _queries_from_chunk_start(c) @ states
+    out = _intra_scores(c) @ c.va + _queries_from_chunk_start(c) @ states
     return _unchunk(out, phi_q.shape[2])
 
 
@@ -316,18 +365,9 @@ def _chunked_backward(grad: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tens
     k_end = _keys_to_chunk_end(c)
     before = _states_before_chunks(c, k_end)
     after = _states_after_chunks(c, g)
-    w = _intra_weights(c)
-    pair_grad = g @ c.va.transpose(-2, -1)  # G [.., t, j]
-    d_va = _weighted_scores(c.q, c.k, w).transpose(-2, -1) @ g + k_end @ after
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
-    pair_grad = pair_grad.masked_fill(~causal, 0.0)
-    if w is None or w.shape[-1] == 1:
-        weighted = pair_grad if w is None else pair_grad * w.squeeze(-1)
-        d_q = weighted @ c.k
-        d_k = weighted.transpose(-2, -1) @ c.q
-    else:
-        d_q = torch.einsum('...tj,...tjc,...jc->...tc', pair_grad, w, c.k)
-        d_k = torch.einsum('...tj,...tjc,...tc->...jc', pair_grad, w, c.q)
+    d_va = _intra_scores(c).transpose(-2, -1) @ g + k_end @ after
+    pair_grad = (g @ c.va.transpose(-2, -1)).masked_fill(~_causal_mask(c), 0.0)  # G [.., t, j], j <= t
+    d_q, d_k = _intra_grads(c, pair_grad)
     inter_q = g @ before.transpose(-2, -1)
     inter_k = c.va @ after.transpose(-2, -1)
     if c.b is not None:

@@ -100,8 +100,9 @@ def _reference_grads(fn, tensors):
     return torch.autograd.grad(out, leaves, grad)
 
 
+@pytest.mark.parametrize('chunk', [8, 20])  # per-channel gates: float64 factors (<= 17 tokens) or [L, L, D] weights
 @pytest.mark.parametrize('variant', ['plain', 'decay-per-head', 'gate-channel', 'gate-token'])
-def test_chunked_backward_equals_autograd_of_the_reference(variant):
+def test_chunked_backward_equals_autograd_of_the_reference(variant, chunk):
     b, h, n, d, dv = 2, 3, 29, 6, 4
     q, k, v = _qkv(b, h, n, d, dv)
     kw = VARIANTS[variant](b, h, n, d)
@@ -115,7 +116,7 @@ def test_chunked_backward_equals_autograd_of_the_reference(variant):
         extra = dict(zip(['gate', 'decay'] if 'gate' in VARIANTS[variant](b, h, n, d) else ['decay'], args[3:]))
         return fn(args[0], args[1], args[2], **extra)
 
-    got = _reference_grads(lambda *t: call(lambda *a, **e: causal_linear_attention(*a, chunk_size=8, **e), *t),
+    got = _reference_grads(lambda *t: call(lambda *a, **e: causal_linear_attention(*a, chunk_size=chunk, **e), *t),
                            tensors)
     ref = _reference_grads(lambda *t: call(causal_ref, *t), tensors)
     for name, x, y in zip(['q', 'k', 'v', 'extra'], got, ref):
@@ -185,6 +186,17 @@ def test_long_sequence_with_small_gates_neither_underflows_nor_overflows():
     tail0 = causal_linear_attention(q[:, :, 1000:1100], k[:, :, 1000:1100], v[:, :, 1000:1100],
                                     gate=gate[:, :, 1000:1100], eps=1e-30, chunk_size=64)
     assert (full0 - tail0).abs().max() <= 1e-5 * tail0.abs().max()
+
+
+@pytest.mark.parametrize('chunk', [16, 17, 32])
+def test_gates_of_zero_in_every_chunk_stay_finite(chunk):
+    # every gate 0: log multipliers at their floor (-40) all along, the most extreme factors a chunk can hold
+    q, k, v = _qkv(1, 2, 100, 8, 8, dtype=torch.float32)
+    gate = torch.zeros(1, 2, 100, 8)
+    chunked = causal_linear_attention(q, k, v, gate=gate, chunk_size=chunk)
+    recurrent = causal_linear_attention(q, k, v, gate=gate, form='recurrent')
+    assert torch.isfinite(chunked).all()
+    assert (chunked - recurrent).abs().max() <= 1e-5 * recurrent.abs().max()
 
 
 def test_step_api_equals_the_chunked_form_with_a_constant_state():
