@@ -6,8 +6,11 @@ Public API:
     linvit.load_softmax_state_dict(model, state_dict)   # softmax checkpoint -> linear model, reports new keys
     timm.create_model('linvit_small_patch16_224', ...)   # registered by importing linvit (timm.list_models('linvit_*'))
     linvit.convert_to_linear(model, feature_map='elu1', local_mix=False, softmax_blocks=())   # timm ViT, in place
-    linvit.list_attention_kinds()   # every attn_kernel: feature maps + 'performer', 'linformer', 'gated', 'aft'
+    linvit.list_attention_kinds()   # every attn_kernel: feature maps + 'performer', 'linformer', 'gated', 'aft',
+                                    # 'bidirectional'
     linvit.redraw_random_features(model, generator=g)   # Performer: new random features (never inside forward)
+    linvit.causal_linear_attention(q, k, v, decay=None, gate=None, form='chunked')   # the RNN view (linvit.ops)
+    timm.create_model('linvit_small_patch16_224', causal=True).recurrent_init(1)   # recurrent inference
 """
 from . import fast as fast  # the compiled fast path (linvit.fast)
 from . import models, ops
@@ -22,12 +25,12 @@ from .layers import (
     redraw_random_features,
 )
 from .models import LinearVisionTransformer, convert_to_linear
-from .ops import FEATURE_MAPS, linear_attention, list_feature_maps
+from .ops import FEATURE_MAPS, causal_linear_attention, linear_attention, list_feature_maps
 
 __version__ = '0.1.0'
 
 __all__ = ['models', 'ops', 'LinearAttention', 'linear_attention_layer', 'LocalMix', 'load_softmax_state_dict',
-           'FEATURE_MAPS', 'linear_attention',
+           'FEATURE_MAPS', 'linear_attention', 'causal_linear_attention',
            'LinearVisionTransformer', 'convert_to_linear',
            'list_feature_maps', 'ATTENTION_FAMILIES', 'attention_layer', 'list_attention_kinds',
            'redraw_random_features', '__version__']

@@ -45,6 +45,9 @@ LOG_MULTIPLIER_MIN = -40.0
 #: exp(-b_j) <= exp(40 L) stays finite in float64 (up to ~e^709) for chunks of up to 17 tokens; longer chunks form
 #: the [L, L, D] weights directly (exact too, but L times the memory traffic)
 FACTORED_MAX_CHUNK = 17
+#: up to this many chunks the chunk states come from one weighted sum over chunks (O(nc^2 D E), one op: fast to
+#: compile, ~log2(nc) fewer passes) rather than the Hillis-Steele scan (O(nc log nc D E), one op per round)
+MATRIX_MAX_CHUNKS = 64
 
 Decay = Union[None, float, Sequence[float], torch.Tensor]
 
@@ -241,7 +244,9 @@ def _exclusive_state_matrix(u: torch.Tensor, alpha: Optional[torch.Tensor]) -> t
     if alpha is None:
         return (before.to(u.dtype) @ u.reshape(b, h, nc, d * e)).reshape(b, h, nc, d, e)
     cumulative = torch.cumsum(alpha.double(), dim=2)  # [B, H, nc, Dg]
-    diff = (cumulative - alpha.double()).unsqueeze(3) - cumulative.unsqueeze(2)  # C_{c-1} - C_k: [B, H, c, k, Dg]
+    # C_{c-1} by shifting, not as C_c - alpha_c: that would round with chunk c's values, which chunk c must not see
+    previous = F.pad(cumulative, (0, 0, 1, 0)).narrow(2, 0, nc)
+    diff = previous.unsqueeze(3) - cumulative.unsqueeze(2)  # C_{c-1} - C_k: [B, H, c, k, Dg]
     weights = torch.exp(diff.masked_fill(~before.unsqueeze(-1), -math.inf)).to(u.dtype)
     if alpha.shape[-1] == 1:
         return (weights.squeeze(-1) @ u.reshape(b, h, nc, d * e)).reshape(b, h, nc, d, e)
@@ -281,7 +286,7 @@ def _queries_from_chunk_start(c: _Chunks) -> torch.Tensor:
 
 def _states_before_chunks(c: _Chunks, k_end: torch.Tensor) -> torch.Tensor:
     """S_c, the state after every token before chunk c [B, H, nc, D, E] (zero for the first chunk)."""
-    if torch.compiler.is_exporting():
+    if torch.compiler.is_exporting() or c.q.shape[2] <= MATRIX_MAX_CHUNKS:
         return _exclusive_state_matrix(k_end.transpose(-2, -1) @ c.va, c.total)
     ends = _inclusive_state_scan(k_end.transpose(-2, -1) @ c.va, c.total)
     return torch.cat([torch.zeros_like(ends[:, :, :1]), ends[:, :, :-1]], dim=2)
@@ -344,6 +349,9 @@ def _states_after_chunks(c: _Chunks, grad: torch.Tensor) -> torch.Tensor:
     """R_c = sum over later chunks c' of exp(totals strictly between) (Q exp(b))^T dO [B, H, nc, D, E]: what
     the queries after chunk c ask of a key at its end (the backward pass's reverse-time state)."""
     per_chunk = _queries_from_chunk_start(c).transpose(-2, -1) @ grad
+    if c.q.shape[2] <= MATRIX_MAX_CHUNKS:
+        flipped = _exclusive_state_matrix(per_chunk.flip(2), None if c.total is None else c.total.flip(2))
+        return flipped.flip(2)
     total = None if c.total is None else c.total.flip(2)
     from_right = _inclusive_state_scan(per_chunk.flip(2), total).flip(2)
     return torch.cat([from_right[:, :, 1:], torch.zeros_like(from_right[:, :, :1])], dim=2)

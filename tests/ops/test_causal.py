@@ -35,6 +35,14 @@ VARIANTS = {
     'gate-token': lambda b, h, n, d: {'gate': _gate(b, h, n, 1)},
     'decay-gate': lambda b, h, n, d: {'decay': 0.97, 'gate': _gate(b, h, n, d)},
 }
+@pytest.fixture(params=['matrix', 'scan'])
+def state_path(request, monkeypatch):
+    """Chunk states from the weighted sum over chunks (short sequences) or the Hillis-Steele scan (long ones)."""
+    import linvit.ops.causal as causal
+    monkeypatch.setattr(causal, 'MATRIX_MAX_CHUNKS', 64 if request.param == 'matrix' else 0)
+    return request.param
+
+
 SHAPES = [(2, 3, 37, 8, 5, 8), (1, 2, 64, 4, 4, 16), (1, 3, 20, 6, 3, 7)]  # B, H, N, D, Dv, chunk (divides or not)
 
 
@@ -45,7 +53,7 @@ def _name(shape):
 
 @pytest.mark.parametrize('variant', list(VARIANTS))
 @pytest.mark.parametrize('shape', SHAPES, ids=_name)
-def test_every_form_equals_the_reference(shape, variant):
+def test_every_form_equals_the_reference(shape, variant, state_path):
     b, h, n, d, dv, chunk = shape
     q, k, v = _qkv(b, h, n, d, dv)
     kw = VARIANTS[variant](b, h, n, d)
@@ -102,7 +110,7 @@ def _reference_grads(fn, tensors):
 
 @pytest.mark.parametrize('chunk', [8, 20])  # per-channel gates: float64 factors (<= 17 tokens) or [L, L, D] weights
 @pytest.mark.parametrize('variant', ['plain', 'decay-per-head', 'gate-channel', 'gate-token'])
-def test_chunked_backward_equals_autograd_of_the_reference(variant, chunk):
+def test_chunked_backward_equals_autograd_of_the_reference(variant, chunk, state_path):
     b, h, n, d, dv = 2, 3, 29, 6, 4
     q, k, v = _qkv(b, h, n, d, dv)
     kw = VARIANTS[variant](b, h, n, d)
@@ -123,7 +131,7 @@ def test_chunked_backward_equals_autograd_of_the_reference(variant, chunk):
         assert rel_err(x, y) < 1e-10, name
 
 
-def test_gradcheck_of_the_chunked_function():
+def test_gradcheck_of_the_chunked_function(state_path):
     g = torch.Generator().manual_seed(0)
     phi_q = torch.rand(1, 2, 11, 3, generator=g, dtype=torch.float64, requires_grad=True)
     phi_k = torch.rand(1, 2, 11, 3, generator=g, dtype=torch.float64, requires_grad=True)
@@ -170,7 +178,7 @@ def test_saved_bytes_stay_a_small_multiple_of_qkv_at_16k_tokens(with_gate):
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
 
 
-def test_long_sequence_with_small_gates_neither_underflows_nor_overflows():
+def test_long_sequence_with_small_gates_neither_underflows_nor_overflows(state_path):
     # a cumulative product of 4096 gates near 0.5 is 2^-4096: 0 in float32 (and float64); the scans never form it
     q, k, v = _qkv(1, 2, 4096, 8, 8, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
@@ -290,7 +298,7 @@ def test_bidirectional_without_decay_is_noncausal_linear_attention():
     assert rel_err(got, linear_attention(q, k, v)) < 1e-12
 
 
-def test_bidirectional_gradients_equal_the_reference():
+def test_bidirectional_gradients_equal_the_reference(state_path):
     b, h, n, d = 1, 2, 12, 4
     q, k, v = _qkv(b, h, n, d, 3)
     gate = _gate(b, h, n, d)
