@@ -45,9 +45,26 @@ LOG_MULTIPLIER_MIN = -40.0
 #: exp(-b_j) <= exp(40 L) stays finite in float64 (up to ~e^709) for chunks of up to 17 tokens; longer chunks form
 #: the [L, L, D] weights directly (exact too, but L times the memory traffic)
 FACTORED_MAX_CHUNK = 17
-#: up to this many chunks the chunk states come from one weighted sum over chunks (O(nc^2 D E), one op: fast to
-#: compile, ~log2(nc) fewer passes) rather than the Hillis-Steele scan (O(nc log nc D E), one op per round)
-MATRIX_MAX_CHUNKS = 64
+#: up to this many chunks, the chunk states of decays and gates come from one weighted sum over chunks (O(nc^2 D E)
+#: work in one op, fast to compile) rather than the Hillis-Steele scan (O(nc log nc D E), a few ops per round):
+#: for scalar multipliers (a BLAS matmul), for per-channel gates (float64 weights [nc, nc, D]), and for either
+#: under torch.compile, where each unrolled scan round costs compile time (a 12-block bidirectional model with
+#: per-channel gates at 512 px did not finish compiling in 11 minutes through the scan)
+MATRIX_MAX_CHUNKS = 256
+CHANNEL_MATRIX_MAX_CHUNKS = 64
+COMPILED_MATRIX_MAX_CHUNKS = 512
+
+
+def _states_by_matrix(num_chunks: int, alpha: Optional[torch.Tensor]) -> bool:
+    """Whether chunk states come from the weighted sum over chunks (else the cumulative sum or the scan)."""
+    if torch.compiler.is_exporting():
+        return True  # no loop over the chunk count and no slice along it: the token count stays symbolic
+    if alpha is None:
+        return False  # a cumulative sum: one op already
+    limit = MATRIX_MAX_CHUNKS if alpha.shape[-1] == 1 else CHANNEL_MATRIX_MAX_CHUNKS
+    if torch.compiler.is_compiling():
+        limit = max(limit, COMPILED_MATRIX_MAX_CHUNKS)
+    return num_chunks <= limit
 
 Decay = Union[None, float, Sequence[float], torch.Tensor]
 
@@ -286,7 +303,7 @@ def _queries_from_chunk_start(c: _Chunks) -> torch.Tensor:
 
 def _states_before_chunks(c: _Chunks, k_end: torch.Tensor) -> torch.Tensor:
     """S_c, the state after every token before chunk c [B, H, nc, D, E] (zero for the first chunk)."""
-    if torch.compiler.is_exporting() or c.q.shape[2] <= MATRIX_MAX_CHUNKS:
+    if _states_by_matrix(c.q.shape[2], c.total):
         return _exclusive_state_matrix(k_end.transpose(-2, -1) @ c.va, c.total)
     ends = _inclusive_state_scan(k_end.transpose(-2, -1) @ c.va, c.total)
     return torch.cat([torch.zeros_like(ends[:, :, :1]), ends[:, :, :-1]], dim=2)
@@ -349,7 +366,7 @@ def _states_after_chunks(c: _Chunks, grad: torch.Tensor) -> torch.Tensor:
     """R_c = sum over later chunks c' of exp(totals strictly between) (Q exp(b))^T dO [B, H, nc, D, E]: what
     the queries after chunk c ask of a key at its end (the backward pass's reverse-time state)."""
     per_chunk = _queries_from_chunk_start(c).transpose(-2, -1) @ grad
-    if c.q.shape[2] <= MATRIX_MAX_CHUNKS:
+    if _states_by_matrix(c.q.shape[2], c.total):
         flipped = _exclusive_state_matrix(per_chunk.flip(2), None if c.total is None else c.total.flip(2))
         return flipped.flip(2)
     total = None if c.total is None else c.total.flip(2)

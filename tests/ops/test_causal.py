@@ -39,7 +39,8 @@ VARIANTS = {
 def state_path(request, monkeypatch):
     """Chunk states from the weighted sum over chunks (short sequences) or the Hillis-Steele scan (long ones)."""
     import linvit.ops.causal as causal
-    monkeypatch.setattr(causal, 'MATRIX_MAX_CHUNKS', 64 if request.param == 'matrix' else 0)
+    for name in ('MATRIX_MAX_CHUNKS', 'CHANNEL_MATRIX_MAX_CHUNKS'):
+        monkeypatch.setattr(causal, name, 10 ** 9 if request.param == 'matrix' else 0)
     return request.param
 
 
