@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--variants', nargs='+', choices=VARIANTS, default=list(VARIANTS),
                         help="'plain' (Katharopoulos et al.), 'decay' (RetNet's per-head decays) and/or 'gate' "
                              "(a data-dependent gate per token and channel, GLA)")
-    parser.add_argument('--chunk-size', type=int, default=64, help='tokens per chunk of the chunked form')
+    parser.add_argument('--chunk-size', type=int, default=None,
+                        help="tokens per chunk of the chunked form (default: the op's, 64, or 16 with per-channel "
+                             "gates)")
     parser.add_argument('--max-parallel-gib', type=float, default=8.0,
                         help="skip the parallel form where its quadratic tensors would exceed this many GiB")
     parser.add_argument('--warmup', type=int, default=1, help='untimed rounds')
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if min(args.tokens) < 1 or args.batch < 1 or args.heads < 1 or args.head_dim < 1 or args.chunk_size < 1:
+    if min(args.tokens) < 1 or args.batch < 1 or args.heads < 1 or args.head_dim < 1 or (args.chunk_size or 1) < 1:
         parser.error('--tokens, --batch, --heads, --head-dim and --chunk-size must be >= 1')
     if args.warmup < 0 or args.repeats < 1 or args.recurrent_tokens < 0:
         parser.error('--warmup and --recurrent-tokens must be >= 0 and --repeats >= 1')
@@ -121,8 +123,9 @@ def forms(args: argparse.Namespace, n: int, variant: str,
 
 
 def run(args: argparse.Namespace) -> List[Dict[str, object]]:
+    chunk = args.chunk_size or 'auto (64; 16 with per-channel gates)'
     print(f"# causal linear attention, forward + backward: B{args.batch} H{args.heads} D{args.head_dim}, elu1, "
-          f"chunk {args.chunk_size}, float32, {torch.get_num_threads()} threads; median of {args.repeats} after "
+          f"chunk {chunk}, float32, {torch.get_num_threads()} threads; median of {args.repeats} after "
           f"{args.warmup} warm-up, interleaved")
     print(f"{'variant':>8} {'N':>6} {'chunked ms':>11} {'parallel ms':>12} {'noncausal ms':>13} "
           f"{'parallel/chunked':>17} {'chunked/noncausal':>18} {'saved chunked':>14} {'saved parallel':>15}")
