@@ -47,7 +47,7 @@ def causal_call(is_causal: bool, causal_default: bool) -> bool:
     attention where the graph is not causal."""
     if torch.jit.is_scripting():
         return is_causal or causal_default
-    if torch.fx._symbolic_trace.is_fx_tracing():
+    if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
         check_traced_causality(is_causal, causal_default)
         return causal_default
     return is_causal or causal_default
