@@ -91,5 +91,5 @@ def test_saved_yaml_round_trips_and_is_read_only():
 @pytest.mark.parametrize('name', sorted(f for f in os.listdir(CONFIGS) if f.endswith('.yaml')))
 def test_every_shipped_config_resolves(name):
     cfg = load_config(os.path.join(CONFIGS, name), ['data.root=/data/x'])
-    expected_task = {'cls': 'classification', 'seg': 'seg'}[name.split('_')[0]]
+    expected_task = {'cls': 'classification', 'seg': 'seg', 'ar': 'ar'}[name.split('_')[0]]
     assert cfg.task == expected_task
