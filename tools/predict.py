@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 def torch_predictor(path: str, device: str) -> Predictor:
     from linvit.engine.loading import load_trained
     trained = load_trained(path, device=device)
+    if trained.task not in ('classification', 'segmentation'):
+        raise ValueError(f"{path} is a task={trained.task!r} run; predict.py takes classification and segmentation "
+                         f"runs (an 'ar' model predicts next patches: run it with model.recurrent_init / "
+                         f"recurrent_step, or fine-tune it for classification, see configs/cls_from_ar_demo.yaml)")
     model = trained.model
 
     @torch.no_grad()

@@ -193,3 +193,12 @@ def test_predict_without_images_or_model_fails_with_a_reason(predict_tool, cls_r
     _write_images(tmp_path / 'in', [(32, 32)])
     assert predict_tool.main([str(tmp_path / 'nothing.onnx'), str(tmp_path / 'in')]) == 2
     assert 'nothing.onnx' in capsys.readouterr().err
+
+
+def test_predict_refuses_an_autoregressive_run(predict_tool, tmp_path, capsys):
+    out = tmp_path / 'ar'
+    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'task=ar', 'data.aug.hflip=0', 'train.max_steps=1',
+                             f'output_dir={out}']))
+    _write_images(tmp_path / 'in', [(32, 32)])
+    assert predict_tool.main([str(out), str(tmp_path / 'in')]) == 2
+    assert "task='ar' run; predict.py takes classification and segmentation runs" in capsys.readouterr().err
