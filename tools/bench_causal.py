@@ -22,7 +22,7 @@ import torch
 from bench_attention import time_interleaved, write_csv
 from tool_cli import HelpFormatter
 
-from linvit.ops import causal_linear_attention, causal_linear_attention_step, fused_linear_attention
+from linvit.ops import causal_linear_attention, causal_linear_attention_step, fused_linear_attention, retention_decays
 
 VARIANTS = ('plain', 'decay', 'gate')
 GIB = 2 ** 30
@@ -71,7 +71,6 @@ def _inputs(args: argparse.Namespace, n: int, variant: str) -> Dict[str, torch.T
 
 
 def _options(args: argparse.Namespace, variant: str) -> Dict[str, object]:
-    from linvit.ops import retention_decays
     return {'decay': retention_decays(args.heads).tolist()} if variant == 'decay' else {}
 
 
@@ -104,8 +103,7 @@ def _saved_multiple(fn: Callable[..., torch.Tensor], inputs: Dict[str, torch.Ten
     return sum(saved) / qkv
 
 
-def forms(args: argparse.Namespace, n: int, variant: str,
-          inputs: Dict[str, torch.Tensor]) -> Dict[str, Optional[Callable[..., torch.Tensor]]]:
+def forms(args: argparse.Namespace, n: int, variant: str) -> Dict[str, Optional[Callable[..., torch.Tensor]]]:
     """Attention calls by form name; None for a parallel form that would not fit."""
     options = _options(args, variant)
 
@@ -133,7 +131,7 @@ def run(args: argparse.Namespace) -> List[Dict[str, object]]:
     for variant in args.variants:
         for n in args.tokens:
             inputs = _inputs(args, n, variant)
-            calls = forms(args, n, variant, inputs)
+            calls = forms(args, n, variant)
             steps = {name: _step_fn(fn, inputs) for name, fn in calls.items() if fn is not None}
             ms = time_interleaved(steps, args.warmup, args.repeats, 'cpu')
             saved = {name: _saved_multiple(fn, inputs) for name, fn in calls.items()

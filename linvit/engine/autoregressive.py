@@ -271,11 +271,8 @@ class AutoregressiveTask(Task):
 
     def evaluate_batch(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
                        meter: NextPatchMeter) -> None:
-        patch, num_prefix_tokens = _token_layout(model)
-        patch_targets = normalized_patch_targets(images, patch)
-        outputs = model(images).float()
-        predictions = next_patch_predictions(outputs, num_prefix_tokens, patch_targets.shape[1])
-        meter.update(predictions, patch_targets[:, patch_targets.shape[1] - predictions.shape[1]:])
+        patch, _ = _token_layout(model)
+        meter.update(*align_next_patch(model(images).float(), normalized_patch_targets(images, patch)))
 
     @torch.no_grad()
     def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,

@@ -60,6 +60,13 @@ def _normed_heads(layer: LinearAttention, qkv: torch.Tensor) -> Tuple[torch.Tens
     return layer.q_norm(_heads_first(q)), layer.k_norm(_heads_first(k)), _heads_first(v)
 
 
+def _token_layout(kwargs: Dict[str, Any]) -> Tuple[int, Optional[Tuple[int, int]]]:
+    """(num_prefix_tokens, grid_size) from a family's constructor options, for the layers that read the patch grid
+    (linvit models set both after construction)."""
+    grid = kwargs.get('grid_size')
+    return kwargs.get('num_prefix_tokens', 1), None if grid is None else (int(grid[0]), int(grid[1]))
+
+
 def _tokens_last(out: torch.Tensor) -> torch.Tensor:
     """[B, H, N, D] -> [B, N, H * D]."""
     b, h, n, d = out.shape
@@ -120,9 +127,8 @@ class LowRankAttention(LinearAttention):
         if low_rank_size < 1:
             raise ValueError(f"low_rank_size must be >= 1, got {low_rank_size}")
         self.low_rank_size = low_rank_size
-        self.num_prefix_tokens = kwargs.get('num_prefix_tokens', 1)
-        grid = kwargs.get('grid_size')
-        self.grid_size: Optional[Tuple[int, int]] = None if grid is None else (int(grid[0]), int(grid[1]))
+        self.grid_size: Optional[Tuple[int, int]]
+        self.num_prefix_tokens, self.grid_size = _token_layout(kwargs)
         self.fused_backward = False
 
     def extra_repr(self) -> str:
@@ -215,7 +221,7 @@ class BidirectionalAttention(LinearAttention):
     with ``scan_orders='raster+column'``, also column order, so a token weighs another by decay^distance along
     rows and along columns: locality at linear cost, no window.
 
-    decay: 'retnet' (per-head RetNet decays 1 - 2^-5 .. ), None, a float or one per head (a buffer, not trained).
+    decay: 'retnet' (per-head RetNet decays 1 - 2^-5 .. ), None, a float or one per head (fixed, not trained).
     data_gate: add a data-dependent per-token, per-channel gate sigmoid(scan_gate(x)) ** (1 / 16) (GLA); its
         projection starts near a gate of 1. scan_chunk_size: tokens per chunk of the scans (None: 64, 16 with the
         per-channel gate; see ``linvit.ops.causal.default_chunk_size``).
@@ -235,9 +241,8 @@ class BidirectionalAttention(LinearAttention):
         self.decay = decay
         self.scan_orders = scan_orders
         self.scan_chunk_size = scan_chunk_size
-        self.num_prefix_tokens = kwargs.get('num_prefix_tokens', 1)
-        grid = kwargs.get('grid_size')
-        self.grid_size: Optional[Tuple[int, int]] = None if grid is None else (int(grid[0]), int(grid[1]))
+        self.grid_size: Optional[Tuple[int, int]]
+        self.num_prefix_tokens, self.grid_size = _token_layout(kwargs)
         self.fused_backward = False
         device = self.qkv.weight.device
         # python floats, not a buffer: a fixed hyperparameter that model.half() must not round (1 - 2^-12 is 1.0

@@ -122,7 +122,6 @@ class LinearAttention(nn.Module):
     #: whether this family has a causal form (forward with is_causal=True, step)
     supports_causal = True
 
-
     def __init__(
             self,
             dim: int,
@@ -160,8 +159,7 @@ class LinearAttention(nn.Module):
         if eps <= 0:
             raise ValueError(f"eps must be > 0, got {eps}")
         if causal and not self.supports_causal:
-            raise ValueError(f"{type(self).__name__} has no causal form; causal attention is plain linear attention "
-                             f"(a feature map as attn_kernel)")
+            raise ValueError(self._no_causal_form())
         if causal and local_mix:
             raise ValueError(_CAUSAL_LOCAL_MIX)
         if isinstance(causal_chunk_size, bool) or not isinstance(causal_chunk_size, int) or causal_chunk_size < 1:
@@ -255,11 +253,14 @@ class LinearAttention(nn.Module):
                                       form='chunked', chunk_size=self.causal_chunk_size)
         return out.transpose(1, 2).reshape(B, N, self.attn_dim)
 
+    def _no_causal_form(self) -> str:
+        return (f"{type(self).__name__} has no causal form (causal=True / is_causal=True); causal attention is plain "
+                f"linear attention (a feature map as attn_kernel)")
+
     @torch.jit.unused
     def _check_causal_call(self, attn_mask: Optional[torch.Tensor]) -> None:
         if not self.supports_causal:
-            raise ValueError(f"{type(self).__name__} has no causal form (is_causal=True); causal attention is plain "
-                             f"linear attention (a feature map as attn_kernel)")
+            raise ValueError(self._no_causal_form())
         if self.local_mix is not None:
             raise ValueError(_CAUSAL_LOCAL_MIX)
         check_causal_mask(attn_mask)

@@ -13,8 +13,10 @@ non-causal core's: without decay or gate, the last row equals non-causal linear 
 
 Forms (``form=``):
     parallel:  the masked quadratic [N, N] (per-channel gates: [N, N, D]) form; exact, O(N^2), for short sequences.
-    chunked:   quadratic inside chunks of ``chunk_size`` tokens, states at chunk boundaries from a parallel
-               (Hillis-Steele) scan over chunks: O(N L D + N D Dv + (N / L) log(N / L) D Dv). Trains through
+    chunked:   quadratic inside chunks of ``chunk_size`` tokens; the states at chunk boundaries from a cumulative
+               sum (no multipliers), one weighted sum over chunks (up to ``MATRIX_MAX_CHUNKS``; always when
+               exporting) or a parallel (Hillis-Steele) scan over chunks: O(N L D + N D Dv + (N / L) log(N / L) D Dv)
+               with the scan. Trains through
                ``ChunkedCausalScan``, an autograd Function that saves only its inputs and recomputes the states
                in backward (the paper's memory-efficient backward).
     recurrent: one step at a time (``causal_linear_attention_step``), O(D Dv) memory whatever the length.
@@ -32,11 +34,13 @@ import torch
 import torch.nn.functional as F
 
 from .feature_maps import FeatureMap, get_feature_map
-from .linear_attention import compute_dtype
+from .linear_attention import autocast_off, compute_dtype
 
 __all__ = ['causal_linear_attention', 'causal_linear_attention_step', 'CausalState', 'causal_linear_scan',
            'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays', 'log_multipliers',
            'grid_scan_orders', 'SCAN_ORDERS', 'CAUSAL_FORMS', 'LOG_MULTIPLIER_MIN']
+
+Decay = Union[None, float, Sequence[float], torch.Tensor]
 
 CAUSAL_FORMS = ('parallel', 'chunked', 'recurrent')
 SCAN_ORDERS = ('raster', 'raster+column')
@@ -66,8 +70,6 @@ def _states_by_matrix(num_chunks: int, alpha: Optional[torch.Tensor]) -> bool:
         limit = max(limit, COMPILED_MATRIX_MAX_CHUNKS)
     return num_chunks <= limit
 
-Decay = Union[None, float, Sequence[float], torch.Tensor]
-
 
 def retention_decays(num_heads: int) -> torch.Tensor:
     """RetNet's per-head decays gamma_h = 1 - 2^(-5 - h) for h < 8 heads, spread over the same range (1/32 .. 1/4096
@@ -75,13 +77,6 @@ def retention_decays(num_heads: int) -> torch.Tensor:
     exponents = torch.linspace(5.0, 12.0, num_heads, dtype=torch.float64) if num_heads > 8 else \
         torch.arange(5, 5 + num_heads, dtype=torch.float64)
     return 1.0 - torch.pow(2.0, -exponents)
-
-
-def _autocast_off(device_type: str):
-    # autocast has no meta device; meta tensors carry shapes only
-    if device_type == 'meta':
-        return torch.autocast(device_type='cpu', enabled=False)
-    return torch.autocast(device_type=device_type, enabled=False)
 
 
 def _decay_logs(decay: Decay, num_heads: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
@@ -147,35 +142,36 @@ def _with_ones(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
 
 
-def _normalize(out1: torch.Tensor, eps: float, count: torch.Tensor) -> torch.Tensor:
-    """[num | den] [..., N, Dv + 1] -> num / (den + eps * count), count [N, 1] keys seen per row."""
+def _normalize(out1: torch.Tensor, eps: float, count: Union[torch.Tensor, int]) -> torch.Tensor:
+    """[num | den] [..., Dv + 1] -> num / (den + eps * count), count the keys each row has seen ([N, 1] or a number)."""
     return out1[..., :-1] / (out1[..., -1:] + eps * count)
 
 
-def _steps_seen(n: int, offset: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[N, 1]: offset + 1, ..., offset + N (keys each causal row has seen)."""
-    return torch.arange(offset + 1, offset + n + 1, dtype=dtype, device=device).unsqueeze(-1)
+def _steps_seen(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[N, 1]: 1, ..., N (keys each causal row has seen)."""
+    return torch.arange(1, n + 1, dtype=dtype, device=device).unsqueeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------- the three forms
+
+
+def _tril(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] bool, True where j <= t (row t, column j)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 def _pair_weights(b: torch.Tensor) -> torch.Tensor:
     """Cumulative log multipliers b [..., L, Dg] -> w [..., L, L, Dg], w[t, j] = exp(b_t - b_j) for j <= t, else 0.
 
     The difference is masked before exp, so the j > t entries (positive exponents) never overflow."""
-    n = b.shape[-2]
     diff = b.unsqueeze(-2) - b.unsqueeze(-3)  # [..., t, j, Dg]
-    causal = torch.ones(n, n, dtype=torch.bool, device=b.device).tril().unsqueeze(-1)
-    return torch.exp(diff.masked_fill(~causal, -math.inf))
+    return torch.exp(diff.masked_fill(~_tril(b.shape[-2], b.device).unsqueeze(-1), -math.inf))
 
 
 def _weighted_scores(phi_q: torch.Tensor, phi_k: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
     """sum_c Q_tc K_jc w_tjc -> [..., L, L] (w None: causal mask only; w [..., L, L, 1]: scalar weights)."""
     if w is None:
-        n = phi_q.shape[-2]
-        causal = torch.ones(n, n, dtype=torch.bool, device=phi_q.device).tril()
-        return (phi_q @ phi_k.transpose(-2, -1)).masked_fill(~causal, 0.0)
+        return (phi_q @ phi_k.transpose(-2, -1)).masked_fill(~_tril(phi_q.shape[-2], phi_q.device), 0.0)
     if w.shape[-1] == 1:
         return (phi_q @ phi_k.transpose(-2, -1)) * w.squeeze(-1)
     return torch.einsum('...tc,...jc,...tjc->...tj', phi_q, phi_k, w)
@@ -255,9 +251,10 @@ def _exclusive_state_matrix(u: torch.Tensor, alpha: Optional[torch.Tensor]) -> t
     float64 so that differences of long sums keep their precision), as one weighted sum over chunks.
 
     Shape-agnostic: no loop whose length depends on the chunk count and no slice along the chunks, so an exported
-    graph keeps N symbolic (a slice of one chunk would be specialised). O(nc^2 D E) work; used when exporting."""
+    graph keeps N symbolic (a slice of one chunk would be specialised). O(nc^2 D E) work in one op: used when
+    exporting and up to ``MATRIX_MAX_CHUNKS`` chunks (see ``_states_by_matrix``)."""
     b, h, nc, d, e = u.shape
-    before = torch.ones(nc, nc, dtype=torch.bool, device=u.device).tril(-1)
+    before = _tril(nc, u.device).tril(-1)
     if alpha is None:
         return (before.to(u.dtype) @ u.reshape(b, h, nc, d * e)).reshape(b, h, nc, d, e)
     cumulative = torch.cumsum(alpha.double(), dim=2)  # [B, H, nc, Dg]
@@ -272,33 +269,39 @@ def _exclusive_state_matrix(u: torch.Tensor, alpha: Optional[torch.Tensor]) -> t
 
 class _Chunks(NamedTuple):
     """The chunked views of one call: q, k [B, H, nc, L, D], va [B, H, nc, L, E]; with multipliers, b the log
-    multipliers summed from each chunk's start [B, H, nc, L, Dg] and the chunk totals [B, H, nc, Dg]."""
+    multipliers summed from each chunk's start [B, H, nc, L, Dg], the chunk totals [B, H, nc, Dg] and the factors
+    every product needs, from_start = exp(b) and to_end = exp(total - b) [B, H, nc, L, Dg] (each <= 1)."""
     q: torch.Tensor
     k: torch.Tensor
     va: torch.Tensor
     b: Optional[torch.Tensor]
     total: Optional[torch.Tensor]
+    from_start: Optional[torch.Tensor]
+    to_end: Optional[torch.Tensor]
 
 
 def _split_chunks(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor, a: Optional[torch.Tensor],
                   chunk: int) -> _Chunks:
-    b = total = None
+    b = total = from_start = to_end = None
     if a is not None:
         n = phi_q.shape[2]
         a = a.expand(phi_q.shape[0], phi_q.shape[1], n, a.shape[-1])
         b = torch.cumsum(_pad_to_chunks(a, chunk), dim=-2)
         total = b[..., -1, :]
-    return _Chunks(_pad_to_chunks(phi_q, chunk), _pad_to_chunks(phi_k, chunk), _pad_to_chunks(va, chunk), b, total)
+        from_start = torch.exp(b)
+        to_end = torch.exp(total.unsqueeze(-2) - b)
+    return _Chunks(_pad_to_chunks(phi_q, chunk), _pad_to_chunks(phi_k, chunk), _pad_to_chunks(va, chunk), b, total,
+                   from_start, to_end)
 
 
 def _keys_to_chunk_end(c: _Chunks) -> torch.Tensor:
     """K_j * exp(total - b_j): each key weighted to the end of its chunk (factors <= 1) [B, H, nc, L, D]."""
-    return c.k if c.b is None else c.k * torch.exp(c.total.unsqueeze(-2) - c.b)
+    return c.k if c.b is None else c.k * c.to_end
 
 
 def _queries_from_chunk_start(c: _Chunks) -> torch.Tensor:
     """Q_t * exp(b_t): each query weighted from its chunk's start (factors <= 1) [B, H, nc, L, D]."""
-    return c.q if c.b is None else c.q * torch.exp(c.b)
+    return c.q if c.b is None else c.q * c.from_start
 
 
 def _states_before_chunks(c: _Chunks, k_end: torch.Tensor) -> torch.Tensor:
@@ -320,32 +323,42 @@ def _factored(c: _Chunks) -> bool:
     return c.b is not None and c.b.shape[-1] > 1 and c.q.shape[-2] <= FACTORED_MAX_CHUNK
 
 
-def _causal_mask(c: _Chunks) -> torch.Tensor:
-    n = c.q.shape[-2]
-    return torch.ones(n, n, dtype=torch.bool, device=c.q.device).tril()
+class _IntraWeights(NamedTuple):
+    """How pairs inside a chunk are weighted: nothing (no multipliers), ``w`` [.., L, L, Dg] (_pair_weights), or
+    per-channel float64 ``factors`` (Q exp(b), K exp(-b)) (_channel_factors). Formed once per forward or backward."""
+    w: Optional[torch.Tensor]
+    factors: Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
-def _intra_scores(c: _Chunks) -> torch.Tensor:
-    """P_tj = sum_c Q_tc K_jc w_tjc for the pairs inside each chunk (0 for j > t): [B, H, nc, L, L]."""
+def _intra_weights(c: _Chunks) -> _IntraWeights:
+    if c.b is None:
+        return _IntraWeights(None, None)
     if _factored(c):
-        q64, k64 = _channel_factors(c)
-        return (q64 @ k64.transpose(-2, -1)).masked_fill(~_causal_mask(c), 0.0).to(c.q.dtype)
-    return _weighted_scores(c.q, c.k, None if c.b is None else _pair_weights(c.b))
+        return _IntraWeights(None, _channel_factors(c))
+    return _IntraWeights(_pair_weights(c.b), None)
 
 
-def _intra_grads(c: _Chunks, pair_grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _intra_scores(c: _Chunks, intra: _IntraWeights) -> torch.Tensor:
+    """P_tj = sum_c Q_tc K_jc w_tjc for the pairs inside each chunk (0 for j > t): [B, H, nc, L, L]."""
+    if intra.factors is not None:
+        q64, k64 = intra.factors
+        return (q64 @ k64.transpose(-2, -1)).masked_fill(~_tril(c.q.shape[-2], c.q.device), 0.0).to(c.q.dtype)
+    return _weighted_scores(c.q, c.k, intra.w)
+
+
+def _intra_grads(c: _Chunks, intra: _IntraWeights, pair_grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Intra-chunk parts of dQ_t = sum_j G_tj w_tj * K_j and dK_j = sum_t G_tj w_tj * Q_t, with G [.., t, j] already
     zero for j > t."""
     if c.b is None:
         return pair_grad @ c.k, pair_grad.transpose(-2, -1) @ c.q
-    if _factored(c):
-        q64, k64 = _channel_factors(c)
+    if intra.factors is not None:
+        q64, k64 = intra.factors
         g64 = pair_grad.double()
         b = c.b.double()
         d_q = torch.exp(b) * (g64 @ k64)
         d_k = torch.exp(-b) * (g64.transpose(-2, -1) @ q64)
         return d_q.to(c.q.dtype), d_k.to(c.k.dtype)
-    w = _pair_weights(c.b)
+    w = intra.w
     if w.shape[-1] == 1:
         weighted = pair_grad * w.squeeze(-1)
         return weighted @ c.k, weighted.transpose(-2, -1) @ c.q
@@ -358,7 +371,7 @@ def _chunked_forward(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tensor,
     """[num | den] of the chunked form: intra-chunk quadratic + queries times the state before their chunk."""
     c = _split_chunks(phi_q, phi_k, va, a, chunk)
     states = _states_before_chunks(c, _keys_to_chunk_end(c))
-    out = _intra_scores(c) @ c.va + _queries_from_chunk_start(c) @ states
+    out = _intra_scores(c, _intra_weights(c)) @ c.va + _queries_from_chunk_start(c) @ states
     return _unchunk(out, phi_q.shape[2])
 
 
@@ -366,10 +379,9 @@ def _states_after_chunks(c: _Chunks, grad: torch.Tensor) -> torch.Tensor:
     """R_c = sum over later chunks c' of exp(totals strictly between) (Q exp(b))^T dO [B, H, nc, D, E]: what
     the queries after chunk c ask of a key at its end (the backward pass's reverse-time state)."""
     per_chunk = _queries_from_chunk_start(c).transpose(-2, -1) @ grad
-    if _states_by_matrix(c.q.shape[2], c.total):
-        flipped = _exclusive_state_matrix(per_chunk.flip(2), None if c.total is None else c.total.flip(2))
-        return flipped.flip(2)
     total = None if c.total is None else c.total.flip(2)
+    if _states_by_matrix(c.q.shape[2], c.total):
+        return _exclusive_state_matrix(per_chunk.flip(2), total).flip(2)
     from_right = _inclusive_state_scan(per_chunk.flip(2), total).flip(2)
     return torch.cat([from_right[:, :, 1:], torch.zeros_like(from_right[:, :, :1])], dim=2)
 
@@ -390,14 +402,15 @@ def _chunked_backward(grad: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tens
     k_end = _keys_to_chunk_end(c)
     before = _states_before_chunks(c, k_end)
     after = _states_after_chunks(c, g)
-    d_va = _intra_scores(c).transpose(-2, -1) @ g + k_end @ after
-    pair_grad = (g @ c.va.transpose(-2, -1)).masked_fill(~_causal_mask(c), 0.0)  # G [.., t, j], j <= t
-    d_q, d_k = _intra_grads(c, pair_grad)
+    intra = _intra_weights(c)
+    d_va = _intra_scores(c, intra).transpose(-2, -1) @ g + k_end @ after
+    pair_grad = (g @ c.va.transpose(-2, -1)).masked_fill(~_tril(chunk, g.device), 0.0)  # G [.., t, j], j <= t
+    d_q, d_k = _intra_grads(c, intra, pair_grad)
     inter_q = g @ before.transpose(-2, -1)
     inter_k = c.va @ after.transpose(-2, -1)
     if c.b is not None:
-        inter_q = inter_q * torch.exp(c.b)
-        inter_k = inter_k * torch.exp(c.total.unsqueeze(-2) - c.b)
+        inter_q = inter_q * c.from_start
+        inter_k = inter_k * c.to_end
     d_q = _unchunk(d_q + inter_q, n)
     d_k = _unchunk(d_k + inter_k, n)
     d_a = None
@@ -440,9 +453,9 @@ def _check_form(form: str, chunk_size: Optional[int]) -> None:
         raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
 
 
-#: default chunk sizes: per-channel gates form an [L, L, D] weight tensor per chunk (memory-bound, ~L times the
-#: bytes of q), scalar multipliers only [L, L]; measured at 4k tokens, L = 16 made the per-channel intra-chunk
-#: product 3x faster than L = 64
+#: default chunk sizes: per-channel gates weigh the pairs inside a chunk by float64 factors, which stay finite for
+#: chunks of up to FACTORED_MAX_CHUNK tokens (longer ones need [L, L, D] weights: measured at 4k tokens, that
+#: product alone was 3x slower at L = 64 than at L = 16); scalar multipliers only need [L, L]
 CHUNK_SIZE = 64
 CHANNEL_GATE_CHUNK_SIZE = 16
 
@@ -497,11 +510,11 @@ def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check_qkv(q, k, v)
     _check_form(form, chunk_size)
     dtype = compute_dtype(v.dtype)
-    with _autocast_off(v.device.type):
+    with autocast_off(v.device.type):
         a = log_multipliers(q, decay, gate, log_gate)
         phi_q, phi_k = _features(q, k, feature_map)
         out1 = causal_linear_scan(phi_q, phi_k, _with_ones(v.to(dtype)), a, form, chunk_size)
-        out = _normalize(out1, eps, _steps_seen(q.shape[2], 0, dtype, v.device))
+        out = _normalize(out1, eps, _steps_seen(q.shape[2], dtype, v.device))
     return out.to(v.dtype)
 
 
@@ -528,7 +541,7 @@ def causal_linear_attention_step(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torc
                          f"{list(q_t.shape)}, k_t {list(k_t.shape)}, v_t {list(v_t.shape)}")
     dtype = compute_dtype(v_t.dtype)
     b, h, d = q_t.shape
-    with _autocast_off(v_t.device.type):
+    with autocast_off(v_t.device.type):
         gate = None if gate_t is None else gate_t.unsqueeze(2)
         log_gate = None if log_gate_t is None else log_gate_t.unsqueeze(2)
         a = log_multipliers(q_t.unsqueeze(2), decay, gate, log_gate)
@@ -537,8 +550,7 @@ def causal_linear_attention_step(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torc
                                                                 device=v_t.device)
         steps = state.steps if state is not None else 0
         kv = _advance(kv, phi_k, _with_ones(v_t.to(dtype)), None if a is None else a[:, :, 0])
-        out1 = (phi_q.unsqueeze(-2) @ kv).squeeze(-2)
-        out = out1[..., :-1] / (out1[..., -1:] + eps * (steps + 1))
+        out = _normalize((phi_q.unsqueeze(-2) @ kv).squeeze(-2), eps, steps + 1)
     return out.to(v_t.dtype), CausalState(kv, steps + 1)
 
 
@@ -610,7 +622,7 @@ def bidirectional_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         if order.shape != (n,):
             raise ValueError(f"each order must be a permutation of the N = {n} tokens, got shape {list(order.shape)}")
     dtype = compute_dtype(v.dtype)
-    with _autocast_off(v.device.type):
+    with autocast_off(v.device.type):
         a = log_multipliers(q, decay, gate, log_gate)
         phi_q, phi_k = _features(q, k, feature_map)
         va = _with_ones(v.to(dtype))

@@ -15,15 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from .feature_maps import get_feature_map
-from .linear_attention import compute_dtype, linear_attention_from_features
+from .linear_attention import autocast_off, compute_dtype, linear_attention_from_features
 
 __all__ = ['gaussian_projection', 'favor_features', 'performer_attention', 'adaptive_pooling_matrix',
            'pool_patch_tokens',
            'low_rank_attention', 'gated_linear_attention', 'aft_simple']
-
-
-def _autocast_off(device: torch.device):
-    return torch.autocast(device_type=device.type, enabled=False)
 
 
 def gaussian_projection(num_features: int, dim: int, orthogonal: bool = True,
@@ -87,7 +83,7 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     key_mask as in ``linear_attention``) in float32.
     """
     dtype = compute_dtype(v.dtype)
-    with _autocast_off(v.device):
+    with autocast_off(v.device.type):
         scale = q.shape[-1] ** -0.25
         phi_q = favor_features(q.to(dtype) * scale, projection.to(dtype), is_query=True)
         phi_k = favor_features(k.to(dtype) * scale, projection.to(dtype), is_query=False, key_mask=key_mask)
@@ -130,7 +126,7 @@ def low_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: 
     N x k matrix, tied to one sequence length; pooling on the 2D patch grid (as PVT's spatial reduction) keeps one
     set of weights valid at any image size. Cost O(N size^2 D)."""
     dtype = compute_dtype(v.dtype)
-    with _autocast_off(v.device):
+    with autocast_off(v.device.type):
         keys = pool_patch_tokens(k.to(dtype), grid, num_prefix_tokens, size)
         values = pool_patch_tokens(v.to(dtype), grid, num_prefix_tokens, size)
         out = F.scaled_dot_product_attention(q.to(dtype), keys, values)
@@ -146,7 +142,7 @@ def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     attention lacks); a constant gate cancels in the normaliser."""
     dtype = compute_dtype(v.dtype)
     fn = get_feature_map(feature_map)
-    with _autocast_off(v.device):
+    with autocast_off(v.device.type):
         phi_q = fn(q.to(dtype))
         phi_k = fn(k.to(dtype)) * key_gate.to(dtype)
         out = linear_attention_from_features(phi_q, phi_k, v.to(dtype), eps, key_mask)
@@ -159,7 +155,7 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out_t = sigmoid(q_t) * sum_n softmax_n(k)_n * v_n, the softmax over tokens per channel (max-subtracted, float32).
     key_mask [B, N]: bool (True = a real token) or float weights multiplying each token's exp(k)."""
     dtype = compute_dtype(v.dtype)
-    with _autocast_off(v.device):
+    with autocast_off(v.device.type):
         keys = k.to(dtype)
         if key_mask is not None and key_mask.dtype == torch.bool:
             keys = keys.masked_fill(~key_mask[..., None], float('-inf'))

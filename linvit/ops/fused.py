@@ -25,13 +25,12 @@ The feature map needs a vector-Jacobian product in ``FEATURE_MAP_VJPS``; ``has_f
 Under ``torch.compile`` dynamo traces forward and backward into the graph (no graph break), and inductor fuses
 their elementwise parts with the surrounding kernels.
 """
-import contextlib
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 
 from .feature_maps import FEATURE_MAP_OUTPUT_DERIVATIVES, get_feature_map_vjp
-from .linear_attention import _key_weights, _kv_and_key_sum, check_attention_inputs, compute_dtype
+from .linear_attention import _key_weights, _kv_and_key_sum, autocast_off, check_attention_inputs, compute_dtype
 
 __all__ = ['fused_linear_attention', 'fused_linear_attention_qkv', 'has_fused_backward', 'LinearAttentionFunction',
            'PackedLinearAttentionFunction']
@@ -225,14 +224,6 @@ class PackedLinearAttentionFunction(torch.autograd.Function):
         return grad_qkv.to(ctx.qkv_dtype), None, None, None
 
 
-def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    # autocast has no meta device ("unsupported scalarType"); meta tensors carry shapes only, and the Function casts
-    # to the compute dtype itself, so nothing is lost by skipping it there
-    if device_type == 'meta':
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, enabled=False)
-
-
 def fused_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = 'elu1',
                            eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``linvit.ops.linear_attention`` (same arguments and result, a feature map given by name) with the fused
@@ -240,7 +231,7 @@ def fused_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fe
     check_attention_inputs(q, k, v, key_mask)
     _check_fused_map(feature_map)
     _check_differentiable_mask(key_mask)
-    with _autocast_off(v.device.type):
+    with autocast_off(v.device.type):
         return LinearAttentionFunction.apply(q, k, v, feature_map, eps, key_mask)
 
 
@@ -254,7 +245,7 @@ def fused_linear_attention_qkv(qkv: torch.Tensor, feature_map: str = 'elu1', eps
     check_attention_inputs(q, k, v, key_mask)
     _check_fused_map(feature_map)
     _check_differentiable_mask(key_mask)
-    with _autocast_off(qkv.device.type):
+    with autocast_off(qkv.device.type):
         return PackedLinearAttentionFunction.apply(qkv, feature_map, eps, key_mask)
 
 

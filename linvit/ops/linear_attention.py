@@ -11,6 +11,7 @@ Numerics: half-precision inputs are cast to float32 and the matmuls run with aut
 kv = sum_j phi(k_j) v_j^T grows with N and overflows float16 at image-scale token counts. float64 inputs stay
 float64 (for gradcheck). The result is cast back to the dtype of ``v``.
 """
+import contextlib
 from typing import Callable, Optional, Union
 
 import torch
@@ -21,6 +22,15 @@ from .feature_maps import get_feature_map
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the attention core runs in: float64 stays float64, everything else runs in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """autocast disabled on ``device_type``, for the float32 cores. autocast has no meta device ("unsupported
+    scalarType"); meta tensors carry shapes only and the cores cast to their compute dtype themselves, so nothing is
+    lost by skipping it there."""
+    if device_type == 'meta':
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
