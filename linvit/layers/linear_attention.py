@@ -8,12 +8,14 @@ from ..ops import (
     CausalState,
     causal_linear_attention,
     causal_linear_attention_step,
+    check_attn_backend,
     compute_dtype,
     fused_linear_attention,
     fused_linear_attention_qkv,
     get_feature_map,
     get_inplace_feature_map,
     has_fused_backward,
+    kernel_unsupported_reason,
     linear_attention_from_features,
 )
 from .local_mix import LocalMix
@@ -113,6 +115,9 @@ class LinearAttention(nn.Module):
             (``linvit.ops.causal``), run token by token with ``step``. Needs local_mix=False (the convolution sees
             later patches) and no attn_mask.
         causal_chunk_size: tokens per chunk of the causal scan.
+        attn_backend: who computes the non-causal core (``linvit.ops.ATTN_BACKENDS``): 'auto' (the Triton
+            kernels of ``linvit.ops.attention_op`` on CUDA tensors they serve, the PyTorch path elsewhere),
+            'triton' (the kernels always; an error says why when they cannot serve a call) or 'torch'.
 
     forward: x [B, N, dim] -> [B, N, dim_out]; attn_mask is an optional key-padding mask (see
     ``attn_mask_to_key_mask``); feat_size (H, W) is the patch grid for the local branch.
@@ -144,6 +149,7 @@ class LinearAttention(nn.Module):
             grid_size: Optional[Tuple[int, int]] = None,
             causal: bool = False,
             causal_chunk_size: int = 64,
+            attn_backend: str = 'auto',
             device=None,
             dtype=None,
     ) -> None:
@@ -164,6 +170,10 @@ class LinearAttention(nn.Module):
             raise ValueError(_CAUSAL_LOCAL_MIX)
         if isinstance(causal_chunk_size, bool) or not isinstance(causal_chunk_size, int) or causal_chunk_size < 1:
             raise ValueError(f"causal_chunk_size must be an int >= 1, got {causal_chunk_size!r}")
+        check_attn_backend(attn_backend)
+        if attn_backend == 'triton' and type(self).mix is not LinearAttention.mix:
+            raise ValueError(f"attn_backend='triton': the Triton kernels compute plain linear attention, and "
+                             f"{type(self).__name__} mixes tokens its own way; use attn_backend='auto'")
         head_dim = attn_head_dim if attn_head_dim is not None else dim // num_heads
         dim_out = dim_out or dim
         self.dim = dim
@@ -179,6 +189,7 @@ class LinearAttention(nn.Module):
         self.eps = eps
         self.causal = causal
         self.causal_chunk_size = causal_chunk_size
+        self.attn_backend = attn_backend
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
@@ -194,8 +205,9 @@ class LinearAttention(nn.Module):
         # print(model) should say what each block computes: the map, eps and whether the local branch is on
         local = 'off' if self.local_mix is None else f"{self.local_mix.kernel_size}x{self.local_mix.kernel_size}"
         causal = ', causal=True' if self.causal else ''
+        backend = '' if self.attn_backend == 'auto' else f", attn_backend={self.attn_backend!r}"
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}{causal}")
+                f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}{causal}{backend}")
 
     def _mix_tokens_fused(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the fused Function (training): it keeps as
@@ -209,6 +221,39 @@ class LinearAttention(nn.Module):
             out = fused_linear_attention(self.q_norm(q), self.k_norm(k), v, self.feature_map_name, self.eps,
                                          key_mask).transpose(1, 2)
         return out.reshape(B, N, self.attn_dim)
+
+    @torch.jit.unused
+    def _mix_tokens_op(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the registered op (``linvit.ops.attention_op``:
+        the Triton kernels on GPU), which chooses its implementation from ``attn_backend`` and the tensors."""
+        # the ops themselves, not their checking wrappers: the layer's own projection made qkv, and under fx the
+        # graph then holds the op (which TorchScript can call) rather than a Python function
+        B, N = qkv.shape[0], qkv.shape[1]
+        if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+            out = torch.ops.linvit.linear_attention_qkv(qkv, self.feature_map_name, self.eps, key_mask,
+                                                        self.attn_backend)[0]
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            out = torch.ops.linvit.linear_attention(self.q_norm(q), self.k_norm(k), v, self.feature_map_name,
+                                                    self.eps, key_mask, self.attn_backend)[0].transpose(1, 2)
+        return out.reshape(B, N, self.attn_dim)
+
+    @torch.jit.unused
+    def _calls_op(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
+        """Whether this call goes through the registered op: backend 'triton'; 'auto' on CUDA tensors the kernels
+        serve; and under fx tracing (the op picks its implementation per call, and TorchScript can call it)."""
+        if self.attn_backend == 'torch' or not self.fused_backward:
+            return False
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            return True
+        if key_mask is not None and key_mask.requires_grad:
+            return False  # the op takes key masks as constants; plain autograd differentiates this one
+        if self.attn_backend == 'triton':
+            return True
+        if not qkv.is_cuda:
+            return False
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        return kernel_unsupported_reason(q, k, v, self.feature_map_name, key_mask) is None
 
     def _mix_tokens(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] by the float32 core on mapped features (inference,
@@ -240,6 +285,8 @@ class LinearAttention(nn.Module):
         The other attention families (``linvit.layers.families``) override this and keep the rest of the layer."""
         if torch.jit.is_scripting():  # TorchScript cannot compile an autograd.Function: this branch hides it
             return self._mix_tokens(qkv, key_mask)
+        if self._calls_op(qkv, key_mask):
+            return self._mix_tokens_op(qkv, key_mask)
         if torch.is_grad_enabled() and self.fused_backward:
             return self._mix_tokens_fused(qkv, key_mask)
         return self._mix_tokens(qkv, key_mask)
@@ -312,7 +359,7 @@ class LinearAttention(nn.Module):
 _CAUSAL_LOCAL_MIX = ("causal attention needs local_mix=False: the local branch convolves over neighbouring patches, "
                      "later ones included")
 _LINEAR_ONLY_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size',
-                        'causal', 'causal_chunk_size')
+                        'causal', 'causal_chunk_size', 'attn_backend')
 
 
 def linear_attention_layer(**options) -> Type[LinearAttention]:

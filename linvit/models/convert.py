@@ -134,6 +134,7 @@ def convert_to_linear(
         softmax_blocks: Sequence[int] = (),
         attn_kernel: Optional[str] = None,
         attn_options: Optional[Dict[str, Any]] = None,
+        attn_backend: str = 'auto',
 ) -> nn.Module:
     """Replace the softmax attention of a timm model by linear attention, in place; returns ``model``.
 
@@ -143,6 +144,7 @@ def convert_to_linear(
             (``linvit.list_attention_kinds()``: 'performer', 'linformer', 'gated', 'aft'); default plain linear.
         feature_map: feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1') of the families that use one.
         attn_options: the family's own options (``linvit.layers.FAMILY_OPTIONS``), e.g. {'low_rank_size': 8}.
+        attn_backend: 'auto', 'triton' or 'torch': who computes plain linear attention (``linvit.ops.ATTN_BACKENDS``).
         local_mix: add the zero-initialised depthwise-conv branch (see the module docstring for its grid). Off by
             default, unlike the ``linvit_*`` models: a converted model's forward does not pass the patch grid, so
             the branch only works at the construction grid or square grids.
@@ -155,7 +157,8 @@ def convert_to_linear(
     Raises ValueError naming the module for models with other attention (or none at all).
     """
     family, feature_map = resolve_attention_kind(attn_kernel, feature_map)
-    attention_layer(family, **dict(attn_options or {}))  # unknown options fail before anything changes
+    attn_options = {**dict(attn_options or {}), 'attn_backend': attn_backend}
+    attention_layer(family, **attn_options)  # unknown options fail before anything changes
     if not isinstance(local_mix, bool):
         raise ValueError(f"local_mix must be True or False, got {local_mix!r}")
     sites = attention_sites(model)

@@ -18,6 +18,8 @@ qk_norm, init_values, ...), the attention is chosen by:
                       model as an RNN, patch by patch. A causal checkpoint loads into a non-causal model unchanged.
     local_mix_kernel: its (odd) kernel size (default 3).
     softmax_blocks:   indices of blocks that keep timm's softmax ``Attention`` (a hybrid); default none.
+    attn_backend:     who computes plain linear attention (``linvit.ops.ATTN_BACKENDS``): 'auto' (default: the Triton
+                      kernels on CUDA tensors they serve, the PyTorch path elsewhere), 'triton' or 'torch'.
 
 The model hands the patch grid (H, W) of the current image to every block, so local mixing works at any size,
 square or not, with ``dynamic_img_size=True``. Parameter names equal timm's ViT, so a softmax ViT checkpoint of the
@@ -240,6 +242,7 @@ class LinearVisionTransformer(VisionTransformer):
         softmax_blocks: indices of blocks that keep timm's softmax Attention.
         causal: causal attention in every block (see the module docstring); forward_features(x, is_causal=True)
             does the same for one call.
+        attn_backend: 'auto', 'triton' or 'torch' (``linvit.layers.LinearAttention``'s option of that name).
         **kwargs: VisionTransformer's arguments, except block_fn and attn_layer (chosen by the above).
     """
 
@@ -252,6 +255,7 @@ class LinearVisionTransformer(VisionTransformer):
             attn_kernel: Optional[str] = None,
             attn_options: Optional[Dict[str, Any]] = None,
             causal: bool = False,
+            attn_backend: str = 'auto',
             **kwargs,
     ) -> None:
         family, feature_map = resolve_attention_kind(attn_kernel, feature_map)
@@ -272,7 +276,8 @@ class LinearVisionTransformer(VisionTransformer):
                              f"local_mix convolves over; use local_mix=False with patch dropout")
         kinds = attention_kinds(kwargs.get('depth', 12), softmax_blocks)
         linear_options = dict(family=family, feature_map=feature_map, local_mix=local_mix,
-                              local_mix_kernel=local_mix_kernel, **dict(attn_options or {}))
+                              local_mix_kernel=local_mix_kernel, attn_backend=attn_backend,
+                              **dict(attn_options or {}))
         if causal:
             linear_options['causal'] = True
         attention_layer(**linear_options)  # unknown options fail here, naming them

@@ -1,4 +1,12 @@
 """Pure tensor functions for linear attention. Shapes are [B, H, N, D]; nothing here holds parameters."""
+from .attention_op import (
+    ATTN_BACKENDS,
+    check_attn_backend,
+    kernel_unsupported_reason,
+    linear_attention_op,
+    linear_attention_qkv_op,
+    triton_interpreting,
+)
 from .causal import (
     CAUSAL_FORMS,
     CausalState,
@@ -36,5 +44,6 @@ __all__ = [
     'linear_attention_from_features', 'quadratic_linear_attention', 'fused_linear_attention',
     'fused_linear_attention_qkv', 'has_fused_backward', 'causal_linear_attention', 'causal_linear_attention_step',
     'causal_linear_scan', 'CausalState', 'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays',
-    'CAUSAL_FORMS', 'grid_scan_orders',
+    'CAUSAL_FORMS', 'grid_scan_orders', 'ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason',
+    'linear_attention_op', 'linear_attention_qkv_op', 'triton_interpreting',
 ]

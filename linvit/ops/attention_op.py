@@ -1,0 +1,306 @@
+"""Non-causal linear attention as ``torch.library`` custom ops: the Triton kernels on GPU, the PyTorch path elsewhere.
+
+Four ops in the ``linvit`` namespace, each with a fake (meta) implementation so ``torch.compile``, ``torch.export``
+and CUDA graphs see one opaque node per call, and the two forward ops with a registered autograd formula:
+
+    linvit::linear_attention(q, k, v, feature_map, eps, key_mask, backend) -> (out, S, den)
+    linvit::linear_attention_backward(grad, q, k, v, out, S, den, key_mask, feature_map, backend) -> (dq, dk, dv)
+    linvit::linear_attention_qkv(qkv, feature_map, eps, key_mask, backend) -> (out, S, den)
+    linvit::linear_attention_qkv_backward(grad, qkv, out, S, den, key_mask, feature_map, backend) -> grad_qkv
+
+with q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv] (any strides), qkv timm's packed projection [B, N, 3, H, D],
+key_mask None, [B, N] or [B, H, N] (bool keeps a key, float weighs it; a constant), out [B, H, Nq, Dv] (token-major
+memory) or [B, N, H, D] for the packed op, S [B, H, D, Dv + 1] and den [B, H, Nq, 1] float32 (float64 for float64
+inputs), kept for the backward. The function is ``linvit.ops.linear_attention``'s; the backward is the closed form
+of ``linvit.ops.fused``. The public entry points are ``linear_attention_op`` and ``linear_attention_qkv_op``.
+
+``backend`` (the layers' and models' ``attn_backend``; one of ``ATTN_BACKENDS``), decided inside the op, at run
+time, from the tensors it gets:
+
+    'auto'    the Triton kernels for CUDA tensors they can serve, the PyTorch path otherwise
+    'triton'  the kernels always (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); a ValueError says
+              why when they cannot serve a call (``kernel_unsupported_reason``)
+    'torch'   the PyTorch path (float32 core, autocast off) on every device
+
+Because the op is registered, TorchScript can call it too: an fx-traced linvit model (timm's model tests trace with
+fx, then script the graph) keeps one scriptable node per attention.
+"""
+import importlib.util
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from .feature_maps import get_feature_map_vjp
+from .fused import _attend, _backward, _key_weight_column, _map
+from .linear_attention import autocast_off, check_attention_inputs, compute_dtype
+
+__all__ = ['ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', 'linear_attention_op',
+           'linear_attention_qkv_op', 'triton_interpreting']
+
+#: the values of ``attn_backend`` (layer option, model kwarg, config key ``model.kwargs.attn_backend``)
+ATTN_BACKENDS = ('auto', 'triton', 'torch')
+
+_TRITON_INSTALLED = importlib.util.find_spec('triton') is not None
+# the maps and dtypes the kernels serve (linvit.ops.triton_kernels; not imported here, so `import linvit` stays
+# light and works without Triton)
+_KERNEL_FEATURE_MAPS = {'elu1': 0, 'relu': 1}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_HEAD_DIM = 128
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET=1``): then on CPU tensors."""
+    return os.environ.get('TRITON_INTERPRET', '0') == '1'
+
+
+def check_attn_backend(backend: str) -> str:
+    """Return ``backend`` if it is one of ``ATTN_BACKENDS``, else raise ValueError naming the choices."""
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"attn_backend must be one of {list(ATTN_BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
+                              key_mask: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None when the Triton kernels can compute this call, else why not (one sentence for an error message).
+    q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], key_mask None, [B, N] or [B, H, N]."""
+    if not _TRITON_INSTALLED:
+        return "Triton is not installed"
+    if q.device.type != 'cuda' and not triton_interpreting():
+        return f"the tensors are on {q.device.type}, and the kernels need CUDA (or TRITON_INTERPRET=1)"
+    if feature_map not in _KERNEL_FEATURE_MAPS:
+        return (f"feature map {feature_map!r} is not computed inside the kernels (they have "
+                f"{sorted(_KERNEL_FEATURE_MAPS)})")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _KERNEL_DTYPES:
+        return (f"the kernels take q, k, v of one dtype among float32, bfloat16 and float16, got {q.dtype}, "
+                f"{k.dtype}, {v.dtype}")
+    if q.shape[-1] > _MAX_HEAD_DIM or v.shape[-1] > _MAX_HEAD_DIM:
+        return f"head widths D={q.shape[-1]}, Dv={v.shape[-1]} exceed the kernels' {_MAX_HEAD_DIM}"
+    if key_mask is not None and key_mask.requires_grad:
+        return "key_mask requires grad, and the kernels take it as a constant"
+    if len({q.device, k.device, v.device} | ({key_mask.device} if key_mask is not None else set())) != 1:
+        return "q, k, v and key_mask are on different devices"
+    return None
+
+
+def _uses_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
+                 key_mask: Optional[torch.Tensor]) -> bool:
+    """Whether this call runs the Triton kernels; raises ValueError for backend='triton' when they cannot."""
+    if backend == 'torch':
+        return False
+    reason = kernel_unsupported_reason(q, k, v, feature_map, key_mask)
+    if backend == 'triton':
+        if reason is not None:
+            raise ValueError(f"attn_backend='triton' cannot serve this call: {reason}; use attn_backend='auto' or "
+                             f"'torch'")
+        return True
+    return reason is None and q.device.type == 'cuda'
+
+
+def _kernel_weights(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """key_mask None, [B, N] or [B, H, N] -> None or float32 key weights [B, H|1, N] for the kernels."""
+    if key_mask is None:
+        return None
+    w = key_mask.to(torch.float32)
+    return w.unsqueeze(1) if w.dim() == 2 else w
+
+
+# ---------------------------------------------------------------- the forward ops
+
+def _forward_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str, eps: float,
+                   key_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PyTorch path: (out [B, H, Nq, Dv] token-major in v's dtype, S, den) in the compute dtype."""
+    dtype = compute_dtype(v.dtype)
+    with autocast_off(v.device.type):
+        w = _key_weight_column(key_mask, dtype)
+        out, s, den = _attend(_map(feature_map, q.to(dtype)), _map(feature_map, k.to(dtype)), v.to(dtype), eps, w,
+                              v.dtype)
+    return out, s.contiguous(), den
+
+
+def _forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, feature_map: str,
+                    eps: float, key_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernels: write out (shape of the result, any strides); return (S, den)."""
+    from . import triton_kernels
+    return triton_kernels.forward(q, k, v, out, _KERNEL_FEATURE_MAPS[feature_map], eps, _kernel_weights(key_mask))
+
+
+@torch.library.custom_op('linvit::linear_attention', mutates_args=())
+def _linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str, eps: float,
+                      key_mask: Optional[torch.Tensor], backend: str) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    if not _uses_kernel(backend, q, k, v, feature_map, key_mask):
+        return _forward_torch(q, k, v, feature_map, eps, key_mask)
+    out = _token_major(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q)
+    s, den = _forward_kernel(q, k, v, out, feature_map, eps, key_mask)
+    return out, s, den
+
+
+def _token_major(b: int, h: int, n: int, dv: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty [B, H, N, Dv] tensor as a view of [B, N, H, Dv] memory (what the projection after attention reads)."""
+    return torch.empty(b, n, h, dv, dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def _state_like(q: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Empty (S [B, H, D, Dv + 1], den [B, H, Nq, 1]) in the compute dtype of v."""
+    dtype = compute_dtype(v.dtype)
+    b, h, nq, d = q.shape
+    s = torch.empty(b, h, d, v.shape[3] + 1, dtype=dtype, device=q.device)
+    return s, torch.empty(b, h, nq, 1, dtype=dtype, device=q.device)
+
+
+@_linear_attention.register_fake
+def _(q, k, v, feature_map, eps, key_mask, backend):
+    return (_token_major(q.shape[0], q.shape[1], q.shape[2], v.shape[3], v), *_state_like(q, v))
+
+
+def _unpack(qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, N, 3, H, D] -> q, k, v as [B, H, N, D] views."""
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, v
+
+
+@torch.library.custom_op('linvit::linear_attention_qkv', mutates_args=())
+def _linear_attention_qkv(qkv: torch.Tensor, feature_map: str, eps: float, key_mask: Optional[torch.Tensor],
+                          backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = _unpack(qkv)
+    if not _uses_kernel(backend, q, k, v, feature_map, key_mask):
+        out, s, den = _forward_torch(q, k, v, feature_map, eps, key_mask)
+        return out.transpose(1, 2), s, den
+    b, n, _, h, d = qkv.shape
+    out = torch.empty(b, n, h, d, dtype=qkv.dtype, device=qkv.device)
+    s, den = _forward_kernel(q, k, v, out.transpose(1, 2), feature_map, eps, key_mask)
+    return out, s, den
+
+
+@_linear_attention_qkv.register_fake
+def _(qkv, feature_map, eps, key_mask, backend):
+    b, n, _, h, d = qkv.shape
+    q, _k, v = _unpack(qkv)
+    return (qkv.new_empty(b, n, h, d), *_state_like(q, v))
+
+
+# ---------------------------------------------------------------- the backward ops
+
+def _backward_torch(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    s: torch.Tensor, den: torch.Tensor, key_mask: Optional[torch.Tensor],
+                    feature_map: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PyTorch path's closed-form backward: (dq, dk, dv) in the compute dtype (s's)."""
+    dtype = s.dtype
+    with autocast_off(v.device.type):
+        w = _key_weight_column(key_mask, dtype)
+        return _backward(grad.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), feature_map, w, s, den,
+                         out.to(dtype))
+
+
+def _backward_kernel(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     s: torch.Tensor, den: torch.Tensor, key_mask: Optional[torch.Tensor], feature_map: str,
+                     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """The Triton kernels: write dq, dk, dv (shapes of q, k, v, any strides)."""
+    from . import triton_kernels
+    triton_kernels.backward(grad, q, k, v, out, s, den, dq, dk, dv, _KERNEL_FEATURE_MAPS[feature_map],
+                            _kernel_weights(key_mask))
+
+
+@torch.library.custom_op('linvit::linear_attention_backward', mutates_args=())
+def _linear_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, s: torch.Tensor, den: torch.Tensor,
+                               key_mask: Optional[torch.Tensor], feature_map: str,
+                               backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _uses_kernel(backend, q, k, v, feature_map, key_mask):
+        dq, dk, dv = _backward_torch(grad, q, k, v, out, s, den, key_mask, feature_map)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _backward_kernel(grad, q, k, v, out, s, den, key_mask, feature_map, dq, dk, dv)
+    return dq, dk, dv
+
+
+@_linear_attention_backward.register_fake
+def _(grad, q, k, v, out, s, den, key_mask, feature_map, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op('linvit::linear_attention_qkv_backward', mutates_args=())
+def _linear_attention_qkv_backward(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, s: torch.Tensor,
+                                   den: torch.Tensor, key_mask: Optional[torch.Tensor], feature_map: str,
+                                   backend: str) -> torch.Tensor:
+    # one [B, N, 3, H, D] gradient: the layout of the projection's output, which its backward reads
+    q, k, v = _unpack(qkv)
+    grad, out = grad.transpose(1, 2), out.transpose(1, 2)  # [B, H, N, D] views
+    if not _uses_kernel(backend, q, k, v, feature_map, key_mask):
+        dq, dk, dv = _backward_torch(grad, q, k, v, out, s, den, key_mask, feature_map)
+        return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2).to(qkv.dtype)
+    grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    dq, dk, dv = _unpack(grad_qkv)
+    _backward_kernel(grad, q, k, v, out, s, den, key_mask, feature_map, dq, dk, dv)
+    return grad_qkv
+
+
+@_linear_attention_qkv_backward.register_fake
+def _(grad, qkv, out, s, den, key_mask, feature_map, backend):
+    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+
+
+# ---------------------------------------------------------------- autograd
+
+def _setup_context(ctx, inputs, output) -> None:
+    *tensors, feature_map, eps, key_mask, backend = inputs
+    out, s, den = output
+    ctx.save_for_backward(*tensors, out, s, den, key_mask)
+    ctx.feature_map, ctx.backend = feature_map, backend
+    ctx.mark_non_differentiable(s, den)
+
+
+def _attention_backward(ctx, grad, _grad_s, _grad_den):
+    q, k, v, out, s, den, key_mask = ctx.saved_tensors
+    dq, dk, dv = torch.ops.linvit.linear_attention_backward(grad, q, k, v, out, s, den, key_mask, ctx.feature_map,
+                                                            ctx.backend)
+    return dq, dk, dv, None, None, None, None
+
+
+def _attention_qkv_backward(ctx, grad, _grad_s, _grad_den):
+    qkv, out, s, den, key_mask = ctx.saved_tensors
+    grad_qkv = torch.ops.linvit.linear_attention_qkv_backward(grad, qkv, out, s, den, key_mask, ctx.feature_map,
+                                                              ctx.backend)
+    return grad_qkv, None, None, None, None
+
+
+torch.library.register_autograd('linvit::linear_attention', _attention_backward, setup_context=_setup_context)
+torch.library.register_autograd('linvit::linear_attention_qkv', _attention_qkv_backward,
+                                setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- entry points
+
+def _check_op_arguments(feature_map: str, key_mask: Optional[torch.Tensor], backend: str) -> None:
+    check_attn_backend(backend)
+    if get_feature_map_vjp(feature_map) is None:  # unknown names raise here, listing the known maps
+        raise ValueError(f"feature map {feature_map!r} has no registered vector-Jacobian product, which the "
+                         f"attention op's backward needs: use linvit.ops.linear_attention")
+    if key_mask is not None and key_mask.requires_grad:
+        raise ValueError("the attention op takes key_mask as a constant; a key_mask that requires grad needs "
+                         "linvit.ops.linear_attention (plain autograd)")
+
+
+def linear_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = 'elu1',
+                        eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None,
+                        backend: str = 'auto') -> torch.Tensor:
+    """``linvit.ops.linear_attention`` as the registered op (Triton kernels on GPU, see the module docstring).
+
+    q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv] (any strides), key_mask None, [B, N] or [B, H, N] (a constant)
+    -> [B, H, Nq, Dv] in v's dtype (token-major memory). Differentiable in q, k and v."""
+    check_attention_inputs(q, k, v, key_mask)
+    _check_op_arguments(feature_map, key_mask, backend)
+    return torch.ops.linvit.linear_attention(q, k, v, feature_map, eps, key_mask, backend)[0]
+
+
+def linear_attention_qkv_op(qkv: torch.Tensor, feature_map: str = 'elu1', eps: float = 1e-6,
+                            key_mask: Optional[torch.Tensor] = None, backend: str = 'auto') -> torch.Tensor:
+    """Self-attention on timm's packed projection as the registered op: qkv [B, N, 3, H, D] -> [B, N, H, D] in
+    qkv's dtype; its gradient is one [B, N, 3, H, D] tensor. key_mask None, [B, N] or [B, H, N] (a constant)."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"linear_attention_qkv_op expects qkv of shape [B, N, 3, H, D], got {list(qkv.shape)}")
+    check_attention_inputs(*_unpack(qkv), key_mask)
+    _check_op_arguments(feature_map, key_mask, backend)
+    return torch.ops.linvit.linear_attention_qkv(qkv, feature_map, eps, key_mask, backend)[0]
