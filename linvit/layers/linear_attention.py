@@ -55,6 +55,13 @@ def causal_call(is_causal: bool, causal_default: bool) -> bool:
     return is_causal or causal_default
 
 
+def exporting() -> bool:
+    """Whether the call is being exported or traced (torch.onnx's TorchScript exporter, torch.jit.trace,
+    torch.export): then the layers take the PyTorch path, whose graph of aten ops every exporter and runtime knows,
+    rather than the registered op or the autograd Function."""
+    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or torch.compiler.is_exporting()
+
+
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     """Cast to the attention core's dtype (float32, or float64 for float64 inputs)."""
     return x.to(compute_dtype(x.dtype))
@@ -164,13 +171,15 @@ class LinearAttention(nn.Module):
                              f"use proj_drop or drop_path instead")
         if eps <= 0:
             raise ValueError(f"eps must be > 0, got {eps}")
+        check_attn_backend(attn_backend)
         if causal and not self.supports_causal:
             raise ValueError(self._no_causal_form())
         if causal and local_mix:
             raise ValueError(_CAUSAL_LOCAL_MIX)
+        if causal and attn_backend == 'triton':
+            raise ValueError(_CAUSAL_TRITON)
         if isinstance(causal_chunk_size, bool) or not isinstance(causal_chunk_size, int) or causal_chunk_size < 1:
             raise ValueError(f"causal_chunk_size must be an int >= 1, got {causal_chunk_size!r}")
-        check_attn_backend(attn_backend)
         if attn_backend == 'triton' and type(self).mix is not LinearAttention.mix:
             raise ValueError(f"attn_backend='triton': the Triton kernels compute plain linear attention, and "
                              f"{type(self).__name__} mixes tokens its own way; use attn_backend='auto'")
@@ -242,7 +251,7 @@ class LinearAttention(nn.Module):
     def _calls_op(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
         """Whether this call goes through the registered op: backend 'triton'; 'auto' on CUDA tensors the kernels
         serve; and under fx tracing (the op picks its implementation per call, and TorchScript can call it)."""
-        if self.attn_backend == 'torch' or not self.fused_backward:
+        if self.attn_backend == 'torch' or not self.fused_backward or exporting():
             return False
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
             return True
@@ -287,7 +296,7 @@ class LinearAttention(nn.Module):
             return self._mix_tokens(qkv, key_mask)
         if self._calls_op(qkv, key_mask):
             return self._mix_tokens_op(qkv, key_mask)
-        if torch.is_grad_enabled() and self.fused_backward:
+        if torch.is_grad_enabled() and self.fused_backward and not exporting():
             return self._mix_tokens_fused(qkv, key_mask)
         return self._mix_tokens(qkv, key_mask)
 
@@ -310,6 +319,8 @@ class LinearAttention(nn.Module):
             raise ValueError(self._no_causal_form())
         if self.local_mix is not None:
             raise ValueError(_CAUSAL_LOCAL_MIX)
+        if self.attn_backend == 'triton':
+            raise ValueError(_CAUSAL_TRITON)
         check_causal_mask(attn_mask)
 
     def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -358,6 +369,8 @@ class LinearAttention(nn.Module):
 
 _CAUSAL_LOCAL_MIX = ("causal attention needs local_mix=False: the local branch convolves over neighbouring patches, "
                      "later ones included")
+_CAUSAL_TRITON = ("attn_backend='triton': the Triton kernels compute non-causal attention; causal attention runs the "
+                  "chunked scan of linvit.ops.causal (use attn_backend='auto')")
 _LINEAR_ONLY_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size',
                         'causal', 'causal_chunk_size', 'attn_backend')
 
