@@ -64,8 +64,9 @@ def _key_pass(k_ptr, v_ptr, w_ptr, part_ptr, N, H, TOKENS_PER_PROG,
     """part [B * H, chunks, D, DV + 1] <- [K'^T V | K'^T 1] over this program's chunk of keys."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    # 64-bit offsets: a sample's slice of a large packed projection can pass 2^31 elements
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
     kv = tl.zeros((BLOCK_D, BLOCK_DV), dtype=tl.float32)
@@ -105,8 +106,9 @@ def _query_pass(q_ptr, s_ptr, count_ptr, out_ptr, den_ptr, NQ, H, eps_count,
     s: [B * H, D, DV + 1] float32 contiguous; den: [B * H, Nq] float32."""
     block = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    # 64-bit offsets: a sample's slice of a large packed projection can pass 2^31 elements
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
@@ -138,8 +140,9 @@ def _grad_query(q_ptr, g_ptr, o_ptr, den_ptr, s_ptr, dq_ptr, part_ptr, NQ, H, TO
     dq = phi'(q) * (G' S^T) and part [B * H, chunks, D, DV + 1] <- phi(q)^T G' (the chunk's share of dS)."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    # 64-bit offsets: a sample's slice of a large packed projection can pass 2^31 elements
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
     s_base = s_ptr + bh * D * (DV + 1)
@@ -186,8 +189,9 @@ def _grad_key(k_ptr, v_ptr, w_ptr, ds_ptr, dk_ptr, dv_ptr, N, H,
     dk = phi'(k) * w * dK', dv = K' dS[:, :DV]; masked keys get exactly zero gradients."""
     block = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    # 64-bit offsets: a sample's slice of a large packed projection can pass 2^31 elements
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
