@@ -123,3 +123,14 @@ def test_backend_option_reaches_every_layer_and_errors_name_the_reason():
     layer = LinearAttention(64, num_heads=2, feature_map='focused', attn_backend='triton')
     with pytest.raises(ValueError, match="feature map 'focused' is not computed inside the kernels"):
         layer(torch.randn(1, 5, 64, requires_grad=True))
+
+
+def test_a_model_forced_onto_the_kernels_exports_through_the_pytorch_path(tmp_path):
+    """Exporters see the aten graph of the PyTorch path, whatever attn_backend says; onnxruntime agrees with eager."""
+    from linvit.export import export_onnx
+
+    torch.manual_seed(4)
+    model = timm.create_model('linvit_tiny_patch16_224', img_size=64, depth=2, num_classes=3, attn_backend='triton',
+                              dynamic_img_size=True).eval()
+    report = export_onnx(model, tmp_path / 'kernel_model.onnx', img_size=64)
+    assert report.checks and all(check.max_rel < 1e-4 for check in report.checks)
