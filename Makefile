@@ -8,7 +8,7 @@ CONSTRAINTS := requirements/constraints.txt
 PYTEST_ARGS ?=
 MUTATION_WORKERS ?= 2
 
-.PHONY: setup demo demo-cls test lint bench mutation clean
+.PHONY: setup demo demo-cls test lint bench gpu-check gpu-prep mutation clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,32 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py
+
+# the GPU check (README: GPU check): kernel parity and speed, ViT-S/B speed against timm's softmax ViT and the floor,
+# linvit-Tiny vs ViT-Tiny quality, on the first CUDA device in at most 6 minutes -> runs/gpu_check/. It installs
+# nothing: it runs .venv's python when there is one, else python3 (on a GPU machine: make gpu-check PY=python3).
+FMNIST_DIR ?= /usr/share/datasets/fashion-mnist
+GPU_CHECK_ARGS ?=
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_check.py --device cuda:0 \
+		--fmnist-dir $(FMNIST_DIR) $(GPU_CHECK_ARGS)
+
+# what a GPU machine lacks, for the device's run to carry (git-ignored via .git/info/exclude): .whl/ holds the cp312
+# wheels of the training stack the GPU image does not ship (versions from the constraints), .gpudata/ the
+# Fashion-MNIST IDX files (Debian's dataset-fashion-mnist). README (GPU check) has the command that uses them.
+GPU_WHEELS := albumentations albucore simsimd stringzilla omegaconf pydantic pydantic_core annotated-types \
+	typing-inspection typing_extensions timm
+gpu-prep:
+	grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
+	grep -qx '/.gpudata/' .git/info/exclude || echo /.gpudata/ >> .git/info/exclude
+	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$(foreach w,$(GPU_WHEELS),$(shell grep -i '^$(subst _,[-_],$(w))==' $(CONSTRAINTS)))
+	test -f .gpudata/fashion-mnist/train-images-idx3-ubyte.gz || ( mkdir -p .gpudata/deb && cd .gpudata/deb && \
+		apt-get download dataset-fashion-mnist && dpkg -x dataset-fashion-mnist_*.deb root && \
+		mkdir -p ../fashion-mnist && cp root/usr/share/datasets/fashion-mnist/* ../fashion-mnist/ ) && \
+		rm -rf .gpudata/deb
 
 # mutation testing, not part of make test: mutmut mutates linvit/ops, linvit/layers and linvit/models one change at
 # a time and runs the tests that cover each change (.ci/mutation/setup.cfg), in a fresh copy of the tracked tree under
