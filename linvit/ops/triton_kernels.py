@@ -234,6 +234,18 @@ def _num_warps(block_d: int, block_dv: int) -> int:
     return 8 if block_d * block_dv > 64 * 64 else 4
 
 
+def _num_stages(block_d: int, block_dv: int) -> int:
+    """Software-pipelining depth of the token loops: Triton's default 3, or 2 for heads wider than 64 (the float32
+    backward's query tile at D = Dv = 128 needs 172 KiB of shared memory at 3 stages, 139 KiB at 2; sm_80 has 163)."""
+    return 3 if block_d * block_dv <= 64 * 64 else 2
+
+
+def _tile_tokens(block_d: int, block_dv: int) -> int:
+    """Tokens per tile: 64, or 32 for heads wider than 64 (the backward's key tile at D = Dv = 128 and 64 tokens
+    needs 160 KiB of shared memory, more than GPUs before Hopper have)."""
+    return _BLOCK_TOKENS if block_d * block_dv <= 64 * 64 else _BLOCK_TOKENS // 2
+
+
 def _precision(dtype: torch.dtype) -> str:
     return 'ieee' if dtype == torch.float32 else 'tf32'
 
@@ -262,10 +274,11 @@ def _weights(key_weight: Optional[torch.Tensor], k: torch.Tensor) -> Tuple[torch
     return key_weight, (key_weight.stride(0), h_stride, key_weight.stride(2))
 
 
-def _eps_count(eps: float, n_keys: int, key_weight: Optional[torch.Tensor]) -> Tuple[float, torch.Tensor, int, int]:
+def _eps_count(eps: float, n_keys: int,
+               key_weight: Optional[torch.Tensor]) -> Tuple[float, Optional[torch.Tensor], int, int]:
     """(eps * N, count tensor, its b and h strides): the normaliser's eps term, per head when keys are weighted."""
     if key_weight is None:
-        return eps * n_keys, torch.empty(0), 0, 0
+        return eps * n_keys, key_weight, 0, 0  # no count tensor: the kernel reads none
     # every key masked: num and den are exactly 0; a tiny count keeps 0 / (0 + eps * count) at 0
     count = eps * key_weight.sum(dim=-1).clamp_min(1e-30)  # [B, H|1]
     return 0.0, count, count.stride(0), 0 if count.shape[1] == 1 else count.stride(1)
@@ -281,19 +294,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     heads = B * H
     block_d, block_dv = _block_width(D), _block_width(DV)
     meta = dict(D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, MAP=map_id, PRECISION=_precision(q.dtype),
-                num_warps=_num_warps(block_d, block_dv))
+                num_warps=_num_warps(block_d, block_dv), num_stages=_num_stages(block_d, block_dv))
+    tile = _tile_tokens(block_d, block_dv)
     w, w_strides = _weights(key_weight, k)
     tokens, chunks = _chunking(N, heads, q.device)
     part = torch.empty(heads, chunks, D, DV + 1, dtype=torch.float32, device=q.device)
     _key_pass[(chunks, heads)](k, v, w, part, N, H, tokens, *k.stride(), *v.stride(), *w_strides,
-                               BLOCK_N=_BLOCK_TOKENS, HAS_W=key_weight is not None, **meta)
+                               BLOCK_N=tile, HAS_W=key_weight is not None, **meta)
     s = part.sum(dim=1)  # [B * H, D, Dv + 1], a fixed-order reduction
     eps_count, count, count_b, count_h = _eps_count(eps, N, key_weight)
-    count = count.to(q.device) if key_weight is not None else s
+    count = s if count is None else count  # a pointer the kernel never reads (None pointers differ across Tritons)
     den = torch.empty(heads, NQ, dtype=torch.float32, device=q.device)
-    _query_pass[(triton.cdiv(NQ, _BLOCK_TOKENS), heads)](
+    _query_pass[(triton.cdiv(NQ, tile), heads)](
         q, s, count, out, den, NQ, H, eps_count, *q.stride(), *out.stride(), count_b, count_h,
-        BLOCK_M=_BLOCK_TOKENS, HAS_W=key_weight is not None, **meta)
+        BLOCK_M=tile, HAS_W=key_weight is not None, **meta)
     return s.view(B, H, D, DV + 1), den.view(B, H, NQ, 1)
 
 
@@ -307,14 +321,15 @@ def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     heads = B * H
     block_d, block_dv = _block_width(D), _block_width(DV)
     meta = dict(D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, MAP=map_id, PRECISION=_precision(q.dtype),
-                num_warps=_num_warps(block_d, block_dv))
+                num_warps=_num_warps(block_d, block_dv), num_stages=_num_stages(block_d, block_dv))
+    tile = _tile_tokens(block_d, block_dv)
     s, den = s.contiguous(), den.contiguous()
     tokens, chunks = _chunking(NQ, heads, q.device)
     part = torch.empty(heads, chunks, D, DV + 1, dtype=torch.float32, device=q.device)
     _grad_query[(chunks, heads)](q, grad, out, den, s, dq, part, NQ, H, tokens, *q.stride(), *grad.stride(),
-                                 *out.stride(), *dq.stride(), BLOCK_M=_BLOCK_TOKENS, **meta)
+                                 *out.stride(), *dq.stride(), BLOCK_M=tile, **meta)
     grad_s = part.sum(dim=1)
     w, w_strides = _weights(key_weight, k)
-    _grad_key[(triton.cdiv(N, _BLOCK_TOKENS), heads)](
+    _grad_key[(triton.cdiv(N, tile), heads)](
         k, v, w, grad_s, dk, dv, N, H, *k.stride(), *v.stride(), *w_strides, *dk.stride(), *dv.stride(),
-        BLOCK_N=_BLOCK_TOKENS, HAS_W=key_weight is not None, **meta)
+        BLOCK_N=tile, HAS_W=key_weight is not None, **meta)
