@@ -24,15 +24,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import FEATURE_MAPS, list_feature_maps
-from ..ops.causal import SCAN_ORDERS, bidirectional_linear_attention, grid_scan_orders, retention_decays
+from ..ops.causal import SCAN_ORDERS, bidirectional_linear_attention_op, grid_scan_orders, retention_decays
 from ..ops.families import (
     aft_simple,
-    gated_linear_attention,
+    gated_linear_attention_from_features,
     gaussian_projection,
     low_rank_attention,
     performer_attention,
 )
-from .linear_attention import _LINEAR_ONLY_OPTIONS, LinearAttention, configured_layer
+from .linear_attention import _LINEAR_ONLY_OPTIONS, LinearAttention, configured_layer, to_compute_dtype
 from .local_mix import resolve_token_grid
 
 __all__ = ['PerformerAttention', 'LowRankAttention', 'GatedLinearAttention', 'AFTAttention', 'BidirectionalAttention',
@@ -40,13 +40,32 @@ __all__ = ['PerformerAttention', 'LowRankAttention', 'GatedLinearAttention', 'AF
            'FAMILY_OPTIONS', 'attention_layer', 'list_attention_kinds', 'resolve_attention_kind',
            'redraw_random_features', 'FAMILIES_WITH_FEATURE_MAP']
 
+
+def check_no_key_mask(key_mask: Optional[torch.Tensor], family: str, reason: str) -> None:
+    """ValueError for a key mask where ``family`` cannot apply one (an fx leaf: under tracing the mask is a graph
+    value, checked when the graph runs)."""
+    if key_mask is not None:
+        raise ValueError(family + " attention " + reason + " and cannot apply a key mask")
+
+
+def check_token_key_mask(key_mask: Optional[torch.Tensor]) -> None:
+    """ValueError for a per-head key mask [B, H, N], which AFT cannot apply (an fx leaf, as ``check_no_key_mask``)."""
+    if key_mask is not None and key_mask.dim() == 3:
+        raise ValueError("aft attention takes a key mask per token [B, N], not per head")
+
+
+# leaves for torch.fx: the ops branch on shapes and masks; every one of them also compiles with TorchScript, which
+# timm's model tests run on the traced graph
 torch.fx.wrap('performer_attention')
 torch.fx.wrap('low_rank_attention')
-torch.fx.wrap('gated_linear_attention')
+torch.fx.wrap('gated_linear_attention_from_features')
 torch.fx.wrap('aft_simple')
-torch.fx.wrap('bidirectional_linear_attention')
+torch.fx.wrap('bidirectional_linear_attention_op')
 torch.fx.wrap('grid_scan_orders')
 torch.fx.wrap('resolve_token_grid')
+torch.fx.wrap('check_no_key_mask')
+torch.fx.wrap('check_token_key_mask')
+torch.fx.wrap('to_compute_dtype')
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -54,10 +73,10 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def _normed_heads(layer: LinearAttention, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [B, N, 3, H, D] -> q, k (through the layer's q/k norms), v, each [B, H, N, D]."""
+def _split_heads(qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, N, 3, H, D] -> q, k, v, each [B, H, N, D] (views; the layer applies its q/k norms)."""
     q, k, v = qkv.unbind(2)
-    return layer.q_norm(_heads_first(q)), layer.k_norm(_heads_first(k)), _heads_first(v)
+    return _heads_first(q), _heads_first(k), _heads_first(v)
 
 
 def _token_layout(kwargs: Dict[str, Any]) -> Tuple[int, Optional[Tuple[int, int]]]:
@@ -108,8 +127,9 @@ class PerformerAttention(LinearAttention):
 
     def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
             feat_size: Optional[List[int]]) -> torch.Tensor:
-        q, k, v = _normed_heads(self, qkv)
-        return _tokens_last(performer_attention(q, k, v, self.projection, self.eps, key_mask))
+        q, k, v = _split_heads(qkv)
+        return _tokens_last(performer_attention(self.q_norm(q), self.k_norm(k), v, self.projection, self.eps,
+                                                key_mask))
 
 
 class LowRankAttention(LinearAttention):
@@ -137,11 +157,11 @@ class LowRankAttention(LinearAttention):
 
     def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
             feat_size: Optional[List[int]]) -> torch.Tensor:
-        if key_mask is not None:
-            raise ValueError("linformer attention pools keys over the patch grid and cannot apply a key mask")
+        check_no_key_mask(key_mask, 'linformer', 'pools keys over the patch grid')
         grid = resolve_token_grid(qkv.shape[1], self.num_prefix_tokens, self.grid_size, feat_size)
-        q, k, v = _normed_heads(self, qkv)
-        return _tokens_last(low_rank_attention(q, k, v, grid, self.num_prefix_tokens, self.low_rank_size))
+        q, k, v = _split_heads(qkv)
+        return _tokens_last(low_rank_attention(self.q_norm(q), self.k_norm(k), v, grid, self.num_prefix_tokens,
+                                               self.low_rank_size))
 
 
 class GatedLinearAttention(LinearAttention):
@@ -164,9 +184,13 @@ class GatedLinearAttention(LinearAttention):
     def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
             feat_size: Optional[List[int]]) -> torch.Tensor:
         B, N = qkv.shape[0], qkv.shape[1]
-        q, k, v = _normed_heads(self, qkv)
+        q, k, v = _split_heads(qkv)
         gate = _heads_first(torch.sigmoid(self.key_gate(x)).reshape(B, N, self.num_heads, self.head_dim))
-        return _tokens_last(gated_linear_attention(q, k, v, gate, self.feature_map_name, self.eps, key_mask))
+        # the layer applies its map (a function TorchScript compiles), as LinearAttention does; the op
+        # gated_linear_attention(..., feature_map name) computes the same
+        phi_q = self.feature_map(to_compute_dtype(self.q_norm(q)))
+        phi_k = self.feature_map(to_compute_dtype(self.k_norm(k)))
+        return _tokens_last(gated_linear_attention_from_features(phi_q, phi_k, v, gate, self.eps, key_mask))
 
 
 class AFTAttention(LinearAttention):
@@ -187,8 +211,7 @@ class AFTAttention(LinearAttention):
             feat_size: Optional[List[int]]) -> torch.Tensor:
         B, N = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.unbind(2)                                                            # [B, N, H, D]
-        if key_mask is not None and key_mask.dim() == 3:
-            raise ValueError("aft attention takes a key mask per token [B, N], not per head")
+        check_token_key_mask(key_mask)
         q = self.q_norm(q).reshape(B, N, self.attn_dim)
         k = self.k_norm(k).reshape(B, N, self.attn_dim)
         return aft_simple(q, k, v.reshape(B, N, self.attn_dim), key_mask)
@@ -249,6 +272,7 @@ class BidirectionalAttention(LinearAttention):
         # in bfloat16) and that the state_dict need not carry
         self.decays = decays
         self.scan_gate: Optional[nn.Linear] = None
+        self.gate_temperature = GATE_TEMPERATURE  # an attribute: TorchScript reads no global floats
         if data_gate:
             self.scan_gate = nn.Linear(dim, self.attn_dim, device=device, dtype=self.qkv.weight.dtype)
             if device.type != 'meta':
@@ -262,18 +286,21 @@ class BidirectionalAttention(LinearAttention):
 
     def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
             feat_size: Optional[List[int]]) -> torch.Tensor:
-        if key_mask is not None:
-            raise ValueError("bidirectional attention scans the patch grid and cannot apply a key mask")
+        check_no_key_mask(key_mask, 'bidirectional', 'scans the patch grid')
         B, N = qkv.shape[0], qkv.shape[1]
         grid = resolve_token_grid(N, self.num_prefix_tokens, self.grid_size, feat_size)
         orders = grid_scan_orders(grid, self.num_prefix_tokens, self.scan_orders, qkv.device)
-        q, k, v = _normed_heads(self, qkv)
+        q, k, v = _split_heads(qkv)
+        q, k = self.q_norm(q), self.k_norm(k)
         log_gate = None
         if self.scan_gate is not None:
             log_gate = _heads_first(F.logsigmoid(self.scan_gate(x)).reshape(B, N, self.num_heads, self.head_dim))
-            log_gate = log_gate / GATE_TEMPERATURE
-        out = bidirectional_linear_attention(q, k, v, self.feature_map_name, decay=self.decays, log_gate=log_gate,
-                                             eps=self.eps, chunk_size=self.scan_chunk_size, orders=orders)
+            log_gate = log_gate / self.gate_temperature
+        decays: Optional[List[float]] = None
+        if self.decays is not None:
+            decays = [float(d) for d in self.decays]  # a list: TorchScript's type for the op's argument
+        out = bidirectional_linear_attention_op(q, k, v, self.feature_map_name, decays, log_gate, self.eps,
+                                                self.scan_chunk_size, orders)
         return _tokens_last(out)
 
 

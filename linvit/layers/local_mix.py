@@ -91,10 +91,20 @@ class LocalMix(nn.Module):
     def add_to(self, out: torch.Tensor, v: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """out [B, N, H * Dv] + forward(v).
 
-        Without autograd (and outside torch.compile, which fuses the out-of-place sum) the term is added in place
-        into out's patch rows: ``out`` must then be a tensor the caller owns.
+        Without autograd (outside torch.compile, which fuses the out-of-place sum, and outside fx tracing) the term
+        is added in place into out's patch rows: ``out`` must then be a tensor the caller owns.
         """
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or _fx_tracing():
             return out + self.forward(v, feat_size)
         out[:, self.num_prefix_tokens:].add_(self.patch_term(v, feat_size))
         return out
+
+
+def _fx_tracing() -> bool:
+    """Whether torch.fx is tracing (False under TorchScript, which cannot ask). An fx graph must get the
+    out-of-place sum: the in-place add into a slice of out returns a value nothing reads, and the dead-code
+    elimination of torchvision's (and timm's) feature extraction removes it with the convolution, silently dropping
+    the local term from graphs traced without autograd."""
+    if torch.jit.is_scripting():
+        return False
+    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()

@@ -37,8 +37,9 @@ from .feature_maps import FeatureMap, get_feature_map
 from .linear_attention import autocast_off, compute_dtype
 
 __all__ = ['causal_linear_attention', 'causal_linear_attention_step', 'CausalState', 'causal_linear_scan',
-           'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays', 'log_multipliers',
-           'grid_scan_orders', 'SCAN_ORDERS', 'CAUSAL_FORMS', 'LOG_MULTIPLIER_MIN']
+           'ChunkedCausalScan', 'bidirectional_linear_attention', 'bidirectional_linear_attention_op',
+           'retention_decays', 'log_multipliers', 'grid_scan_orders', 'SCAN_ORDERS', 'CAUSAL_FORMS',
+           'LOG_MULTIPLIER_MIN']
 
 Decay = Union[None, float, Sequence[float], torch.Tensor]
 
@@ -213,7 +214,13 @@ def _pad_to_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
     # padded even by 0 tokens, to an explicit count of at least 2 chunks: no branch on the length and no size-1
     # chunk dimension, whose layout torch.export would specialise, so an exported graph keeps N symbolic
     n = t.shape[2]
-    num_chunks = torch.sym_max(2, (n + chunk - 1) // chunk)
+    if torch.jit.is_tracing():
+        # torch.jit.trace (torch.onnx's TorchScript exporter) records sizes as tensors, which sym_max does not take;
+        # that exporter keeps only the batch dynamic, so the token count is a constant of its graph anyway
+        n = int(n)
+        num_chunks = max(2, (n + chunk - 1) // chunk)
+    else:
+        num_chunks = torch.sym_max(2, (n + chunk - 1) // chunk)
     t = F.pad(t, (0, 0, 0, num_chunks * chunk - n))
     return t.reshape(t.shape[0], t.shape[1], num_chunks, chunk, t.shape[-1])
 
@@ -571,13 +578,20 @@ def _bidirectional_scan(phi_q: torch.Tensor, phi_k: torch.Tensor, va: torch.Tens
     return forward + backward - diagonal
 
 
+def _check_scan_orders(orders: str) -> None:
+    if orders not in SCAN_ORDERS:
+        raise ValueError(f"scan orders must be one of {list(SCAN_ORDERS)}, got {orders!r}")
+
+
 def grid_scan_orders(grid: Tuple[int, int], num_prefix_tokens: int, orders: str = 'raster+column',
                      device: Optional[torch.device] = None) -> List[torch.Tensor]:
     """Token orders over prefix tokens + an H x W patch grid: 'raster' (row by row, the sequence order) and, with
     'raster+column', also column by column; prefix tokens come first in both. Each a LongTensor [prefix + H * W]."""
-    if orders not in SCAN_ORDERS:
-        raise ValueError(f"scan orders must be one of {list(SCAN_ORDERS)}, got {orders!r}")
-    h, w = grid
+    # an fx leaf of the bidirectional layers that TorchScript compiles: it cannot read the global SCAN_ORDERS (the
+    # layers check their scan orders when they are built)
+    if not torch.jit.is_scripting():
+        _check_scan_orders(orders)
+    h, w = grid[0], grid[1]
     raster = torch.arange(num_prefix_tokens + h * w, device=device)
     if orders == 'raster':
         return [raster]
@@ -634,3 +648,63 @@ def bidirectional_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             total = back if total is None else total + back
         out = total[..., :-1] / (total[..., -1:] + eps * n * len(orders))
     return out.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- TorchScript
+
+
+@torch.library.custom_op('linvit::bidirectional_linear_attention', mutates_args=())
+def _bidirectional_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
+                      decay: Optional[List[float]], log_gate: Optional[torch.Tensor], eps: float,
+                      chunk_size: Optional[int], orders: List[torch.Tensor]) -> torch.Tensor:
+    return bidirectional_linear_attention(q, k, v, feature_map, decay=decay, eps=eps, chunk_size=chunk_size,
+                                          orders=orders, log_gate=log_gate)
+
+
+@_bidirectional_op.register_fake
+def _(q, k, v, feature_map, decay, log_gate, eps, chunk_size, orders):
+    return v.new_empty(v.shape)
+
+
+def _bidirectional_op_setup(ctx, inputs, output):
+    q, k, v, feature_map, decay, log_gate, eps, chunk_size, orders = inputs
+    ctx.save_for_backward(q, k, v, log_gate, *orders)
+    ctx.options = (feature_map, decay, eps, chunk_size)
+
+
+def _bidirectional_op_backward(ctx, grad):
+    """Recomputes the forward with autograd on (its chunked scans keep only their inputs anyway) and differentiates
+    it: the op serves TorchScript, where it is one node; eager and fx code call the Python function directly."""
+    q, k, v, log_gate, *orders = ctx.saved_tensors
+    feature_map, decay, eps, chunk_size = ctx.options
+    needs = ctx.needs_input_grad
+    tensors = [q, k, v, log_gate]
+    wanted = [i for i, t in enumerate(tensors) if t is not None and needs[(0, 1, 2, 5)[i]]]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(i in wanted) if t is not None else None for i, t in enumerate(tensors)]
+        out = bidirectional_linear_attention(leaves[0], leaves[1], leaves[2], feature_map, decay=decay, eps=eps,
+                                             chunk_size=chunk_size, orders=orders, log_gate=leaves[3])
+        grads = torch.autograd.grad(out, [leaves[i] for i in wanted], grad) if wanted else ()
+    result: List[Optional[torch.Tensor]] = [None] * 4
+    for i, g in zip(wanted, grads):
+        result[i] = g
+    # one entry per input, a list for the list of orders (they get no gradient)
+    return result[0], result[1], result[2], None, None, result[3], None, None, [None] * len(orders)
+
+
+_bidirectional_op.register_autograd(_bidirectional_op_backward, setup_context=_bidirectional_op_setup)
+
+
+def bidirectional_linear_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
+                                      decay: Optional[List[float]], log_gate: Optional[torch.Tensor], eps: float,
+                                      chunk_size: Optional[int], orders: List[torch.Tensor]) -> torch.Tensor:
+    """``bidirectional_linear_attention`` with arguments TorchScript takes (a feature-map name, decays as a list of
+    floats or None, the token orders): the layers' call, an fx leaf. Eager and fx-traced code run the Python
+    function (its chunked scans train with the memory-efficient backward); TorchScript, which compiles neither an
+    autograd Function nor the Python function's argument unions, calls the registered op
+    ``torch.ops.linvit.bidirectional_linear_attention`` (the same function; its backward recomputes the forward)."""
+    if torch.jit.is_scripting():
+        return torch.ops.linvit.bidirectional_linear_attention(q, k, v, feature_map, decay, log_gate, eps, chunk_size,
+                                                               orders)
+    return bidirectional_linear_attention(q, k, v, feature_map, decay=decay, eps=eps, chunk_size=chunk_size,
+                                          orders=orders, log_gate=log_gate)

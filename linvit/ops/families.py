@@ -7,9 +7,15 @@ off (float64 stays float64), outputs in the dtype of ``v``; nothing here holds p
     out = low_rank_attention(q, k, v, grid=(h, w), num_prefix_tokens=1, size=16)   # softmax over 16x16 pooled keys
     out = gated_linear_attention(q, k, v, key_gate, feature_map='elu1')            # phi(k) * gate, then linear
     out = aft_simple(q, k, v)                                        # sigmoid(q) * sum_n softmax_n(k) v_n
+
+Every function compiles with TorchScript (the layers call them from scripted code, and an fx-traced model calls them
+as leaves of a graph that timm's tests then script): under TorchScript they run without the autocast guard, which
+TorchScript takes only for a constant device, as ``linear_attention_from_features`` does; the inputs are cast to the
+compute dtype either way. Feature maps are applied by the caller (``gated_linear_attention_from_features``) where a
+scripted caller holds the map as a function.
 """
 import math
-from typing import Optional, Sequence
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +24,8 @@ from .feature_maps import get_feature_map
 from .linear_attention import autocast_off, compute_dtype, linear_attention_from_features
 
 __all__ = ['gaussian_projection', 'favor_features', 'performer_attention', 'adaptive_pooling_matrix',
-           'pool_patch_tokens',
-           'low_rank_attention', 'gated_linear_attention', 'aft_simple']
+           'pool_patch_tokens', 'low_rank_attention', 'gated_linear_attention', 'gated_linear_attention_from_features',
+           'aft_simple']
 
 
 def gaussian_projection(num_features: int, dim: int, orthogonal: bool = True,
@@ -82,16 +88,24 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     scaled by D^-1/4, mapped by ``favor_features`` and combined by the linear-attention core (mean normaliser, eps,
     key_mask as in ``linear_attention``) in float32.
     """
-    dtype = compute_dtype(v.dtype)
+    if torch.jit.is_scripting():
+        return _performer(q, k, v, projection, eps, key_mask)
     with autocast_off(v.device.type):
-        scale = q.shape[-1] ** -0.25
-        phi_q = favor_features(q.to(dtype) * scale, projection.to(dtype), is_query=True)
-        phi_k = favor_features(k.to(dtype) * scale, projection.to(dtype), is_query=False, key_mask=key_mask)
-        out = linear_attention_from_features(phi_q, phi_k, v.to(dtype), eps, key_mask)
+        return _performer(q, k, v, projection, eps, key_mask)
+
+
+def _performer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, eps: float,
+               key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    dtype = compute_dtype(v.dtype)
+    scale = q.shape[-1] ** -0.25
+    phi_q = favor_features(q.to(dtype) * scale, projection.to(dtype), is_query=True)
+    phi_k = favor_features(k.to(dtype) * scale, projection.to(dtype), is_query=False, key_mask=key_mask)
+    out = linear_attention_from_features(phi_q, phi_k, v.to(dtype), eps, key_mask)
     return out.to(v.dtype)
 
 
-def adaptive_pooling_matrix(n: int, size: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def adaptive_pooling_matrix(n: int, size: int, device: Optional[torch.device] = None,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[size, n] averaging matrix of adaptive pooling from n to size positions: row i averages positions
     floor(i n / size) .. ceil((i + 1) n / size) - 1 (PyTorch's adaptive_avg_pool bins). Built from aranges of the
     (possibly symbolic) length n, so an exported graph keeps n dynamic, where adaptive_avg_pool2d is traced into
@@ -103,7 +117,7 @@ def adaptive_pooling_matrix(n: int, size: int, device=None, dtype: torch.dtype =
     return weights / weights.sum(dim=1, keepdim=True)
 
 
-def pool_patch_tokens(x: torch.Tensor, grid: Sequence[int], num_prefix_tokens: int, size: int) -> torch.Tensor:
+def pool_patch_tokens(x: torch.Tensor, grid: Tuple[int, int], num_prefix_tokens: int, size: int) -> torch.Tensor:
     """x [B, H, P + h * w, D] (P prefix tokens, then the h x w patch grid row-major) -> [B, H, P + size^2, D]: the
     patch tokens average-pooled to a size x size grid with adaptive pooling's bins (any h x w in, the same count
     out; a grid smaller than size repeats tokens), the prefix tokens kept as they are."""
@@ -118,18 +132,25 @@ def pool_patch_tokens(x: torch.Tensor, grid: Sequence[int], num_prefix_tokens: i
     return torch.cat([prefix, pooled.reshape(b, heads, size * size, d)], dim=2)
 
 
-def low_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequence[int],
+def low_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tuple[int, int],
                        num_prefix_tokens: int, size: int) -> torch.Tensor:
     """Softmax attention of every query over keys and values compressed along the token axis: q, k, v
     [B, H, N, D] with N = num_prefix_tokens + grid[0] * grid[1] -> [B, H, N, D], keys/values pooled to
     num_prefix_tokens + size^2 (``pool_patch_tokens``). Linformer (Wang et al. 2020) compresses with a learned
     N x k matrix, tied to one sequence length; pooling on the 2D patch grid (as PVT's spatial reduction) keeps one
-    set of weights valid at any image size. Cost O(N size^2 D)."""
-    dtype = compute_dtype(v.dtype)
+    set of weights valid at any image size. Cost O(N size^2 D). grid: (h, w), a tuple or list."""
+    if torch.jit.is_scripting():
+        return _low_rank(q, k, v, grid, num_prefix_tokens, size)
     with autocast_off(v.device.type):
-        keys = pool_patch_tokens(k.to(dtype), grid, num_prefix_tokens, size)
-        values = pool_patch_tokens(v.to(dtype), grid, num_prefix_tokens, size)
-        out = F.scaled_dot_product_attention(q.to(dtype), keys, values)
+        return _low_rank(q, k, v, grid, num_prefix_tokens, size)
+
+
+def _low_rank(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Tuple[int, int], num_prefix_tokens: int,
+              size: int) -> torch.Tensor:
+    dtype = compute_dtype(v.dtype)
+    keys = pool_patch_tokens(k.to(dtype), grid, num_prefix_tokens, size)
+    values = pool_patch_tokens(v.to(dtype), grid, num_prefix_tokens, size)
+    out = F.scaled_dot_product_attention(q.to(dtype), keys, values)
     return out.to(v.dtype)
 
 
@@ -143,9 +164,19 @@ def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     dtype = compute_dtype(v.dtype)
     fn = get_feature_map(feature_map)
     with autocast_off(v.device.type):
-        phi_q = fn(q.to(dtype))
-        phi_k = fn(k.to(dtype)) * key_gate.to(dtype)
-        out = linear_attention_from_features(phi_q, phi_k, v.to(dtype), eps, key_mask)
+        phi_q, phi_k = fn(q.to(dtype)), fn(k.to(dtype))
+    return gated_linear_attention_from_features(phi_q, phi_k, v, key_gate, eps, key_mask)
+
+
+def gated_linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                                         key_gate: torch.Tensor, eps: float = 1e-6,
+                                         key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``gated_linear_attention`` on mapped features phi_q, phi_k [B, H, N, D] (non-negative, in the compute dtype
+    of v: float32, or float64 for float64 v): key_gate [B, H, N, D], v [B, H, N, Dv] -> [B, H, N, Dv] in v's dtype.
+    For callers that hold the feature map as a function (layers, which TorchScript compiles)."""
+    dtype = compute_dtype(v.dtype)
+    out = linear_attention_from_features(phi_q.to(dtype), phi_k.to(dtype) * key_gate.to(dtype), v.to(dtype), eps,
+                                         key_mask)
     return out.to(v.dtype)
 
 
@@ -154,19 +185,28 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """AFT-simple (Zhai et al. 2021, "An Attention Free Transformer"): q, k, v [B, N, C] -> [B, N, C],
     out_t = sigmoid(q_t) * sum_n softmax_n(k)_n * v_n, the softmax over tokens per channel (max-subtracted, float32).
     key_mask [B, N]: bool (True = a real token) or float weights multiplying each token's exp(k)."""
-    dtype = compute_dtype(v.dtype)
+    if torch.jit.is_scripting():
+        return _aft(q, k, v, key_mask)
     with autocast_off(v.device.type):
-        keys = k.to(dtype)
-        if key_mask is not None and key_mask.dtype == torch.bool:
+        return _aft(q, k, v, key_mask)
+
+
+def _aft(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    dtype = compute_dtype(v.dtype)
+    keys = k.to(dtype)
+    values = v.to(dtype)
+    weight: Optional[torch.Tensor] = None
+    if key_mask is not None:
+        if key_mask.dtype == torch.bool:
             keys = keys.masked_fill(~key_mask[..., None], float('-inf'))
-        shift = keys.amax(dim=1, keepdim=True).detach()
-        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-        weights = torch.exp(keys - shift)                                                    # [B, N, C]
-        if key_mask is not None and key_mask.dtype != torch.bool:
-            weights = weights * key_mask.to(dtype)[..., None]
-        values = v.to(dtype)
-        if key_mask is not None and key_mask.dtype == torch.bool:
             values = values.masked_fill(~key_mask[..., None], 0.0)  # padding may hold NaN; weight 0 * NaN is NaN
-        context = (weights * values).sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp_min(1e-30)
-        out = torch.sigmoid(q.to(dtype)) * context
+        else:
+            weight = key_mask.to(dtype)[..., None]
+    shift = keys.amax(dim=1, keepdim=True).detach()
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    weights = torch.exp(keys - shift)                                                        # [B, N, C]
+    if weight is not None:
+        weights = weights * weight
+    context = (weights * values).sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp_min(1e-30)
+    out = torch.sigmoid(q.to(dtype)) * context
     return out.to(v.dtype)

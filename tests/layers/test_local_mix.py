@@ -80,5 +80,33 @@ def test_add_to_leaves_out_alone_under_autograd_and_adds_in_place_without_it():
         torch.testing.assert_close(owned, before + mix(v), rtol=1e-6, atol=1e-6)
 
 
+class _AddsLocalTerm(torch.nn.Module):
+    """An attention-like caller: some output, then the local term added to it (as LinearAttention.forward)."""
+
+    def __init__(self, mix: LocalMix) -> None:
+        super().__init__()
+        self.mix = mix
+
+    def forward(self, out: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.mix.add_to(out * 2.0, v, [3, 5])
+
+
+def test_an_fx_graph_traced_without_autograd_keeps_the_local_term():
+    """Traced under no_grad, the graph takes the out-of-place sum: the in-place add into a slice of out has a value
+    nothing reads, which dead-code elimination (torchvision's and timm's feature extraction run it) removed along
+    with the convolution."""
+    mix = _random_mix(8, 3, prefix=2)
+    out = torch.randn(2, 17, 8, generator=torch.Generator().manual_seed(2))
+    v = torch.randn(2, 2, 17, 4, generator=torch.Generator().manual_seed(3))
+    expected = out.double() * 2 + local_mix_ref(v.transpose(1, 2).reshape(2, 17, 8).double(), mix.conv.weight,
+                                                mix.conv.bias, [3, 5], 2)
+    with torch.no_grad():
+        graph = torch.fx.symbolic_trace(_AddsLocalTerm(mix))
+        graph.graph.eliminate_dead_code()
+        graph.recompile()
+        assert rel_err(graph(out, v), expected) < 1e-6
+        assert rel_err(torch.jit.script(_AddsLocalTerm(mix))(out, v), expected) < 1e-6
+
+
 def test_linear_only_parameter_names_of_a_bare_local_mix():
     assert linear_only_parameter_names(LocalMix(8, 3, 1, (2, 2))) == ['conv.bias', 'conv.weight']

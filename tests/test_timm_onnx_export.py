@@ -1,0 +1,114 @@
+"""timm's ONNX export script on linvit models: ``onnx_export.py`` of huggingface/pytorch-image-models, which builds
+the model with ``timm.create_model(..., exportable=True)`` and calls ``timm.utils.onnx.onnx_export`` with its
+defaults (opset None: the exporter's own; dynamic batch axis 'batch', fixed height and width; initializers not kept
+as inputs; eval mode; ``check_forward``: timm's own onnx.checker full check and a comparison of onnxruntime with the
+PyTorch output to 3 decimals), through the TorchScript exporter (the default, ``dynamo=False``) and the dynamo one
+(``--dynamo``), once as the script calls it (autograd on) and once under ``torch.no_grad()``.
+
+Each file is then run as ``onnx_validate.py`` runs it (an onnxruntime session with all graph optimisations) at batch
+1 and 3 (the dynamic batch) on new images and compared with the eager float32 model (rtol 1e-3, atol 1e-5). The
+zero-initialised tensors (local mixing) get random values first, so every branch reaches the compared logits. The
+models are built for 64 px images to keep the exports fast; the default 224 px export is the same graph with more
+tokens. Last, every attention kind through the default (TorchScript) exporter on a small model.
+"""
+import contextlib
+
+import onnx
+import onnxruntime as ort
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from timm.utils.onnx import onnx_export
+
+import linvit
+
+pytestmark = pytest.mark.compiler
+
+IMG_SIZE = 64
+MODELS = ['linvit_tiny_patch16_224', 'linvit_small_patch16_512']  # a fixed-size and a dynamic-size model
+
+
+def _create(name: str) -> nn.Module:
+    """onnx_export.py's model: create_model(name, num_classes=1000, in_chans=3, exportable=True), pretrained=False
+    (linvit publishes no weights: the script's --checkpoint path), here for IMG_SIZE images."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=1000, in_chans=3, pretrained=False, exportable=True,
+                              img_size=IMG_SIZE)
+    return _wake(model)
+
+
+def _wake(model: nn.Module) -> nn.Module:
+    """Random values in the zero-initialised tensors."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.any():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def _export(model: nn.Module, path, dynamo: bool) -> None:
+    """onnx_export.py's call with its argument defaults (and --check-forward, --dynamo as given)."""
+    onnx_export(
+        model,
+        str(path),
+        opset=None,
+        dynamic_size=False,
+        aten_fallback=False,
+        keep_initializers=False,
+        check_forward=True,
+        training=False,
+        verbose=False,
+        input_size=(3, IMG_SIZE, IMG_SIZE),
+        batch_size=1,
+        use_dynamo=dynamo,
+    )
+
+
+def _session(path) -> ort.InferenceSession:
+    """onnx_validate.py's session."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(path), options, providers=['CPUExecutionProvider'])
+
+
+def _check_against_eager(model: nn.Module, path) -> None:
+    session = _session(path)
+    (graph_input,) = session.get_inputs()
+    assert graph_input.name == 'input0' and session.get_outputs()[0].name == 'output0'
+    assert isinstance(graph_input.shape[0], str) and graph_input.shape[1:] == [3, IMG_SIZE, IMG_SIZE]
+    for batch in (1, 3):
+        images = torch.randn(batch, 3, IMG_SIZE, IMG_SIZE, generator=torch.Generator().manual_seed(10 + batch))
+        with torch.no_grad():
+            expected = model(images)
+        got = torch.from_numpy(session.run(None, {graph_input.name: images.numpy()})[0])
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5, msg=lambda m, b=batch: f"batch {b}: {m}")
+
+
+# both exporters in both grad modes for the fixed-size model; the dynamic-size one as the script calls the exporters
+CASES = [(MODELS[0], exporter, grad) for exporter in ('torchscript', 'dynamo') for grad in ('autograd', 'no_grad')]
+CASES += [(MODELS[1], exporter, 'autograd') for exporter in ('torchscript', 'dynamo')]
+
+
+@pytest.mark.parametrize('name, exporter, grad', CASES)
+def test_timm_onnx_export_matches_the_model_in_onnxruntime(name, exporter, grad, tmp_path):
+    model = _create(name)
+    path = tmp_path / f'{name}.onnx'
+    with torch.no_grad() if grad == 'no_grad' else contextlib.nullcontext():
+        _export(model, path, dynamo=exporter == 'dynamo')
+    assert not model.training  # onnx_export exports in eval mode
+    onnx.checker.check_model(str(path), full_check=True)
+    _check_against_eager(model, path)
+
+
+@pytest.mark.parametrize('kind', linvit.list_attention_kinds())
+def test_every_attention_kind_exports_through_the_torchscript_exporter(kind, tmp_path):
+    """Every attention kind through onnx_export.py's default exporter, on a 2-block dynamic-size model."""
+    torch.manual_seed(0)
+    model = timm.create_model(MODELS[1], num_classes=1000, in_chans=3, pretrained=False, exportable=True,
+                              img_size=IMG_SIZE, depth=2, attn_kernel=kind)
+    _wake(model)
+    path = tmp_path / f'{kind}.onnx'
+    _export(model, path, dynamo=False)
+    _check_against_eager(model, path)
