@@ -57,6 +57,57 @@ def _feature_derivative(x, MAP: tl.constexpr):
 
 
 @triton.jit
+def _load_state(ptr, bh, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Head bh's [D, DV + 1] float32 state (S or dS) from a contiguous [B * H, D, DV + 1] buffer, as
+    (matrix [BLOCK_D, BLOCK_DV], last column [BLOCK_D]), zero-padded."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_DV)
+    base = ptr + bh * D * (DV + 1)
+    matrix = tl.load(base + offs_d[:, None] * (DV + 1) + offs_e[None, :],
+                     mask=(offs_d[:, None] < D) & (offs_e[None, :] < DV), other=0.0)
+    column = tl.load(base + offs_d * (DV + 1) + DV, mask=offs_d < D, other=0.0)
+    return matrix, column
+
+
+@triton.jit
+def _store_partial(ptr, bh, chunk, matrix, column, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    """Write a chunk's partial [matrix | column] into slot (bh, chunk) of a [B * H, chunks, D, DV + 1] buffer."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_DV)
+    base = ptr + (bh * tl.num_programs(0) + chunk) * D * (DV + 1)
+    tl.store(base + offs_d[:, None] * (DV + 1) + offs_e[None, :], matrix,
+             mask=(offs_d[:, None] < D) & (offs_e[None, :] < DV))
+    tl.store(base + offs_d * (DV + 1) + DV, column, mask=offs_d < D)
+
+
+@triton.jit
+def _load_keys(k_ptr, v_ptr, w_ptr, b, h, offs_n, in_n, skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swn,
+               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MAP: tl.constexpr,
+               HAS_W: tl.constexpr):
+    """A tile of keys: (k [BLOCK_N, BLOCK_D] float32, K' = w * phi(k), v kept [BLOCK_N, BLOCK_DV] float32,
+    weights w [BLOCK_N]; 1 without key weights). Masked keys (w = 0) give exact zeros in K' and v, also where their
+    k or v are not finite; padding rows and columns are zero."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_DV)
+    in_k = in_n[:, None] & (offs_d[None, :] < D)
+    x = tl.load(k_ptr + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_k, other=0.0)
+    x = x.to(tl.float32)
+    phi = tl.where(in_k, _feature(x, MAP), 0.0)
+    v = tl.load(v_ptr + b * svb + h * svh + offs_n[:, None] * svn + offs_e[None, :] * svd,
+                mask=in_n[:, None] & (offs_e[None, :] < DV), other=0.0)
+    v = v.to(tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + b * swb + h * swh + offs_n * swn, mask=in_n, other=0.0)
+        keep = w > 0
+        phi = tl.where(keep[:, None], phi * w[:, None], 0.0)
+        v = tl.where(keep[:, None], v, 0.0)
+    else:
+        w = tl.full((offs_n.shape[0],), 1.0, tl.float32)
+    return x, phi, v, w
+
+
+@triton.jit
 def _key_pass(k_ptr, v_ptr, w_ptr, part_ptr, N, H, TOKENS_PER_PROG,
               skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swn,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -67,34 +118,17 @@ def _key_pass(k_ptr, v_ptr, w_ptr, part_ptr, N, H, TOKENS_PER_PROG,
     # 64-bit offsets: a sample's slice of a large packed projection can pass 2^31 elements
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_e = tl.arange(0, BLOCK_DV)
     kv = tl.zeros((BLOCK_D, BLOCK_DV), dtype=tl.float32)
     key_sum = tl.zeros((BLOCK_D,), dtype=tl.float32)
     start = chunk * TOKENS_PER_PROG
     end = tl.minimum(start + TOKENS_PER_PROG, N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_n = offs_n < end
-        in_k = in_n[:, None] & (offs_d[None, :] < D)
-        in_v = in_n[:, None] & (offs_e[None, :] < DV)
-        x = tl.load(k_ptr + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_k, other=0.0)
-        phi = tl.where(in_k, _feature(x.to(tl.float32), MAP), 0.0)
-        v = tl.load(v_ptr + b * svb + h * svh + offs_n[:, None] * svn + offs_e[None, :] * svd, mask=in_v, other=0.0)
-        v = v.to(tl.float32)
-        if HAS_W:
-            w = tl.load(w_ptr + b * swb + h * swh + offs_n * swn, mask=in_n, other=0.0)
-            keep = w > 0
-            # masked keys contribute exactly nothing, also where their k or v are not finite
-            phi = tl.where(keep[:, None], phi * w[:, None], 0.0)
-            v = tl.where(keep[:, None], v, 0.0)
+        _x, phi, v, _w = _load_keys(k_ptr, v_ptr, w_ptr, b, h, offs_n, offs_n < end, skb, skh, skn, skd,
+                                    svb, svh, svn, svd, swb, swh, swn, D, DV, BLOCK_D, BLOCK_DV, MAP, HAS_W)
         kv += tl.dot(tl.trans(phi), v, input_precision=PRECISION)
         key_sum += tl.sum(phi, axis=0)
-    n_chunks = tl.num_programs(0)
-    base = part_ptr + (bh * n_chunks + chunk) * D * (DV + 1)
-    tl.store(base + offs_d[:, None] * (DV + 1) + offs_e[None, :], kv,
-             mask=(offs_d[:, None] < D) & (offs_e[None, :] < DV))
-    tl.store(base + offs_d * (DV + 1) + DV, key_sum, mask=offs_d < D)
+    _store_partial(part_ptr, bh, chunk, kv, key_sum, D, DV, BLOCK_D, BLOCK_DV)
 
 
 @triton.jit
@@ -113,10 +147,7 @@ def _query_pass(q_ptr, s_ptr, count_ptr, out_ptr, den_ptr, NQ, H, eps_count,
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
     in_m = offs_m < NQ
-    s_base = s_ptr + bh * D * (DV + 1)
-    in_s = (offs_d[:, None] < D) & (offs_e[None, :] < DV)
-    s = tl.load(s_base + offs_d[:, None] * (DV + 1) + offs_e[None, :], mask=in_s, other=0.0)
-    key_sum = tl.load(s_base + offs_d * (DV + 1) + DV, mask=offs_d < D, other=0.0)
+    s, key_sum = _load_state(s_ptr, bh, D, DV, BLOCK_D, BLOCK_DV)
     in_q = in_m[:, None] & (offs_d[None, :] < D)
     x = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=in_q, other=0.0)
     phi = tl.where(in_q, _feature(x.to(tl.float32), MAP), 0.0)
@@ -145,10 +176,7 @@ def _grad_query(q_ptr, g_ptr, o_ptr, den_ptr, s_ptr, dq_ptr, part_ptr, NQ, H, TO
     h = (bh % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
-    s_base = s_ptr + bh * D * (DV + 1)
-    in_s = (offs_d[:, None] < D) & (offs_e[None, :] < DV)
-    s = tl.load(s_base + offs_d[:, None] * (DV + 1) + offs_e[None, :], mask=in_s, other=0.0)
-    key_sum = tl.load(s_base + offs_d * (DV + 1) + DV, mask=offs_d < D, other=0.0)
+    s, key_sum = _load_state(s_ptr, bh, D, DV, BLOCK_D, BLOCK_DV)
     grad_kv = tl.zeros((BLOCK_D, BLOCK_DV), dtype=tl.float32)
     grad_key_sum = tl.zeros((BLOCK_D,), dtype=tl.float32)
     start = chunk * TOKENS_PER_PROG
@@ -173,10 +201,7 @@ def _grad_query(q_ptr, g_ptr, o_ptr, den_ptr, s_ptr, dq_ptr, part_ptr, NQ, H, TO
                  dq.to(dq_ptr.dtype.element_ty), mask=in_q)
         grad_kv += tl.dot(tl.trans(phi), g_over_den, input_precision=PRECISION)
         grad_key_sum += tl.sum(phi * grad_den[:, None], axis=0)
-    n_chunks = tl.num_programs(0)
-    base = part_ptr + (bh * n_chunks + chunk) * D * (DV + 1)
-    tl.store(base + offs_d[:, None] * (DV + 1) + offs_e[None, :], grad_kv, mask=in_s)
-    tl.store(base + offs_d * (DV + 1) + DV, grad_key_sum, mask=offs_d < D)
+    _store_partial(part_ptr, bh, chunk, grad_kv, grad_key_sum, D, DV, BLOCK_D, BLOCK_DV)
 
 
 @triton.jit
@@ -196,26 +221,16 @@ def _grad_key(k_ptr, v_ptr, w_ptr, ds_ptr, dk_ptr, dv_ptr, N, H,
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
     in_n = offs_n < N
-    ds_base = ds_ptr + bh * D * (DV + 1)
-    in_s = (offs_d[:, None] < D) & (offs_e[None, :] < DV)
-    grad_kv = tl.load(ds_base + offs_d[:, None] * (DV + 1) + offs_e[None, :], mask=in_s, other=0.0)
-    grad_key_sum = tl.load(ds_base + offs_d * (DV + 1) + DV, mask=offs_d < D, other=0.0)
+    grad_kv, grad_key_sum = _load_state(ds_ptr, bh, D, DV, BLOCK_D, BLOCK_DV)
     in_k = in_n[:, None] & (offs_d[None, :] < D)
     in_v = in_n[:, None] & (offs_e[None, :] < DV)
-    x = tl.load(k_ptr + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_k, other=0.0)
-    x = x.to(tl.float32)
-    phi = tl.where(in_k, _feature(x, MAP), 0.0)
-    v = tl.load(v_ptr + b * svb + h * svh + offs_n[:, None] * svn + offs_e[None, :] * svd, mask=in_v, other=0.0)
-    v = v.to(tl.float32)
-    if HAS_W:
-        w = tl.load(w_ptr + b * swb + h * swh + offs_n * swn, mask=in_n, other=0.0)
-        keep = w > 0
-        phi = tl.where(keep[:, None], phi * w[:, None], 0.0)
-        v = tl.where(keep[:, None], v, 0.0)
+    x, phi, v, w = _load_keys(k_ptr, v_ptr, w_ptr, b, h, offs_n, in_n, skb, skh, skn, skd, svb, svh, svn, svd,
+                              swb, swh, swn, D, DV, BLOCK_D, BLOCK_DV, MAP, HAS_W)
     grad_phi = tl.dot(v, tl.trans(grad_kv), input_precision=PRECISION) + grad_key_sum[None, :]
     dk = _feature_derivative(x, MAP) * grad_phi
     dv = tl.dot(phi, grad_kv, input_precision=PRECISION)
     if HAS_W:
+        keep = w > 0
         dk = tl.where(keep[:, None], dk * w[:, None], 0.0)
         dv = tl.where(keep[:, None], dv, 0.0)
     tl.store(dk_ptr + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :] * sdkd,
