@@ -208,10 +208,10 @@ def _linear_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                out: torch.Tensor, s: torch.Tensor, den: torch.Tensor,
                                key_mask: Optional[torch.Tensor], feature_map: str,
                                backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the strides the fake promises
     if not _uses_kernel(backend, q, k, v, feature_map, key_mask):
-        dq, dk, dv = _backward_torch(grad, q, k, v, out, s, den, key_mask, feature_map)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        grads = _backward_torch(grad, q, k, v, out, s, den, key_mask, feature_map)
+        return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2])
     _backward_kernel(grad, q, k, v, out, s, den, key_mask, feature_map, dq, dk, dv)
     return dq, dk, dv
 

@@ -344,3 +344,31 @@ def test_cuda_training_step_has_no_host_sync():
             model(images).float().sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode('default')
+
+
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=needs_kernels)])
+def test_real_outputs_have_the_strides_the_fake_implementations_promise(backend):
+    """Inductor lays out buffers from the fake implementations: the real ones must return the same strides, for
+    q, k, v that are strided views of a packed projection."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    qkv = torch.randn(2, 37, 3, 2, 32).to(DEVICE)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    grad = torch.randn(2, 2, 37, 32).to(DEVICE)
+    real_fwd = torch.ops.linvit.linear_attention(q, k, v, 'elu1', 1e-6, None, backend)
+    real_bwd = torch.ops.linvit.linear_attention_backward(grad, q, k, v, real_fwd[0], real_fwd[1], real_fwd[2], None,
+                                                          'elu1', backend)
+    real_packed = torch.ops.linvit.linear_attention_qkv(qkv, 'elu1', 1e-6, None, backend)
+    real_packed_bwd = torch.ops.linvit.linear_attention_qkv_backward(
+        grad.transpose(1, 2), qkv, *real_packed, None, 'elu1', backend)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv, fg, fqkv = (mode.from_tensor(t) for t in (q, k, v, grad, qkv))
+        fake_fwd = torch.ops.linvit.linear_attention(fq, fk, fv, 'elu1', 1e-6, None, backend)
+        fake_bwd = torch.ops.linvit.linear_attention_backward(fg, fq, fk, fv, *fake_fwd, None, 'elu1', backend)
+        fake_packed = torch.ops.linvit.linear_attention_qkv(fqkv, 'elu1', 1e-6, None, backend)
+        fake_packed_bwd = torch.ops.linvit.linear_attention_qkv_backward(fg.transpose(1, 2), fqkv, *fake_packed,
+                                                                         None, 'elu1', backend)
+    pairs = [*zip(real_fwd, fake_fwd), *zip(real_bwd, fake_bwd), *zip(real_packed, fake_packed),
+             (real_packed_bwd, fake_packed_bwd)]
+    for real, fake in pairs:
+        assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype)
