@@ -231,24 +231,17 @@ def release_memory(device: torch.device) -> None:
 
 def kernel_op(device: torch.device, timing: bool = False) -> Tuple[Callable[..., torch.Tensor], str]:
     """(fn(q, k, v, key_mask=None) -> out, label) for the kernel column: the Triton kernel on CUDA (and on CPU
-    under TRITON_INTERPRET=1, except for timing); the op's 'auto' path otherwise; the fused PyTorch Function,
-    marked unavailable, where ``linvit.ops.linear_attention_op`` does not exist."""
-    op = getattr(ops, 'linear_attention_op', None)
-    if op is None:
-        return (functools.partial(ops.fused_linear_attention, feature_map=FEATURE_MAP, eps=EPS),
-                'unavailable: fused PyTorch path')
-    if device.type == 'cuda' or (not timing and os.environ.get('TRITON_INTERPRET') == '1'):
+    under TRITON_INTERPRET=1, except for timing); the op's 'auto' path otherwise."""
+    if device.type == 'cuda' or (not timing and ops.triton_interpreting()):
         label = 'triton' if device.type == 'cuda' else 'triton (interpreter)'
-        return functools.partial(op, feature_map=FEATURE_MAP, eps=EPS, backend='triton'), label
-    return functools.partial(op, feature_map=FEATURE_MAP, eps=EPS, backend='auto'), f"auto ({device.type})"
+        return functools.partial(ops.linear_attention_op, feature_map=FEATURE_MAP, eps=EPS, backend='triton'), label
+    return (functools.partial(ops.linear_attention_op, feature_map=FEATURE_MAP, eps=EPS, backend='auto'),
+            f"auto ({device.type})")
 
 
 def torch_path_op() -> Tuple[Callable[..., torch.Tensor], str]:
-    """The op's PyTorch path: backend='torch', or the fused Function it is built on before the op exists."""
-    op = getattr(ops, 'linear_attention_op', None)
-    if op is None:
-        return functools.partial(ops.fused_linear_attention, feature_map=FEATURE_MAP, eps=EPS), 'fused'
-    return functools.partial(op, feature_map=FEATURE_MAP, eps=EPS, backend='torch'), 'torch'
+    """The op's PyTorch path (backend='torch')."""
+    return functools.partial(ops.linear_attention_op, feature_map=FEATURE_MAP, eps=EPS, backend='torch'), 'torch'
 
 
 def meta_record(section: str, device: torch.device) -> Dict[str, Any]:
@@ -259,7 +252,7 @@ def meta_record(section: str, device: torch.device) -> Dict[str, Any]:
         triton_version = triton.__version__
     return {'section': 'meta', 'key': f"meta/{section}", 'status': 'ok', 'device': str(device),
             'machine': describe_machine(device), 'torch': torch.__version__, 'triton': triton_version,
-            'timm': timm.__version__, 'kernel': hasattr(ops, 'linear_attention_op')}
+            'timm': timm.__version__}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,11 +296,11 @@ def parity_record(case: ParityCase, preset: Preset, device: torch.device) -> Dic
 
 
 def run_parity(args: argparse.Namespace, preset: Preset, device: torch.device) -> None:
-    interpreted = device.type != 'cuda' and os.environ.get('TRITON_INTERPRET') == '1'
+    interpreted = device.type != 'cuda' and ops.triton_interpreting()
     for case in plan_parity(preset):
         if time.time() > args.deadline:
             break
-        if interpreted and case.dtype == 'bf16' and hasattr(ops, 'linear_attention_op'):
+        if interpreted and case.dtype == 'bf16':
             emit({'section': 'parity', 'key': case.key, 'dtype': case.dtype, 'tokens': case.tokens,
                   'status': "skipped (Triton interpreter: its bf16 dot is unreliable)"})
             continue
@@ -381,8 +374,8 @@ def run_op(args: argparse.Namespace, preset: Preset, device: torch.device) -> No
 # 3. whole models
 
 def build_model(case: ModelCase, preset: Preset) -> nn.Module:
-    """The case's model at img_size=px on the CPU: linvit_<size>, its floor, vit_<size> or linvit on the torch path.
-    A linvit without an ``attn_backend`` option (before the kernel lands) raises TypeError for TORCH_PATH."""
+    """The case's model at img_size=px on the CPU: linvit_<size>, its floor, vit_<size> or linvit on the torch
+    path."""
     kwargs = dict(preset.model_kwargs)
     if case.kind == TORCH_PATH:
         kwargs['attn_backend'] = 'torch'
@@ -457,8 +450,6 @@ def run_models(args: argparse.Namespace, preset: Preset, device: torch.device) -
         start = time.time()
         record = guarded('models', case.key,
                          lambda case=case: model_record(case, preset, device, args.compile_backend, args.deadline))
-        if case.kind == TORCH_PATH and 'attn_backend' in record['status']:
-            record['status'] = "skipped (this linvit has no attn_backend option)"
         emit({'model': MODEL_LABELS[case.size], 'kind': case.kind, 'px': case.px, 'task': case.task,
               'batch': case.batch, **record})
         quickest[case.task] = min(quickest.get(case.task, float('inf')), time.time() - start)
@@ -805,10 +796,8 @@ def header_lines(records: Dict[str, Dict[str, Any]], args: argparse.Namespace, s
     meta = next((r for k, r in records.items() if k.startswith('meta/')), None)
     lines = ['# linvit GPU check', '']
     if meta is not None:
-        kernel = 'kernel: linvit.ops.linear_attention_op' if meta['kernel'] else \
-            'linvit.ops.linear_attention_op unavailable (kernel columns: the fused PyTorch path)'
         lines.append(f"{meta['machine']} ({meta['device']}); torch {meta['torch']}, triton {meta['triton']}, "
-                     f"timm {meta['timm']}; {kernel}.")
+                     f"timm {meta['timm']}; kernel: linvit.ops.linear_attention_op.")
     spent = ', '.join(f"{s.name} {(s.ended or time.time()) - s.started:.0f} s"
                       f"{' (stopped at its deadline)' if s.killed else ''}" for s in sections)
     lines += [f"{'quick' if args.quick else 'full'} preset, budget {args.budget:.0f} s, wall {wall_s:.0f} s "

@@ -218,40 +218,34 @@ class LinearAttention(nn.Module):
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}{causal}{backend}")
 
-    def _mix_tokens_fused(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the fused Function (training): it keeps as
-        many bytes as qkv for backward, plus the output and per-row normalisers, and returns the output
+    @torch.jit.unused
+    def _mix_tokens_fused(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor],
+                          through_op: bool = False) -> torch.Tensor:
+        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] with the closed-form backward: through the fused
+        Function (training on the PyTorch path) or, ``through_op``, the registered op (``linvit.ops.attention_op``:
+        the Triton kernels on GPU; it chooses its implementation from ``attn_backend`` and the tensors). Both keep
+        as many bytes as qkv for backward, plus the output and per-row normalisers, and return the output
         token-major, so the reshape below is a view."""
         B, N = qkv.shape[0], qkv.shape[1]
-        if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
-            out = fused_linear_attention_qkv(qkv, self.feature_map_name, self.eps, key_mask)
-        else:
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            out = fused_linear_attention(self.q_norm(q), self.k_norm(k), v, self.feature_map_name, self.eps,
-                                         key_mask).transpose(1, 2)
-        return out.reshape(B, N, self.attn_dim)
-
-    @torch.jit.unused
-    def _mix_tokens_op(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the registered op (``linvit.ops.attention_op``:
-        the Triton kernels on GPU), which chooses its implementation from ``attn_backend`` and the tensors."""
         # the ops themselves, not their checking wrappers: the layer's own projection made qkv, and under fx the
         # graph then holds the op (which TorchScript can call) rather than a Python function
-        B, N = qkv.shape[0], qkv.shape[1]
+        name, eps, backend = self.feature_map_name, self.eps, self.attn_backend
         if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
-            out = torch.ops.linvit.linear_attention_qkv(qkv, self.feature_map_name, self.eps, key_mask,
-                                                        self.attn_backend)[0]
+            out = torch.ops.linvit.linear_attention_qkv(qkv, name, eps, key_mask, backend)[0] if through_op \
+                else fused_linear_attention_qkv(qkv, name, eps, key_mask)
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            out = torch.ops.linvit.linear_attention(self.q_norm(q), self.k_norm(k), v, self.feature_map_name,
-                                                    self.eps, key_mask, self.attn_backend)[0].transpose(1, 2)
+            q, k = self.q_norm(q), self.k_norm(k)
+            out = torch.ops.linvit.linear_attention(q, k, v, name, eps, key_mask, backend)[0] if through_op \
+                else fused_linear_attention(q, k, v, name, eps, key_mask)
+            out = out.transpose(1, 2)
         return out.reshape(B, N, self.attn_dim)
 
     @torch.jit.unused
     def _calls_op(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
         """Whether this call goes through the registered op: backend 'triton'; 'auto' on CUDA tensors the kernels
         serve; and under fx tracing (the op picks its implementation per call, and TorchScript can call it)."""
-        if self.attn_backend == 'torch' or not self.fused_backward or exporting():
+        if self.attn_backend == 'torch' or not self.fused_backward:
             return False
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
             return True
@@ -294,9 +288,11 @@ class LinearAttention(nn.Module):
         The other attention families (``linvit.layers.families``) override this and keep the rest of the layer."""
         if torch.jit.is_scripting():  # TorchScript cannot compile an autograd.Function: this branch hides it
             return self._mix_tokens(qkv, key_mask)
+        if exporting():  # exporters get the aten ops of the PyTorch path
+            return self._mix_tokens(qkv, key_mask)
         if self._calls_op(qkv, key_mask):
-            return self._mix_tokens_op(qkv, key_mask)
-        if torch.is_grad_enabled() and self.fused_backward and not exporting():
+            return self._mix_tokens_fused(qkv, key_mask, through_op=True)
+        if torch.is_grad_enabled() and self.fused_backward:
             return self._mix_tokens_fused(qkv, key_mask)
         return self._mix_tokens(qkv, key_mask)
 

@@ -33,7 +33,7 @@ import torch
 
 from .feature_maps import get_feature_map_vjp
 from .fused import _attend, _backward, _key_weight_column, _map
-from .linear_attention import autocast_off, check_attention_inputs, compute_dtype
+from .linear_attention import _key_weights, autocast_off, check_attention_inputs, compute_dtype
 
 __all__ = ['ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', 'linear_attention_op',
            'linear_attention_qkv_op', 'triton_interpreting']
@@ -42,8 +42,8 @@ __all__ = ['ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', '
 ATTN_BACKENDS = ('auto', 'triton', 'torch')
 
 _TRITON_INSTALLED = importlib.util.find_spec('triton') is not None
-# the maps and dtypes the kernels serve (linvit.ops.triton_kernels; not imported here, so `import linvit` stays
-# light and works without Triton)
+# what the kernels of linvit.ops.triton_kernels serve, the maps by the id they take (that module is imported only
+# when a kernel runs, so `import linvit` stays light and works without Triton)
 _KERNEL_FEATURE_MAPS = {'elu1': 0, 'relu': 1}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HEAD_DIM = 128
@@ -100,10 +100,7 @@ def _uses_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def _kernel_weights(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """key_mask None, [B, N] or [B, H, N] -> None or float32 key weights [B, H|1, N] for the kernels."""
-    if key_mask is None:
-        return None
-    w = key_mask.to(torch.float32)
-    return w.unsqueeze(1) if w.dim() == 2 else w
+    return None if key_mask is None else _key_weights(key_mask, torch.float32)
 
 
 # ---------------------------------------------------------------- the forward ops

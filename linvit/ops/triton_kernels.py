@@ -28,12 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ['KERNEL_FEATURE_MAPS', 'KERNEL_DTYPES', 'MAX_HEAD_DIM', 'forward', 'backward']
+from .fused import _eps_count
 
-#: feature maps computed inside the kernels (their derivative too), by the id the kernels take
-KERNEL_FEATURE_MAPS = {'elu1': 0, 'relu': 1}
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 128
+# the maps (by the id MAP the kernels take), dtypes and head widths served: linvit.ops.attention_op, which checks
+# every call before it launches these kernels
+__all__ = ['forward', 'backward']
 
 _BLOCK_TOKENS = 64
 
@@ -289,14 +288,24 @@ def _weights(key_weight: Optional[torch.Tensor], k: torch.Tensor) -> Tuple[torch
     return key_weight, (key_weight.stride(0), h_stride, key_weight.stride(2))
 
 
-def _eps_count(eps: float, n_keys: int,
-               key_weight: Optional[torch.Tensor]) -> Tuple[float, Optional[torch.Tensor], int, int]:
-    """(eps * N, count tensor, its b and h strides): the normaliser's eps term, per head when keys are weighted."""
+def _normaliser_eps(eps: float, n_keys: int, key_weight: Optional[torch.Tensor],
+                    unused: torch.Tensor) -> Tuple[float, torch.Tensor, int, int]:
+    """The normaliser's eps term as the query pass takes it: (eps * N, ``unused`` as a pointer it never reads, 0, 0)
+    without key weights, else (0, eps * the kept weight [B, H|1, 1, 1] of ``linvit.ops.fused``, its b and h
+    strides)."""
     if key_weight is None:
-        return eps * n_keys, key_weight, 0, 0  # no count tensor: the kernel reads none
-    # every key masked: num and den are exactly 0; a tiny count keeps 0 / (0 + eps * count) at 0
-    count = eps * key_weight.sum(dim=-1).clamp_min(1e-30)  # [B, H|1]
+        return eps * n_keys, unused, 0, 0  # a real tensor: None pointers differ across Triton versions
+    count = _eps_count(eps, n_keys, key_weight.unsqueeze(-1))
     return 0.0, count, count.stride(0), 0 if count.shape[1] == 1 else count.stride(1)
+
+
+def _launch_options(q: torch.Tensor, v: torch.Tensor, map_id: int) -> Tuple[dict, int]:
+    """(the kernels' shared meta-parameters and launch options, tokens per tile) for q [.., D] and v [.., Dv]."""
+    D, DV = q.shape[-1], v.shape[-1]
+    block_d, block_dv = _block_width(D), _block_width(DV)
+    meta = dict(D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, MAP=map_id, PRECISION=_precision(q.dtype),
+                num_warps=_num_warps(block_d, block_dv), num_stages=_num_stages(block_d, block_dv))
+    return meta, _tile_tokens(block_d, block_dv)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, map_id: int, eps: float,
@@ -307,18 +316,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     B, H, NQ, D = q.shape
     N, DV = k.shape[2], v.shape[3]
     heads = B * H
-    block_d, block_dv = _block_width(D), _block_width(DV)
-    meta = dict(D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, MAP=map_id, PRECISION=_precision(q.dtype),
-                num_warps=_num_warps(block_d, block_dv), num_stages=_num_stages(block_d, block_dv))
-    tile = _tile_tokens(block_d, block_dv)
+    meta, tile = _launch_options(q, v, map_id)
     w, w_strides = _weights(key_weight, k)
     tokens, chunks = _chunking(N, heads, q.device)
     part = torch.empty(heads, chunks, D, DV + 1, dtype=torch.float32, device=q.device)
     _key_pass[(chunks, heads)](k, v, w, part, N, H, tokens, *k.stride(), *v.stride(), *w_strides,
                                BLOCK_N=tile, HAS_W=key_weight is not None, **meta)
     s = part.sum(dim=1)  # [B * H, D, Dv + 1], a fixed-order reduction
-    eps_count, count, count_b, count_h = _eps_count(eps, N, key_weight)
-    count = s if count is None else count  # a pointer the kernel never reads (None pointers differ across Tritons)
+    eps_count, count, count_b, count_h = _normaliser_eps(eps, N, key_weight, s)
     den = torch.empty(heads, NQ, dtype=torch.float32, device=q.device)
     _query_pass[(triton.cdiv(NQ, tile), heads)](
         q, s, count, out, den, NQ, H, eps_count, *q.stride(), *out.stride(), count_b, count_h,
@@ -334,10 +339,7 @@ def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     B, H, NQ, D = q.shape
     N, DV = k.shape[2], v.shape[3]
     heads = B * H
-    block_d, block_dv = _block_width(D), _block_width(DV)
-    meta = dict(D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, MAP=map_id, PRECISION=_precision(q.dtype),
-                num_warps=_num_warps(block_d, block_dv), num_stages=_num_stages(block_d, block_dv))
-    tile = _tile_tokens(block_d, block_dv)
+    meta, tile = _launch_options(q, v, map_id)
     s, den = s.contiguous(), den.contiguous()
     tokens, chunks = _chunking(NQ, heads, q.device)
     part = torch.empty(heads, chunks, D, DV + 1, dtype=torch.float32, device=q.device)
