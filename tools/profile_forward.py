@@ -4,39 +4,31 @@
     python tools/profile_forward.py --size 1024 --repeats 5
     python tools/profile_forward.py --size 768x1280 --threads 2 --rounds 3   # other options go to profile_resolution
 
-It runs profile_resolution.py with these models at one ``--size``, eager, float32, batch 1, inference:
+It runs profile_resolution's sweep with these models at one ``--size``, eager, float32, batch 1, inference:
     linvit_small_patch16_512                    linear attention + local mixing
     linvit_small_patch16_512:local_mix=False    linear attention only
     vit_small_patch16_224                       timm's softmax ViT-S (built at --size)
-    and the floor of each linvit model: the same model with token mixing removed (``linvit.fast.make_floor``)
+    and the floor of each linvit model: the same model with token mixing removed
 Each configuration runs in its own process; see profile_resolution.py for what is measured and printed. Any option
-not listed below (--floors, --threads, --rounds, --device, --mode, --models, ...) is passed on to
-profile_resolution.py and overrides the preset. A configuration that fails (e.g. a size the patch does not divide)
-prints the model's error message and makes the exit status 1.
+not listed below (--floors, --threads, --rounds, --device, --mode, --models, ...) is one of profile_resolution.py's
+and overrides the preset. A configuration that fails (e.g. a size the patch does not divide) prints the model's
+error message and makes the exit status 1.
 """
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
-from types import ModuleType
 from typing import List, Optional
+
+from linvit.bench import profile_cli
+from linvit.bench.cli import HelpFormatter
 
 PRESET_MODELS = ['linvit_small_patch16_512', 'linvit_small_patch16_512:local_mix=False', 'vit_small_patch16_224']
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), 'linvit_profile_forward')
 
 
-def load_profile_resolution() -> ModuleType:
-    """tools/ is not a package: load profile_resolution.py from next to this file."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'profile_resolution.py')
-    spec = importlib.util.spec_from_file_location('profile_resolution', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def build_parser(profile_resolution: ModuleType) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=profile_resolution.HelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument('--size', default='1024', metavar='SIZE', help='image size, N or HxW')
     parser.add_argument('--warmup', type=int, default=1, help='untimed forwards before timing, >= 1')
     parser.add_argument('--repeats', type=int, default=5, help='timed forwards per model')
@@ -45,16 +37,15 @@ def build_parser(profile_resolution: ModuleType) -> argparse.ArgumentParser:
 
 
 def preset_argv(size: str, warmup: int, repeats: int, out: str, passed_on: List[str]) -> List[str]:
-    """profile_resolution.py's arguments for this preset; ``passed_on`` comes last, so its options win."""
-    return ['--models', *PRESET_MODELS, '--floors', 'linear', '--sizes', size, '--mode', 'eager', '--dtype', 'fp32',
-            '--batch', '1', '--task', 'infer', '--warmup', str(warmup), '--repeats', str(repeats), '--out', out,
-            *passed_on]
+    """profile_resolution's arguments for this preset; ``passed_on`` comes last, so its options win."""
+    return ['--models', *PRESET_MODELS, '--floors', 'linear', '--sizes', size, '--mode', 'eager', '--dtype',
+            'float32', '--batch', '1', '--workload', 'inference', '--warmup', str(warmup), '--repeats', str(repeats),
+            '--out', out, *passed_on]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    profile_resolution = load_profile_resolution()
-    args, passed_on = build_parser(profile_resolution).parse_known_args(argv)
-    return profile_resolution.main(preset_argv(args.size, args.warmup, args.repeats, args.out, passed_on))
+    args, passed_on = build_parser().parse_known_args(argv)
+    return profile_cli.main(preset_argv(args.size, args.warmup, args.repeats, args.out, passed_on))
 
 
 if __name__ == '__main__':

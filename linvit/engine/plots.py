@@ -1,9 +1,9 @@
 """PNG pictures for a run directory: training curves from ``metrics.csv``, a grid of predictions, and segmentation
 masks overlaid on their images.
 
-Figures are drawn on ``matplotlib.figure.Figure`` objects with the Agg renderer, never through pyplot: no global
-figure registry to leak memory over a long run, no GUI backend, safe outside the main thread. Files are written
-atomically (``linvit.engine.checkpoint.atomic_write``), so a viewer never sees half a PNG.
+Figures are drawn on ``matplotlib.figure.Figure`` objects, never through pyplot (``linvit.plotting`` holds the
+helpers this module shares with the benchmarks' plots). Files are written atomically
+(``linvit.engine.checkpoint.atomic_write``), so a viewer never sees half a PNG.
 """
 import csv
 import math
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..plotting import cycle_colour, save_png
 from .checkpoint import atomic_write
 
 __all__ = ['CORRECT_COLOUR', 'WRONG_COLOUR', 'plot_curves', 'plot_prediction_grid', 'class_palette', 'overlay_mask',
@@ -136,9 +137,8 @@ def _draw_series(ax, series: _Series, colour: str) -> None:
 def _draw_panel(ax, panel: _Panel) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    colours = [f'C{i}' for i in range(10)]
     for i, series in enumerate(panel.series):
-        _draw_series(ax, series, colours[i % len(colours)])
+        _draw_series(ax, series, cycle_colour(i))
     ax.set_title(panel.title, fontsize=11, loc='left')
     ax.set_ylabel(panel.ylabel)
     ax.grid(True, alpha=0.3)
@@ -157,7 +157,7 @@ def _widen_a_single_step(ax, panels: List[_Panel]) -> None:
 
 def _save_png(fig, png_path: os.PathLike, dpi: int) -> None:
     with atomic_write(png_path) as f:
-        fig.savefig(f, format='png', dpi=dpi, facecolor='white')
+        save_png(fig, f, dpi)
 
 
 def plot_curves(csv_path: os.PathLike, png_path: os.PathLike, title: str = '') -> None:

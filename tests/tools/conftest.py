@@ -1,14 +1,12 @@
-"""Tools are scripts, not modules of the package: load them from tools/ by file name."""
+"""Tools are scripts, not modules of the package: tests that call a tool's ``main`` in this process load it from
+tools/ by file name (tools import only linvit, so nothing else needs to be on the path)."""
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 TOOLS_DIR = Path(__file__).resolve().parents[2] / 'tools'
-# as when a tool runs as a script (python tools/x.py), its folder is on the path for the shared tool_cli module
-sys.path.insert(0, str(TOOLS_DIR))
 
 
 def load_tool(name: str) -> ModuleType:

@@ -7,7 +7,7 @@ import pytest
 @pytest.fixture(scope='module')
 def parsers(bench, prof, forward, export_tool, predict_tool, causal_bench):
     return {'bench_attention': bench.build_parser(), 'profile_resolution': prof.build_parser(),
-            'profile_forward': forward.build_parser(prof), 'export_onnx': export_tool.build_parser(),
+            'profile_forward': forward.build_parser(), 'export_onnx': export_tool.build_parser(),
             'predict': predict_tool.build_parser(), 'bench_causal': causal_bench.build_parser()}
 
 
@@ -30,7 +30,7 @@ def test_every_option_has_help_that_shows_its_default(parsers):
 def test_defaults_are_written_plainly(parsers):
     by_option = {a.option_strings[0]: a for a in _options(parsers['profile_resolution'])}
     formatter = parsers['profile_resolution'].formatter_class('profile_resolution')
-    assert formatter._get_help_string(by_option['--dtype']).endswith('(default: fp32)')
+    assert formatter._get_help_string(by_option['--dtype']).endswith('(default: float32)')
     assert formatter._get_help_string(by_option['--mode']).endswith('(default: eager compiled)')
     assert formatter._get_help_string(by_option['--sizes']).endswith('(default: 224 512 1024 2048)')
     assert formatter._get_help_string(by_option['--retain-freed-memory']).endswith(

@@ -1,4 +1,4 @@
-"""A scripted clock for the profiler tests: every model forward moves it by a time the test chose, so the tools'
+"""A scripted clock for the benchmark tests: every model forward moves it by a time the test chose, so the
 latency, throughput and ratio columns have values computed without timing anything."""
 from typing import Callable, List, Optional, Tuple
 
@@ -8,7 +8,8 @@ from linvit.layers import NoMixingAttention
 
 
 class ScriptedClock:
-    """Stands in for a tool's ``time`` module; ``perf_counter`` reads a clock that only model forwards move."""
+    """Stands in for a module's ``time`` (e.g. linvit.bench.timing's); ``perf_counter`` reads a clock that only model
+    forwards move."""
 
     def __init__(self, forward_ms: Optional[Callable[[str, bool, int, int, int], float]] = None):
         """forward_ms(model name, is_floor, height, width, call index) -> milliseconds of one forward of a model
@@ -20,8 +21,8 @@ class ScriptedClock:
     def perf_counter(self) -> float:
         return self.now
 
-    def install(self, monkeypatch, tool) -> None:
-        """Route ``tool.time`` to this clock and make every model ``timm.create_model`` builds move it."""
+    def install(self, monkeypatch, target) -> None:
+        """Route ``target.time`` to this clock and make every model ``timm.create_model`` builds move it."""
         real_create = timm.create_model
         clock = self
 
@@ -39,14 +40,14 @@ class ScriptedClock:
             model.register_forward_pre_hook(advance)
             return model
 
-        monkeypatch.setattr(tool, 'time', self)
+        monkeypatch.setattr(target, 'time', self)
         monkeypatch.setattr(timm, 'create_model', create_model)
 
 
-def in_process(prof):
-    """profile_resolution.run_config without a subprocess: the same row, measured (or failing) in this process."""
+def in_process(profile):
+    """linvit.bench.profile.run_config without a subprocess: the same row, measured (or failing) in this process."""
     def run_config(config, timeout, retain_freed_memory=False):
-        return {**prof.base_row(config), **prof.child_result(config)}
+        return {**profile.base_row(config), **profile.child_result(config)}
     return run_config
 
 

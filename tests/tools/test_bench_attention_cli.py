@@ -1,34 +1,13 @@
-"""tools/bench_attention.py: the crossover rule, the floor layer, end-to-end runs, and every printed and CSV column
-against a scripted clock."""
+"""tools/bench_attention.py: options, end-to-end runs, and every printed and CSV column against a scripted clock
+(linvit.bench.timing's clock, linvit.bench.attention's layers)."""
 import csv
 
 import pytest
 import torch
 from scripted_clock import ScriptedClock
-from timm.layers import Attention
 
+from linvit.bench import attention, timing
 from linvit.fast import CompiledModel
-from linvit.layers import NoMixingAttention
-
-
-def _rows(pairs):
-    return [{'tokens': n, 'softmax_ms': s, 'linear_ms': lin} for n, s, lin in pairs]
-
-
-def test_crossover_is_the_start_of_the_final_winning_run(bench):
-    assert bench.crossover(_rows([(49, 1, 2), (196, 2, 1), (256, 3, 4), (576, 9, 5), (1024, 30, 9)])) == 576
-    assert bench.crossover(_rows([(49, 1, 0.5), (196, 2, 1)])) == 49
-    assert bench.crossover(_rows([(49, 1, 2), (196, 2, 3)])) is None
-
-
-def test_floor_returns_projected_values():
-    torch.manual_seed(0)
-    softmax = Attention(32, 4, qkv_bias=True)
-    floor = NoMixingAttention(32, 4, qkv_bias=True)
-    floor.load_state_dict(softmax.state_dict())
-    x = torch.randn(2, 9, 32)
-    v = x @ softmax.qkv.weight[64:].T + softmax.qkv.bias[64:]
-    torch.testing.assert_close(floor(x), v @ softmax.proj.weight.T + softmax.proj.bias)
 
 
 def test_bench_runs_end_to_end(bench, tmp_path, capsys):
@@ -46,8 +25,8 @@ def test_bench_runs_end_to_end(bench, tmp_path, capsys):
 
 def test_quick_sets_defaults_but_explicit_options_win(bench):
     full, quick = bench.parse_args([]), bench.parse_args(['--quick'])
-    assert (full.tokens, full.warmup, full.repeats) == (bench.FULL[0], 2, 7)
-    assert (quick.tokens, quick.warmup, quick.repeats) == (bench.QUICK[0], 1, 3)
+    assert (full.tokens, full.warmup, full.repeats) == (attention.FULL[0], 2, 7)
+    assert (quick.tokens, quick.warmup, quick.repeats) == (attention.QUICK[0], 1, 3)
     explicit = bench.parse_args(['--quick', '--warmup', '0', '--repeats', '5', '--tokens', '64'])
     assert (explicit.tokens, explicit.warmup, explicit.repeats) == ([64], 0, 5)
     assert bench.parse_args(['--repeats', '4']).warmup == 2
@@ -72,7 +51,7 @@ def test_bench_compiled_layers_end_to_end(bench, capsys):
                        '--compile']) == 0
     printed = capsys.readouterr().out
     assert 'compiled (inductor)' in printed and '1 warm-up' in printed  # a compiling call is never timed
-    layers = bench.build_layers(bench.parse_args(['--dim', '32', '--heads', '2', '--compile']))
+    layers = attention.build_layers(bench.parse_args(['--dim', '32', '--heads', '2', '--compile']).bench)
     assert all(isinstance(layer, CompiledModel) for layer in layers.values())
 
 
@@ -115,9 +94,9 @@ def _table_rows(printed: str):
 def test_table_and_csv_report_the_median_of_the_timed_calls_of_each_layer(bench, tmp_path, capsys, monkeypatch):
     """Times come from a scripted clock, so every column has a value computed here without timing anything."""
     clock, shapes, warmup = ScriptedClock(), [], 1
-    real_build_layers = bench.build_layers
-    monkeypatch.setattr(bench, 'time', clock)
-    monkeypatch.setattr(bench, 'build_layers', lambda args: {
+    real_build_layers = attention.build_layers
+    monkeypatch.setattr(timing, 'time', clock)
+    monkeypatch.setattr(attention, 'build_layers', lambda args: {
         name: ScriptedLayer(name, layer, clock, warmup, shapes) for name, layer in real_build_layers(args).items()})
     out = tmp_path / 'bench.csv'
     assert bench.main(['--tokens', '16', '64', '--dim', '32', '--heads', '2', '--batch', '3', '--warmup', str(warmup),
@@ -141,9 +120,9 @@ def test_table_and_csv_report_the_median_of_the_timed_calls_of_each_layer(bench,
 
 def test_crossover_line_says_when_linear_never_wins(bench, capsys, monkeypatch):
     clock = ScriptedClock()
-    real_build_layers = bench.build_layers
-    monkeypatch.setattr(bench, 'time', clock)
-    monkeypatch.setattr(bench, 'build_layers', lambda args: {
+    real_build_layers = attention.build_layers
+    monkeypatch.setattr(timing, 'time', clock)
+    monkeypatch.setattr(attention, 'build_layers', lambda args: {
         name: ScriptedLayer(name, layer, clock, 0, []) for name, layer in real_build_layers(args).items()})
     assert bench.main(['--tokens', '16', '--dim', '32', '--heads', '2', '--warmup', '0', '--repeats', '1']) == 0
     assert 'linear attention does not beat softmax at the largest N measured' in capsys.readouterr().out

@@ -1,9 +1,11 @@
-"""tools/bench_train_step.py: interleaved training steps of linvit, its floor and softmax, against a scripted clock."""
+"""tools/bench_train_step.py: interleaved training steps of linvit, its floor and softmax, against a scripted clock
+(linvit.bench.train_step over linvit.bench.timing)."""
 import csv
-import sys
 
 import pytest
 from scripted_clock import ScriptedClock, float_cells
+
+from linvit.bench import timing
 
 STEP_MS = {('linvit_tiny_patch16_224', False): 40., ('linvit_tiny_patch16_224', True): 30.,
            ('vit_tiny_patch16_224', False): 120.}
@@ -16,7 +18,7 @@ def scripted_step_ms(name, is_floor, height, width, call):
 
 def test_table_and_csv_are_the_scripted_step_times(step_bench, tmp_path, capsys, monkeypatch):
     clock = ScriptedClock(scripted_step_ms)
-    clock.install(monkeypatch, sys.modules['bench_attention'])  # the tool times with bench_attention's interleaving
+    clock.install(monkeypatch, timing)  # the steps are timed by linvit.bench.timing's interleaving
     out = tmp_path / 'steps.csv'
     assert step_bench.main(['--model', 'linvit_tiny_patch16_224:depth=1', '--sizes', '32', '32x48', '--batch', '2',
                             '--mode', 'eager', '--repeats', '3', '--csv', str(out)]) == 0

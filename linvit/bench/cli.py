@@ -1,11 +1,14 @@
-"""What the tools share: the help formatter that shows every default, and the crossover of two speed curves."""
+"""What the benchmark command lines share: the help formatter that shows every default, ``--dtype`` parsing, and
+the crossover of two speed curves."""
 import argparse
 from typing import Any, Optional, Sequence, Tuple
 
+__all__ = ['HelpFormatter', 'crossover', 'precision_arg']
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the docstring's layout and ends every option's help with its default: '(default: fp32)'. Options whose
-    default is None say what that means in their own help."""
+    """Keeps the docstring's layout and ends every option's help with its default: '(default: float32)'. Options
+    whose default is None say what that means in their own help."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ''
@@ -16,6 +19,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             return f"{text} (default: off)"
         shown = ' '.join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def precision_arg(text: str) -> str:
+    """argparse ``type`` of ``--dtype``: a precision name of ``linvit.precision`` (float32, bfloat16, float16); the
+    old fp32/bf16/fp16 are accepted with a FutureWarning naming the new word."""
+    from linvit.precision import resolve_precision
+
+    try:
+        return resolve_precision(text, '--dtype')
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def crossover(points: Sequence[Tuple[Any, Optional[float], Optional[float]]]) -> Optional[Any]:

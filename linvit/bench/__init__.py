@@ -1,0 +1,17 @@
+"""Benchmarks and profiling as a library: what ``tools/bench_*.py``, ``tools/profile_*.py`` and ``tools/gpu_check.py``
+run. The tools only parse their command line and call these modules; nothing here is imported by ``import linvit``.
+
+    cli        HelpFormatter (every option shows its default), crossover of two speed curves, --dtype parsing
+    specs      model specs 'name:key=value,...' (ModelSpec), image sizes 'N' or 'HxW'
+    timing     interleaved timing of several calls (medians), percentiles, CSV of dict rows
+    memory     MemoryWatch (peak memory of timed calls, CPU RSS or CUDA allocations), the allocator setting
+    machine    describe_machine: 'NVIDIA H200' or 'AMD EPYC ..., 2 CPUs'
+    plots      throughput / memory figures against image size (matplotlib's object API, no pyplot), plain_log_y
+    report     profile rows: CSV columns, rounds merged, printed tables, failures
+    profile    profile_resolution's sweep: one process per configuration (Config, measure, run_config, sweep)
+    profile_cli  the sweep's command line, shared by tools/profile_resolution.py and tools/profile_forward.py
+    attention  one attention layer: softmax vs linear vs the floor (bench_attention)
+    causal     causal linear attention's forms (bench_causal)
+    train_step whole-model training steps, interleaved (bench_train_step)
+    gpu_check  the GPU check's sections and report (tools/gpu_check.py)
+"""

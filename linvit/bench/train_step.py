@@ -1,0 +1,125 @@
+"""Whole-model training steps in one process, interleaved: a linvit model, its floor and its softmax counterpart.
+The library behind ``tools/bench_train_step.py``.
+
+A step is ``linvit.engine.step.TrainStep``: forward, cross-entropy and backward (no optimizer), eager or compiled.
+The three models (the floor is the linvit model with token mixing removed) are built at each image size and stepped
+in turn, one step of each per round, so that the machine's drift hits them alike. Peak memory needs a process per model:
+``linvit.bench.profile`` (``tools/profile_resolution.py --workload training``).
+
+    rows = run(TrainStepBench(model=parse_model_spec('linvit_small_patch16_224'), softmax='vit_small_patch16_224'))
+"""
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from linvit.engine.step import TrainStep
+from linvit.layers import make_floor
+from linvit.precision import PRECISIONS
+
+from .memory import allocator_setting
+from .specs import MODES, ModelSpec, size_label
+from .timing import time_interleaved
+
+__all__ = ['KINDS', 'TrainStepBench', 'softmax_counterpart', 'build_models', 'measure_size', 'format_row', 'run']
+
+#: the models of a row, in stepping order
+KINDS = ('linvit', 'floor', 'softmax')
+
+
+def softmax_counterpart(spec: ModelSpec, softmax: Optional[str] = 'auto') -> Optional[str]:
+    """The softmax model to compare ``spec`` with: a timm name, 'auto' (vit_<rest> for linvit_<rest>) or None /
+    'none' for no softmax model. Raises ValueError for a model that is not linvit_* or a name timm does not know."""
+    if not spec.name.startswith('linvit_'):
+        raise ValueError(f"--model must be a linvit_* model (its floor and softmax counterpart are derived from it), "
+                         f"got {spec.name!r}")
+    if softmax == 'auto':
+        softmax = f"vit_{spec.name[len('linvit_'):]}"
+    if softmax in (None, 'none'):
+        return None
+    if not timm.is_model(softmax):
+        raise ValueError(f"--softmax {softmax!r} is not a timm model; name one (e.g. vit_small_patch16_224) or pass "
+                         f"--softmax none")
+    return softmax
+
+
+@dataclass(frozen=True)
+class TrainStepBench:
+    """What to measure: ``model`` a linvit spec, ``softmax`` the timm name to compare with (None: no softmax
+    model; see ``softmax_counterpart``), ``dtype`` the autocast precision around forward and loss ('float32': no
+    autocast; weights stay float32); ``warmup`` >= 1 (the first step compiles)."""
+    model: ModelSpec
+    softmax: Optional[str] = None
+    sizes: Sequence[Tuple[int, int]] = ((512, 512),)
+    batch: int = 2
+    mode: Sequence[str] = MODES
+    dtype: str = 'float32'
+    warmup: int = 1
+    repeats: int = 3
+    device: str = 'cpu'
+
+    def __post_init__(self) -> None:
+        if self.warmup < 1 or self.repeats < 1 or self.batch < 1:
+            raise ValueError('--warmup, --repeats and --batch must be >= 1')
+
+
+def build_models(spec: ModelSpec, softmax: Optional[str], height: int, width: int,
+                 device: str) -> Dict[str, nn.Module]:
+    """linvit, its floor (same weights, token mixing removed) and the softmax model, in train mode on ``device``."""
+    torch.manual_seed(0)
+    models = {'linvit': timm.create_model(spec.name, img_size=(height, width), **dict(spec.kwargs))}
+    floor = timm.create_model(spec.name, img_size=(height, width), **dict(spec.kwargs))
+    floor.load_state_dict(models['linvit'].state_dict())
+    models['floor'] = make_floor(floor)
+    if softmax:
+        models['softmax'] = timm.create_model(softmax, img_size=(height, width))
+    return {kind: model.to(device).train() for kind, model in models.items()}
+
+
+def measure_size(bench: TrainStepBench, height: int, width: int, mode: str) -> Dict[str, Any]:
+    """One table row: median ms per step of each model at (height, width) in ``mode``, and the ratios of img/s."""
+    models = build_models(bench.model, bench.softmax, height, width, bench.device)
+    images = torch.randn(bench.batch, 3, height, width, device=bench.device)
+    targets = torch.randint(0, models['linvit'].num_classes, (bench.batch,), device=bench.device)
+    amp_dtype = None if bench.dtype == 'float32' else PRECISIONS[bench.dtype]
+    steps = {kind: TrainStep(model, F.cross_entropy, compile=mode == 'compiled', amp_dtype=amp_dtype)
+             for kind, model in models.items()}
+    calls = {kind: (lambda step=step: step(images, targets)) for kind, step in steps.items()}
+    ms = time_interleaved(calls, bench.warmup, bench.repeats, bench.device)
+    row: Dict[str, Any] = {'size': size_label(height, width), 'batch': bench.batch, 'mode': mode,
+                           'dtype': bench.dtype}
+    for kind in KINDS:
+        row[f"{kind}_ms"] = ms.get(kind)
+        row[f"{kind}_img_per_s"] = bench.batch * 1e3 / ms[kind] if kind in ms else None
+    row['linvit_over_floor'] = ms['floor'] / ms['linvit']
+    row['linvit_over_softmax'] = ms['softmax'] / ms['linvit'] if 'softmax' in ms else None
+    return row
+
+
+def format_row(row: Dict[str, Any]) -> str:
+    def cell(value: Optional[float], digits: int, suffix: str = '') -> str:
+        return '-' if value is None else f"{value:.{digits}f}{suffix}"
+
+    return (f"{row['size']:>9} {row['batch']:>5} {row['mode']:>9} "
+            + ' '.join(f"{cell(row[f'{kind}_ms'], 0):>10}" for kind in KINDS)
+            + f" {cell(row['linvit_over_floor'], 2, 'x'):>13} {cell(row['linvit_over_softmax'], 2, 'x'):>15}")
+
+
+def run(bench: TrainStepBench) -> List[Dict[str, Any]]:
+    """Print the table (a row per size and mode as it completes); return its rows."""
+    print(f"# training step (forward, cross-entropy, backward) of {bench.model.spec}, its floor and "
+          f"{bench.softmax or 'no softmax model'}; {bench.dtype}, device {bench.device}, {torch.get_num_threads()} "
+          f"threads, allocator {allocator_setting()}; median of {bench.repeats} interleaved rounds after "
+          f"{bench.warmup} warm-up step(s); ratios of images/s (> 1: linvit faster)")
+    print(f"{'size':>9} {'batch':>5} {'mode':>9} " + ' '.join(f"{kind + ' ms':>10}" for kind in KINDS)
+          + f" {'linvit/floor':>13} {'linvit/softmax':>15}")
+    rows = []
+    for height, width in bench.sizes:
+        for mode in bench.mode:
+            row = measure_size(bench, height, width, mode)
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return rows
