@@ -1,24 +1,54 @@
 """Train or evaluate a linvit (or any timm) model: the command line of ``linvit.engine``.
 
-    python train.py --config configs/cls_demo.yaml [key=value ...]        # train; key=value overrides any config key
-    python train.py --resume runs/demo [key=value ...]                     # continue runs/demo from its last.pt
-    python train.py --eval-only runs/demo/best.pt [key=value ...]          # evaluate saved weights -> metrics.json
-    torchrun --nproc_per_node 2 train.py --config ...                      # several processes (DDP)
+    python train.py --config configs/cls_demo.yaml [key=value ...]    # train into runs/cls_demo; key=value overrides
+    python train.py --resume runs/cls_demo [key=value ...]             # continue runs/cls_demo from its last.pt
+    python train.py --eval-only runs/cls_demo/best.pt [key=value ...]  # evaluate saved weights -> metrics.json
+    python train.py --eval-only best.pt --config configs/seg_folder.yaml data.root=photos/   # on other data
+    torchrun --nproc_per_node 2 train.py --config ...                  # several processes (DDP)
+
+Saved weights are rebuilt as they were trained: with --resume / --eval-only the model keys (model.*), the task and
+its head (seg.head, ...) and the training size (data.img_size) come from the checkpoint unless set on the command
+line; a --config file then only says where the data lives and how to evaluate. Evaluating at another
+data.img_size resamples the position embedding (as timm does for pretrained weights).
+
+Exit status: 0 done; 2 the command line or a config file is wrong (unknown key, model or task, a bad value, an
+architecture change the weights do not fit); 1 a file or the data is wrong (missing, not a checkpoint, unreadable
+images) or the training loss diverged. Each of these ends with one line on stderr; a traceback means a bug.
 """
 import argparse
 import logging
 import os
 import sys
+from typing import Optional
+
+from omegaconf import DictConfig
 
 import linvit  # noqa: F401  (registers the linvit_* models with timm)
-from linvit.engine import ConfigError, NonFiniteLossError, config_from_yaml, evaluate, load_config, train
-from linvit.engine.checkpoint import load_checkpoint
+from linvit.data import DataError
+from linvit.engine import (
+    TASKS,
+    ConfigError,
+    NonFiniteLossError,
+    config_from_yaml,
+    evaluate,
+    load_config,
+    train,
+)
+from linvit.engine.checkpoint import CheckpointError, load_checkpoint
+from linvit.engine.config import ARCHITECTURE_KEYS, differing_keys
+from linvit.engine.loading import WeightsMismatchError, saved_config_text
+
+#: exit status of an expected failure: the command line or a config is wrong / a file, the data or the run is
+EXIT_CONFIG, EXIT_FAILURE = 2, 1
+#: what the weights replace when they are loaded (not read again, so it may have moved since training)
+_UNUSED_WITH_WEIGHTS = ['model.pretrained_file=null']
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--config', help='YAML config file (configs/*.yaml); with --resume or --eval-only it is '
-                                         'applied on top of the config saved in the checkpoint')
+                                         'applied on top of the config saved in the checkpoint, except the model, '
+                                         'task and data.img_size, which only the command line changes')
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument('--resume', metavar='RUN_DIR', help="continue the run in RUN_DIR from RUN_DIR/last.pt (or a "
                                                           "checkpoint file's run)")
@@ -43,26 +73,87 @@ def _resume_checkpoint(path: str) -> str:
     return os.path.join(path, 'last.pt') if os.path.isdir(path) else path
 
 
+def _config_of_weights(config_file: Optional[str], overrides: list, saved: Optional[str]) -> DictConfig:
+    """The run config for saved weights: the saved config (architecture keys kept), the file, then the overrides."""
+    return load_config(config_file, overrides, base=config_from_yaml(saved) if saved else None,
+                       keep_from_base=ARCHITECTURE_KEYS)
+
+
+def _check_task(cfg: DictConfig) -> None:
+    if cfg.task not in TASKS:
+        raise ConfigError(f"task={cfg.task!r} is not one of {sorted(TASKS)}")
+
+
+def _explained_mismatch(error: WeightsMismatchError, cfg: DictConfig, saved: Optional[str]) -> Exception:
+    """A ConfigError naming the architecture keys the command line changed from the saved config, if any (those
+    are why the weights do not fit); else the error itself."""
+    if not saved:
+        return error
+    trained = load_config(None, _UNUSED_WITH_WEIGHTS, base=config_from_yaml(saved))
+    changed = differing_keys(cfg, trained, ARCHITECTURE_KEYS)
+    if not changed:
+        return error
+    names = ', '.join(f"{key}={new!r} (trained with {old!r})" for key, new, old in changed)
+    return ConfigError(f"{error}; the command line sets {names}: drop it to use the weights as trained")
+
+
+def load_checkpoint_of_run(path: str) -> dict:
+    """A 'last' checkpoint's contents (CheckpointError for a file train.py did not write)."""
+    state = load_checkpoint(path)
+    if not isinstance(state.get('config'), str) or 'model' not in state:
+        raise CheckpointError(f"{path} is not a linvit training checkpoint: it has no 'config' or 'model' entry "
+                              f"(--resume takes a run directory or its last.pt)")
+    return state
+
+
 def run_resume(args: argparse.Namespace) -> dict:
     checkpoint_path = _resume_checkpoint(args.resume)
-    state = load_checkpoint(checkpoint_path)
+    state = load_checkpoint_of_run(checkpoint_path)
     run_dir = os.path.dirname(os.path.abspath(checkpoint_path))
-    cfg = load_config(args.config, [f'output_dir={run_dir}', *args.overrides],
-                      base=config_from_yaml(state['config']))
-    return train(cfg, resume=state)
+    cfg = _config_of_weights(args.config, [f'output_dir={run_dir}', *args.overrides], state['config'])
+    _check_task(cfg)
+    try:
+        return train(cfg, resume=state)
+    except WeightsMismatchError as error:
+        raise _explained_mismatch(error, cfg, state['config']) from error
 
 
 def run_eval_only(args: argparse.Namespace) -> dict:
-    saved = None if args.eval_only.endswith('.safetensors') else load_checkpoint(args.eval_only).get('config')
+    saved = saved_config_text(args.eval_only)
     if saved is None and not args.config:
         raise ConfigError(f"{args.eval_only} carries no config: pass --config with the model and data it was "
                           f"trained with")
-    cfg = load_config(args.config, args.overrides, base=config_from_yaml(saved) if saved else None)
+    cfg = _config_of_weights(args.config, [*_UNUSED_WITH_WEIGHTS, *args.overrides], saved)
+    _check_task(cfg)
     stem = os.path.splitext(os.path.basename(args.eval_only))[0]
     out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(args.eval_only)), f'eval_{stem}')
-    metrics = evaluate(cfg, args.eval_only, out_dir)
+    try:
+        metrics = evaluate(cfg, args.eval_only, out_dir)
+    except WeightsMismatchError as error:
+        raise _explained_mismatch(error, cfg, saved) from error
     logging.info("evaluation written to %s", os.path.join(out_dir, 'metrics.json'))
     return metrics
+
+
+def run_training(args: argparse.Namespace) -> dict:
+    cfg = load_config(args.config, args.overrides)
+    _check_task(cfg)
+    metrics = train(cfg)
+    logging.info("run directory %s: metrics.json, curves.png, pictures/, last.pt, best.pt, "
+                 "model.safetensors, tb/ (tensorboard --logdir %s)", cfg.output_dir, cfg.output_dir)
+    return metrics
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line. An error raised in a DataLoader worker arrives with the worker's traceback
+    in its message: its last line holds the original message."""
+    text = str(error).strip()
+    if 'Original Traceback' in text:
+        text = text.splitlines()[-1]  # 'linvit.data.base.DataError: 2 of 4 image files ...'
+        raised_as, _, message = text.partition(': ')
+        if raised_as.rpartition('.')[2] == type(error).__name__:
+            text = message
+    return ' '.join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def main(argv=None) -> int:
@@ -74,16 +165,13 @@ def main(argv=None) -> int:
         elif args.eval_only:
             metrics = run_eval_only(args)
         else:
-            cfg = load_config(args.config, args.overrides)
-            metrics = train(cfg)
-            logging.info("run directory %s: metrics.json, curves.png, pictures/, last.pt, best.pt, "
-                         "model.safetensors, tb/ (tensorboard --logdir %s)", cfg.output_dir, cfg.output_dir)
+            metrics = run_training(args)
     except ConfigError as error:
-        print(f"train.py: config error: {error}", file=sys.stderr)
-        return 2
-    except (NonFiniteLossError, FileNotFoundError) as error:
-        print(f"train.py: error: {error}", file=sys.stderr)
-        return 1
+        print(f"train.py: config error: {one_line(error)}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (DataError, CheckpointError, NonFiniteLossError, FileNotFoundError) as error:
+        print(f"train.py: error: {one_line(error)}", file=sys.stderr)
+        return EXIT_FAILURE
     if os.environ.get('RANK', '0') == '0':
         print(summary_line(metrics))
     return 0

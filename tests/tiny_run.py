@@ -5,7 +5,7 @@ TINY_MODEL = ['model.name=linvit_tiny_patch16_224', 'model.kwargs.depth=2', 'mod
 TINY_RUN = ['data.img_size=32', 'data.batch_size=8', 'data.num_workers=0', 'data.synthetic.train_size=64',
             'data.synthetic.val_size=24', 'data.aug.scale=[0.7,1.0]', 'train.epochs=2', 'train.log_every=1',
             'train.warmup_epochs=0.5', 'train.lr=2e-3', 'train.pictures=false', 'device=cpu']
-TINY_SEG = ['task=seg', 'data.img_size=32', 'data.batch_size=8', 'data.num_workers=0', 'data.synthetic.train_size=32',
-            'data.synthetic.val_size=6', 'data.aug.scale_range=[0.75,1.25]', 'data.aug.color_jitter=0.0',
-            'seg.neck_dim=16', 'seg.head_dim=16', 'seg.eval.mode=whole', 'train.epochs=2', 'train.log_every=1',
-            'train.warmup_epochs=0.5', 'train.lr=2e-3', 'train.pictures=false', 'device=cpu']
+TINY_SEG = ['task=segmentation', 'data.img_size=32', 'data.batch_size=8', 'data.num_workers=0',
+            'data.synthetic.train_size=32', 'data.synthetic.val_size=6', 'data.aug.scale_range=[0.75,1.25]',
+            'data.aug.color_jitter=0.0', 'seg.neck_dim=16', 'seg.head_dim=16', 'seg.eval.mode=whole', 'train.epochs=2',
+            'train.log_every=1', 'train.warmup_epochs=0.5', 'train.lr=2e-3', 'train.pictures=false', 'device=cpu']

@@ -18,9 +18,15 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     import albumentations as A
 
-__all__ = ['KeyedImageDataset', 'sample_seed', 'seed_words']
+__all__ = ['DataError', 'KeyedImageDataset', 'KeyedSegDataset', 'mask_dtype', 'sample_seed', 'seed_words']
 
 _WORD = 2 ** 32
+
+
+class DataError(ValueError, RuntimeError):
+    """Data that cannot be used as given (no class folders, too many unreadable files, ...); the one-line message
+    names the folder or file and what was expected. A ValueError; also a RuntimeError, the type that unreadable-file
+    errors had in earlier releases (like io.UnsupportedOperation, which is both OSError and ValueError)."""
 
 
 def seed_words(seed: int) -> list[int]:
@@ -92,3 +98,45 @@ class KeyedImageDataset(Dataset):
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
         return index % n, seed
+
+
+def mask_dtype(num_classes: int, ignore_index: int) -> np.dtype:
+    """The smallest mask dtype holding ids 0..num_classes-1 and ``ignore_index`` (uint8 usually, else int32):
+    masks are resized by cv2 in this dtype, and uint8 is the fastest."""
+    if num_classes <= 256 and 0 <= ignore_index <= 255:
+        return np.dtype(np.uint8)
+    return np.dtype(np.int32)
+
+
+class KeyedSegDataset(KeyedImageDataset):
+    """Base class: ``dataset[key] -> (image float32 [3, H, W], mask int64 [H, W])`` for ``key`` = index or
+    (index, seed); the transform is seeded by ``sample_seed(index, seed)`` exactly as for classification.
+
+    Subclasses implement ``load(index) -> (image uint8 [H, W, 3] RGB, mask integer [H, W] class ids)`` and
+    ``describe()``, and may override ``label_after_transform(mask, transform_output)`` to edit the transformed mask.
+
+    Attributes:
+        class_names: ``list[str]``, position = class id.
+        ignore_index: the mask value of unlabelled pixels.
+        targets: empty (a segmentation sample has no single label).
+        num_bad: files found undecodable so far.
+    """
+
+    def __init__(self, transform: A.Compose, class_names: Sequence[str], num_samples: int, ignore_index: int):
+        super().__init__(transform, class_names, targets=())
+        self.num_samples = int(num_samples)
+        self.ignore_index = int(ignore_index)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index, seed = self._parse_key(key)
+        image, mask = self.load(index)
+        self.transform.set_random_seed(sample_seed(index, seed))
+        out = self.transform(image=image, mask=mask)
+        return out['image'], self.label_after_transform(out['mask'], out)
+
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The raw sample ``(image uint8 [H, W, 3] RGB, mask [H, W] class ids)`` at a valid, non-negative index."""
+        raise NotImplementedError

@@ -6,7 +6,8 @@ format PIL opens, any size and mode; every image is read as uint8 RGB (``load_rg
 Bad files are expected in real collections. Construction opens and verifies every file (headers and, for PNG,
 chunk checksums; no decoding) on a few threads, skips the bad ones with a warning and counts them in ``num_bad``.
 A file that passes that check but fails to decode later (a truncated JPEG) is logged, counted, and replaced by the
-next good sample, so a batch is never short. More bad files than ``max_bad_fraction`` is an error.
+next good sample, so a batch is never short. More bad files than ``max_bad_fraction`` is an error. Data that
+cannot be used (no class folders, no images, too many unreadable files) raises ``DataError``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import albumentations as A
 import numpy as np
 from PIL import Image, ImageOps
 
-from .base import KeyedImageDataset
+from .base import DataError, KeyedImageDataset
 
 __all__ = ['ImageFolderDataset', 'class_folders', 'check_same_classes', 'list_images', 'load_rgb', 'to_rgb_array',
            'readable_extensions']
@@ -45,16 +46,16 @@ def class_folders(split_dir: Path) -> list[str]:
                                 f"{split_dir}/<class name>/<images>")
     names = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith('.'))
     if not names:
-        raise ValueError(f"no class folders in {split_dir}; expected one folder of images per class, "
+        raise DataError(f"no class folders in {split_dir}; expected one folder of images per class, "
                          f"{split_dir}/<class name>/<images>")
     return names
 
 
 def check_same_classes(train_classes: Sequence[str], val_classes: Sequence[str], val_dir: Path) -> None:
-    """A ValueError naming the folders that ``val_dir`` has in excess or lacks, compared with train."""
+    """A DataError naming the folders that ``val_dir`` has in excess or lacks, compared with train."""
     missing, extra = sorted(set(train_classes) - set(val_classes)), sorted(set(val_classes) - set(train_classes))
     if missing or extra:
-        raise ValueError(f"{val_dir} must have the same class folders as train/: missing {missing}, extra {extra}")
+        raise DataError(f"{val_dir} must have the same class folders as train/: missing {missing}, extra {extra}")
 
 
 def list_images(folder: Path, extensions: frozenset[str]) -> list[str]:
@@ -149,7 +150,7 @@ class ImageFolderDataset(KeyedImageDataset):
         self._check_bad_fraction(len(bad))
         self.paths = [p for p in paths if p not in bad]
         if not self.paths:
-            raise ValueError(f"all {len(paths)} image files under {self.split_dir} are unreadable")
+            raise DataError(f"all {len(paths)} image files under {self.split_dir} are unreadable")
         super().__init__(transform, class_names, [t for p, t in zip(paths, targets) if p not in bad])
         self.num_bad = len(bad)
         self._failed_at_load: set[int] = set()
@@ -165,7 +166,7 @@ class ImageFolderDataset(KeyedImageDataset):
                 return load_rgb(self.paths[candidate]), self.targets[candidate]
             except Exception as err:  # decoding can fail in as many ways as verifying (see verify_image)
                 self._record_load_failure(candidate, err)
-        raise RuntimeError(f"no image under {self.split_dir} could be decoded")
+        raise DataError(f"no image under {self.split_dir} could be decoded")
 
     def describe(self) -> str:
         shown = ', '.join(self.class_names[:5]) + (', ...' if len(self.class_names) > 5 else '')
@@ -185,7 +186,7 @@ class ImageFolderDataset(KeyedImageDataset):
             paths += found
             targets += [label] * len(found)
         if not paths:
-            raise ValueError(f"no images under {self.split_dir}/<class>/ (looked for files PIL opens: "
+            raise DataError(f"no images under {self.split_dir}/<class>/ (looked for files PIL opens: "
                              f"{', '.join(sorted(extensions)[:12])}, ...)")
         return paths, targets
 
@@ -211,7 +212,7 @@ class ImageFolderDataset(KeyedImageDataset):
     def _check_bad_fraction(self, num_bad: int) -> None:
         fraction = num_bad / self._num_files
         if fraction > self.max_bad_fraction:
-            raise RuntimeError(f"{num_bad} of {self._num_files} image files under {self.split_dir} are unreadable "
+            raise DataError(f"{num_bad} of {self._num_files} image files under {self.split_dir} are unreadable "
                                f"({fraction:.2%}), more than max_bad_fraction={self.max_bad_fraction:.2%}; "
                                "see the warnings for their paths")
 

@@ -23,7 +23,9 @@ it, instead of producing a checkpoint that cannot be resumed.
 import contextlib
 import logging
 import os
+import pickle
 import random
+import re
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -33,8 +35,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-__all__ = ['atomic_write', 'atomic_path', 'save_checkpoint', 'load_checkpoint', 'capture_rng_state',
-           'restore_rng_state', 'save_model_safetensors', 'unwrap_model']
+__all__ = ['CheckpointError', 'atomic_write', 'atomic_path', 'save_checkpoint', 'load_checkpoint',
+           'load_safetensors', 'capture_rng_state', 'restore_rng_state', 'save_model_safetensors', 'unwrap_model']
 
 _logger = logging.getLogger(__name__)
 
@@ -46,6 +48,11 @@ _TMP_SUFFIX = '.tmp'
 _WEIGHTS_ONLY_LEAVES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype,
                                   torch.device, torch.Size})
 _WEIGHTS_ONLY_CONTAINERS = frozenset({dict, OrderedDict, list, tuple, set})
+
+
+class CheckpointError(RuntimeError):
+    """A file that is not a linvit checkpoint or weights file (or whose weights do not fit the model); the one-line
+    message names the file and what was expected."""
 
 
 def _temp_prefix(path: Path) -> str:
@@ -161,8 +168,9 @@ def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> None:
 def load_checkpoint(path: PathLike, map_location: Any = 'cpu') -> Dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint`` with ``torch.load(weights_only=True)``.
 
-    Raises FileNotFoundError naming ``path`` if it does not exist, and RuntimeError naming ``path`` if it is not a
-    loadable checkpoint (truncated, corrupt, another format, or objects outside the weights-only allowlist).
+    Raises FileNotFoundError naming ``path`` if it does not exist, and CheckpointError (a RuntimeError) naming
+    ``path`` if it is not a loadable checkpoint (truncated, corrupt, another format, or objects outside the
+    weights-only allowlist), in one line: torch.load's own advice (weights_only=False) would run the file's code.
     """
     path = Path(path)
     if not path.exists():
@@ -172,10 +180,38 @@ def load_checkpoint(path: PathLike, map_location: Any = 'cpu') -> Dict[str, Any]
     except (IsADirectoryError, PermissionError):
         raise
     except Exception as e:
-        raise RuntimeError(f'{path} is not a linvit checkpoint or is corrupt ({type(e).__name__}: {e})') from e
+        raise CheckpointError(f'{path} is not a linvit checkpoint or is corrupt: {_unreadable_because(e)}') from e
     if not isinstance(state, dict):
-        raise RuntimeError(f'{path} is not a linvit checkpoint: it holds a {type(state).__name__}, not a dict')
+        raise CheckpointError(f'{path} is not a linvit checkpoint: it holds a {type(state).__name__}, not a dict')
     return state
+
+
+def load_safetensors(path: PathLike) -> Dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file; FileNotFoundError or CheckpointError (one line) naming ``path``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'weights file {path} does not exist')
+    try:
+        return load_file(path)
+    except SafetensorError as e:
+        raise CheckpointError(f'{path} is not a .safetensors weights file or is corrupt ({_first_line(e)})') from e
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _unreadable_because(error: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, in a few words (its own message is a page of advice)."""
+    if isinstance(error, pickle.UnpicklingError):
+        refused = re.search(r'GLOBAL (\S+)', str(error))
+        if refused:
+            return f'it holds a {refused.group(1)} object, which only a full (code-running) unpickling can load'
+        return 'it is not a torch file of tensors and plain data'
+    return f'torch.load cannot read it ({type(error).__name__}: {_first_line(error)})'
 
 
 def _capture_python_rng() -> Dict[str, Any]:

@@ -7,21 +7,45 @@ the file, merged first to last), the file itself, then the overrides. Every key 
 before merging, so an unknown or misspelt key is an error that names the key, where it came from, and the closest
 valid key; a value of the wrong type is an error naming the key and the expected type. ``model.kwargs`` is the one
 free-form mapping: it is passed to ``timm.create_model`` as keyword arguments. YAML is read with ``safe_load``.
+
+``output_dir`` defaults to ``runs/<config file stem>`` (``configs/seg_demo.yaml`` -> ``runs/seg_demo``) when no
+layer sets it. Saved weights are rebuilt as they were trained: ``load_config(file, overrides, base=saved,
+keep_from_base=ARCHITECTURE_KEYS)`` takes the model, the task and the training size from the saved config unless
+the overrides set them, so the file only says where data lives and how to evaluate.
+
+Old words keep working for one release, with a FutureWarning naming the new one: ``task: seg | ar | cls``
+(now ``segmentation | autoregressive | classification``) and ``train.amp: none | bf16 | fp16`` (now
+``train.precision: float32 | bfloat16 | float16``), in files, overrides and the saved configs of older runs.
 """
 import difflib
+import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import timm
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..deprecation import warn_renamed
+from ..precision import PRECISION_ALIASES, PRECISIONS
+
 __all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'SegConfig',
-           'SegEvalConfig', 'ConfigError',
+           'SegEvalConfig', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys',
            'load_config', 'config_to_yaml', 'config_from_yaml', 'MISSING']
 
+_logger = logging.getLogger(__name__)
+
 BASE_KEY = '_base_'
+#: the run directory of a config file that sets no output_dir: runs/<file stem>
+DEFAULT_RUNS_DIR = 'runs'
+#: task names of older releases, kept for one release (the engine's TASKS registry holds the current ones)
+_OLD_TASK_NAMES = {'cls': 'classification', 'seg': 'segmentation', 'ar': 'autoregressive'}
+#: what saved weights were built with: loading them (--eval-only, --resume) takes these keys from the saved config
+#: unless the command line sets them (the model, its task and head, and the size its position embedding was made for)
+ARCHITECTURE_KEYS = ('task', 'model', 'data.img_size', 'seg.head', 'seg.neck_dim', 'seg.head_dim',
+                     'seg.feature_blocks')
 
 
 @dataclass
@@ -81,7 +105,7 @@ class TrainConfig:
     warmup_epochs: float = 1.0
     warmup_lr: float = 1e-6
     min_lr: float = 1e-6
-    amp: str = 'none'  # 'none', 'bf16' (CPU or CUDA), 'fp16' (CUDA, with a gradient scaler)
+    precision: str = 'float32'  # autocast dtype: 'float32' (no autocast), 'bfloat16', 'float16' (CUDA, grad scaler)
     accum_steps: int = 1
     clip_grad: Optional[float] = None  # max gradient norm
     ema: bool = False
@@ -103,7 +127,7 @@ class SegEvalConfig:
 
 @dataclass
 class SegConfig:
-    """Segmentation model, loss and evaluation (used when task=seg)."""
+    """Segmentation model, loss and evaluation (used when task=segmentation)."""
     head: str = 'mlp'  # decoder head (linvit.models.segmentation.SEG_HEADS)
     neck_dim: int = 128  # channels of every feature-pyramid level
     head_dim: int = 128  # channels of the head's fused features
@@ -114,8 +138,8 @@ class SegConfig:
 
 @dataclass
 class RunConfig:
-    task: str = 'classification'
-    output_dir: str = 'runs/default'
+    task: str = 'classification'  # a key of linvit.engine.TASKS: classification, segmentation, autoregressive
+    output_dir: str = 'runs/default'  # with a config file: runs/<file stem> unless a layer sets it
     seed: int = 0
     device: str = 'auto'  # 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -220,9 +244,11 @@ def _merge(schema: DictConfig, source: str, values: Dict[str, Any]) -> DictConfi
 #: keys whose string value must be one of a few names (the task names are checked where tasks are built)
 CHOICES: Dict[str, Sequence[str]] = {
     'data.name': ('synthetic', 'folder'),
-    'train.amp': ('none', 'bf16', 'fp16'),
+    'train.precision': tuple(PRECISIONS),
     'seg.eval.mode': ('whole', 'slide'),
 }
+#: the values train.amp (train.precision's old name) took
+_OLD_AMP_VALUES = ('none', 'bf16', 'fp16')
 
 
 def _check_choices(cfg: DictConfig) -> None:
@@ -232,31 +258,151 @@ def _check_choices(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
-                base: Optional[Union[DictConfig, Dict[str, Any]]] = None) -> DictConfig:
-    """The resolved run configuration (a read-only DictConfig with RunConfig's keys).
+def _check_model_name(cfg: DictConfig) -> None:
+    """ConfigError unless model.name is in timm's registry (linvit_* are there once linvit is imported)."""
+    name = cfg.model.name
+    if timm.is_model(name.split('.')[0]):
+        return
+    close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ''
+    raise ConfigError(f"model.name={name!r} is not a timm model; {hint}(timm.list_models('linvit_*') lists linvit's, "
+                      f"timm.list_models() all)")
 
-    path: a YAML file (may name ``_base_`` files); None uses the schema's defaults. base: an already resolved
-    config (e.g. the one saved in a checkpoint) to start from instead of the defaults. overrides: 'a.b=value' items.
-    Raises ConfigError naming the file or override, the key, and the closest valid key or the expected type;
-    also for a required value (``???`` in a YAML file) that nothing set.
-    """
-    cfg = _schema()
-    if base is not None:
-        cfg = _merge(cfg, 'saved config', OmegaConf.to_container(OmegaConf.create(base)))
-    layers = _file_layers(path) if path is not None else []
-    if overrides:
-        layers.append(_override_layer(overrides))
-    required = set()
+
+def _rename_old_task(source: str, values: Dict[str, Any]) -> None:
+    old = values.get('task')
+    if isinstance(old, str) and old in _OLD_TASK_NAMES:
+        values['task'] = _OLD_TASK_NAMES[old]
+        warn_renamed(f"{source}: task={old!r}", f"task={values['task']!r}")
+
+
+def _rename_old_precision(source: str, values: Dict[str, Any]) -> None:
+    train = values.get('train')
+    if not isinstance(train, dict):
+        return
+    if 'amp' in train:
+        old = train.pop('amp')
+        if 'precision' in train:
+            raise ConfigError(f"{source}: sets both train.amp and train.precision; keep train.precision only "
+                              f"(train.amp is its old name)")
+        if old not in _OLD_AMP_VALUES:
+            raise ConfigError(f"{source}: train.amp={old!r} is not one of {list(_OLD_AMP_VALUES)} (train.amp is "
+                              f"deprecated: use train.precision, one of {list(PRECISIONS)})")
+        train['precision'] = PRECISION_ALIASES[old]
+        warn_renamed(f"{source}: train.amp={old}", f"train.precision={train['precision']}")
+    elif train.get('precision') in PRECISION_ALIASES:
+        old = train['precision']
+        train['precision'] = PRECISION_ALIASES[old]
+        warn_renamed(f"{source}: train.precision={old}", f"train.precision={train['precision']}")
+
+
+def _rename_old_words(source: str, values: Dict[str, Any]) -> None:
+    """Rewrite the old words a layer may use (task seg/ar/cls, train.amp) to the new ones, with a FutureWarning."""
+    _rename_old_task(source, values)
+    _rename_old_precision(source, values)
+
+
+def _leaves(value: Any, prefix: str) -> Dict[str, Any]:
+    """{'model.kwargs.depth': 2, ...}: the leaf values under ``prefix`` of a plain nested container."""
+    if not isinstance(value, dict) or not value:
+        return {prefix: value}
+    leaves = {}
+    for key, child in value.items():
+        leaves.update(_leaves(child, f"{prefix}.{key}"))
+    return leaves
+
+
+def _plain(cfg: DictConfig, key: str) -> Any:
+    """The value at a dotted key as plain python (dicts and lists instead of OmegaConf nodes)."""
+    value = OmegaConf.select(cfg, key)
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def differing_keys(first: DictConfig, second: DictConfig, keys: Sequence[str]) -> List[Tuple[str, Any, Any]]:
+    """(dotted key, value in first, value in second) for every leaf under ``keys`` where the two configs differ."""
+    differ = []
+    for key in keys:
+        a, b = _leaves(_plain(first, key), key), _leaves(_plain(second, key), key)
+        for leaf in sorted(set(a) | set(b)):
+            if a.get(leaf) != b.get(leaf):
+                differ.append((leaf, a.get(leaf), b.get(leaf)))
+    return differ
+
+
+def _keep_from_base(cfg: DictConfig, base: DictConfig, keys: Sequence[str], source: str) -> DictConfig:
+    """cfg with the values of ``keys`` set back to base's (what the config files set for them is not used)."""
+    ignored = differing_keys(cfg, base, keys)
+    if ignored:
+        _logger.info("%s: not using %s: the saved weights were built with %s (set these keys on the command line "
+                     "to change them)", source, ', '.join(f"{k}={a!r}" for k, a, _ in ignored),
+                     ', '.join(f"{k}={b!r}" for k, _, b in ignored))
+    for key in keys:
+        value = OmegaConf.select(base, key)
+        # a typed node (model: ModelConfig) replaces the file's whole subtree, model.kwargs included
+        OmegaConf.update(cfg, key, value.copy() if isinstance(value, (DictConfig, ListConfig)) else value, merge=False)
+    return cfg
+
+
+def _sets_output_dir(layers: Sequence[tuple]) -> bool:
+    return any('output_dir' in values for _, values in layers)
+
+
+def _default_output_dir(path: str) -> str:
+    """runs/<file stem>: configs/seg_demo.yaml -> runs/seg_demo."""
+    return os.path.join(DEFAULT_RUNS_DIR, os.path.splitext(os.path.basename(path))[0])
+
+
+def _layers(base: Optional[Union[DictConfig, Dict[str, Any]]], path: Optional[str],
+            overrides: Sequence[str]) -> Tuple[List[tuple], List[tuple], List[tuple]]:
+    """(source, values) of the saved config, of the file chain and of the overrides, in the new words."""
+    saved = [('saved config', OmegaConf.to_container(OmegaConf.create(base)))] if base is not None else []
+    files = _file_layers(path) if path is not None else []
+    command_line = [_override_layer(overrides)] if overrides else []
+    for source, values in [*saved, *files, *command_line]:
+        _rename_old_words(source, values)
+    return saved, files, command_line
+
+
+def _merged(cfg: DictConfig, layers: Sequence[tuple]) -> DictConfig:
     for source, values in layers:
-        required.update(_required_keys(values))
         cfg = _merge(cfg, source, values)
+    return cfg
+
+
+def _check_required(cfg: DictConfig, layers: Sequence[tuple]) -> None:
+    """ConfigError for keys without a value: MISSING in the schema, or marked ``???`` by a file."""
+    required = {key for _, values in layers for key in _required_keys(values)}
     missing = sorted(set(OmegaConf.missing_keys(cfg))
                      | {key for key in required if OmegaConf.select(cfg, key, default=None) in (None, MISSING)})
     if missing:
         raise ConfigError(f"config keys {missing} have no value: set them in the YAML file or on the command line "
                           f"(e.g. {missing[0]}=...)")
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
+                base: Optional[Union[DictConfig, Dict[str, Any]]] = None,
+                keep_from_base: Sequence[str] = ()) -> DictConfig:
+    """The resolved run configuration (a read-only DictConfig with RunConfig's keys).
+
+    path: a YAML file (may name ``_base_`` files); None uses the schema's defaults. base: an already resolved
+    config (e.g. the one saved in a checkpoint) to start from instead of the defaults. overrides: 'a.b=value' items.
+    keep_from_base: keys (e.g. ARCHITECTURE_KEYS) whose value comes from ``base`` even where the file sets them;
+    only the overrides change them. output_dir, when no layer sets it, is runs/<stem of path>.
+    Raises ConfigError naming the file or override, the key, and the closest valid key or the expected type;
+    also for a required value (``???`` in a YAML file) that nothing set, and for a model.name timm does not know.
+    """
+    saved, files, command_line = _layers(base, path, overrides)
+    cfg = _merged(_schema(), saved)
+    saved_cfg = cfg.copy()
+    cfg = _merged(cfg, files)
+    if saved and files and keep_from_base:
+        cfg = _keep_from_base(cfg, saved_cfg, keep_from_base, path)
+    cfg = _merged(cfg, command_line)
+    if path is not None and not _sets_output_dir([*saved, *files, *command_line]):
+        cfg.output_dir = _default_output_dir(path)
+    _check_required(cfg, [*files, *command_line])
     _check_choices(cfg)
+    _check_model_name(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

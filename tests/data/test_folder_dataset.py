@@ -7,7 +7,14 @@ import pytest
 import torch
 from PIL import Image
 
-from linvit.data import ImageFolderDataset, build_classification_datasets, build_transforms, load_rgb, sample_seed
+from linvit.data import (
+    DataError,
+    ImageFolderDataset,
+    build_classification_datasets,
+    build_transforms,
+    load_rgb,
+    sample_seed,
+)
 from linvit.data.folder import to_rgb_array
 
 ZERO_MEAN, UNIT_STD = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)   # images come out as v / 255: easy to compare
@@ -136,7 +143,7 @@ def test_tree_with_odd_files(odd_tree, caplog, make_cfg):
 
 
 def test_too_many_bad_files_is_an_error_with_the_count(odd_tree):
-    with pytest.raises(RuntimeError, match=r'1 of 13 image files .* \(7.69%\).*max_bad_fraction=1.00%'):
+    with pytest.raises(DataError, match=r'1 of 13 image files .* \(7.69%\).*max_bad_fraction=1.00%'):
         ImageFolderDataset(odd_tree / 'train', val_transform(), max_bad_fraction=0.01)
 
 
@@ -157,7 +164,7 @@ def test_decode_failure_at_load_time_gives_the_next_sample(tmp_path, caplog):
     # two failures of 4 files exceed a 30% limit
     strict = ImageFolderDataset(root, val_transform(4), max_bad_fraction=0.3)
     (root / 'a' / '0.png').write_bytes(truncated_jpeg(1))     # broken after construction
-    with pytest.raises(RuntimeError, match='2 of 4'):
+    with pytest.raises(DataError, match='2 of 4'):
         strict[0]                                              # 0.png fails, then its substitute 1.jpg
 
 
@@ -205,7 +212,7 @@ def test_build_folder_datasets(make_tree, make_cfg):
 
 def test_val_with_other_classes_names_them(make_tree, make_cfg):
     root = make_tree({'train': ['cat', 'dog'], 'val': ['cat', 'bird']})
-    with pytest.raises(ValueError, match=r"missing \['dog'\], extra \['bird'\]"):
+    with pytest.raises(DataError, match=r"missing \['dog'\], extra \['bird'\]"):
         build_classification_datasets(make_cfg('folder', root), (0.5,) * 3, (0.5,) * 3)
 
 
@@ -224,9 +231,14 @@ def test_missing_folders_are_named(tmp_path, make_tree, make_cfg):
 
 def test_empty_trees_are_errors(tmp_path):
     (tmp_path / 'e' / 'train').mkdir(parents=True)
-    with pytest.raises(ValueError, match='no class folders in .*train'):
+    with pytest.raises(DataError, match='no class folders in .*train'):
         ImageFolderDataset(tmp_path / 'e' / 'train', val_transform())
     (tmp_path / 'e' / 'train' / 'cat').mkdir()
     (tmp_path / 'e' / 'train' / 'cat' / 'readme.txt').write_text('x')
-    with pytest.raises(ValueError, match='no images under .*train'):
+    with pytest.raises(DataError, match='no images under .*train'):
         ImageFolderDataset(tmp_path / 'e' / 'train', val_transform())
+
+
+def test_data_errors_are_value_errors_and_runtime_errors():
+    # ValueError: the data does not fit; RuntimeError: what unreadable-file errors were before DataError
+    assert issubclass(DataError, ValueError) and issubclass(DataError, RuntimeError)

@@ -19,10 +19,12 @@ import torch
 import torch.nn as nn
 
 from linvit.engine.checkpoint import (
+    CheckpointError,
     _check_weights_only_loadable,
     atomic_write,
     capture_rng_state,
     load_checkpoint,
+    load_safetensors,
     restore_rng_state,
     save_checkpoint,
     save_model_safetensors,
@@ -169,6 +171,32 @@ def test_corrupt_or_foreign_file_is_a_runtime_error_naming_the_path(tmp_path, wr
     with pytest.raises(RuntimeError, match='is not a linvit checkpoint') as info:
         load_checkpoint(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize('write_bad_file', [
+    _truncated_checkpoint,
+    lambda path: path.write_text('epoch,step\n1,2\n'),
+    lambda path: path.write_bytes(bytes(range(256)) * 8),
+    _pickled_object,
+], ids=['truncated', 'text', 'random-bytes', 'pickled-module'])
+def test_a_file_that_is_not_a_checkpoint_is_one_line_without_torch_load_advice(tmp_path, write_bad_file):
+    path = tmp_path / 'last.pth'
+    write_bad_file(path)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and message.startswith(f'{path} is not a linvit checkpoint')
+    assert 'weights_only' not in message and 'trust' not in message
+
+
+def test_safetensors_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match='missing.safetensors does not exist'):
+        load_safetensors(tmp_path / 'missing.safetensors')
+    (tmp_path / 'bad.safetensors').write_bytes(b'\x00' * 64)
+    with pytest.raises(CheckpointError, match=r'bad\.safetensors is not a \.safetensors weights file'):
+        load_safetensors(tmp_path / 'bad.safetensors')
+    safetensors.torch.save_file({'w': torch.ones(2)}, tmp_path / 'good.safetensors')
+    assert torch.equal(load_safetensors(tmp_path / 'good.safetensors')['w'], torch.ones(2))
 
 
 # --- interruptions ----------------------------------------------------------------------------------------------

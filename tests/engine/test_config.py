@@ -1,11 +1,12 @@
 """The config system: schema defaults, _base_ files, dotted overrides, strict keys with suggestions, types."""
 import os
+import warnings
 
 import pytest
 from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
-from linvit.engine.config import ConfigError, config_from_yaml, config_to_yaml, load_config
+from linvit.engine.config import ARCHITECTURE_KEYS, ConfigError, config_from_yaml, config_to_yaml, load_config
 
 CONFIGS = os.path.join(os.path.dirname(__file__), '..', '..', 'configs')
 
@@ -51,7 +52,7 @@ def test_wrong_type_names_the_key(override, key):
         load_config(None, [override])
 
 
-@pytest.mark.parametrize('override', ['train.amp=fp8', 'data.name=imagenet'])
+@pytest.mark.parametrize('override', ['train.precision=fp8', 'data.name=imagenet'])
 def test_choices_are_checked(override):
     key, value = override.split('=')
     with pytest.raises(ConfigError, match=rf"{key}='{value}' is not one of"):
@@ -91,5 +92,105 @@ def test_saved_yaml_round_trips_and_is_read_only():
 @pytest.mark.parametrize('name', sorted(f for f in os.listdir(CONFIGS) if f.endswith('.yaml')))
 def test_every_shipped_config_resolves(name):
     cfg = load_config(os.path.join(CONFIGS, name), ['data.root=/data/x'])
-    expected_task = {'cls': 'classification', 'seg': 'seg', 'ar': 'ar'}[name.split('_')[0]]
+    expected_task = {'cls': 'classification', 'seg': 'segmentation', 'ar': 'autoregressive'}[name.split('_')[0]]
     assert cfg.task == expected_task
+    assert cfg.output_dir == f"runs/{name[:-len('.yaml')]}"  # the run directory is named after the config
+
+
+def test_run_directory_defaults_to_the_config_stem_unless_a_file_or_the_command_line_sets_it(tmp_path):
+    _write(tmp_path / 'base.yaml', "train:\n  epochs: 7\n")
+    child = _write(tmp_path / 'my_exp.yaml', "_base_: base.yaml\n")
+    assert load_config(child).output_dir == 'runs/my_exp'
+    assert load_config(child, ['output_dir=/tmp/elsewhere']).output_dir == '/tmp/elsewhere'
+    _write(tmp_path / 'placed.yaml', "output_dir: runs/shared\n")
+    assert load_config(_write(tmp_path / 'other.yaml', "_base_: placed.yaml\n")).output_dir == 'runs/shared'
+    assert load_config(None).output_dir == 'runs/default'
+    assert load_config(os.path.join(CONFIGS, 'seg_demo.yaml')).output_dir == 'runs/seg_demo'
+
+
+def _leaves(values, prefix=''):
+    """{'data.aug.hflip': 0.5, ...} of a nested dict."""
+    leaves = {}
+    for key, value in values.items():
+        leaves.update(_leaves(value, f'{prefix}{key}.') if isinstance(value, dict) and value else
+                      {f'{prefix}{key}': value})
+    return leaves
+
+
+def test_ar_demo_is_cls_demo_with_its_task_and_no_mirroring():
+    ar, cls = (_leaves(OmegaConf.to_container(load_config(os.path.join(CONFIGS, f'{name}_demo.yaml'))))
+               for name in ('ar', 'cls'))
+    assert set(ar) == set(cls)
+    assert {key for key in ar if ar[key] != cls[key]} == {'task', 'output_dir', 'data.aug.hflip', 'train.epochs'}
+    assert (ar['task'], ar['output_dir'], ar['data.aug.hflip'], ar['train.epochs']) == \
+        ('autoregressive', 'runs/ar_demo', 0.0, 2)
+
+
+@pytest.mark.parametrize('old, new', [('seg', 'segmentation'), ('ar', 'autoregressive'), ('cls', 'classification')])
+def test_old_task_names_warn_and_resolve_to_the_new_name(tmp_path, old, new):
+    with pytest.warns(FutureWarning, match=rf"task='{old}' is deprecated.*use task='{new}'"):
+        assert load_config(None, [f'task={old}']).task == new
+    path = _write(tmp_path / 'old.yaml', f"task: {old}\n")
+    with pytest.warns(FutureWarning, match=rf"old\.yaml: task='{old}'"):
+        cfg = load_config(path)
+    assert cfg.task == new and f'task: {new}' in config_to_yaml(cfg)
+
+
+@pytest.mark.parametrize('amp, precision', [('none', 'float32'), ('bf16', 'bfloat16'), ('fp16', 'float16')])
+def test_train_amp_warns_and_becomes_train_precision(tmp_path, amp, precision):
+    with pytest.warns(FutureWarning, match=rf"train\.amp={amp} is deprecated.*use train\.precision={precision}"):
+        cfg = load_config(None, [f'train.amp={amp}'])
+    assert cfg.train.precision == precision and 'amp' not in cfg.train
+    path = _write(tmp_path / 'old.yaml', f"train:\n  amp: {amp}\n")
+    with pytest.warns(FutureWarning, match='old.yaml: train.amp'):
+        assert load_config(path).train.precision == precision
+
+
+def test_the_saved_config_of_an_older_run_still_loads(tmp_path):
+    saved = config_to_yaml(load_config(None, ['task=segmentation'])).replace('task: segmentation', 'task: seg')
+    saved = saved.replace('precision: float32', 'amp: bf16')
+    with pytest.warns(FutureWarning) as record:
+        cfg = load_config(None, ['train.epochs=3'], base=config_from_yaml(saved))
+    assert cfg.task == 'segmentation' and cfg.train.precision == 'bfloat16' and cfg.train.epochs == 3
+    assert {str(w.message).split(' is deprecated')[0] for w in record} == {"saved config: task='seg'",
+                                                                           'saved config: train.amp=bf16'}
+
+
+def test_new_words_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        cfg = load_config(os.path.join(CONFIGS, 'seg_demo.yaml'), ['train.precision=bfloat16'])
+    assert cfg.train.precision == 'bfloat16'
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (['train.amp=fp8'], r"train\.amp='fp8' is not one of \['none', 'bf16', 'fp16'\].*use train\.precision"),
+    (['train.amp=bf16', 'train.precision=float16'], 'sets both train.amp and train.precision'),
+])
+def test_bad_old_precision_words_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_unknown_model_name_is_a_config_error_with_the_closest_names():
+    with pytest.raises(ConfigError, match=r"model\.name='linvit_tiny_patch16_22' is not a timm model; did you mean "
+                                          r"'linvit_tiny_patch16_224'"):
+        load_config(None, ['model.name=linvit_tiny_patch16_22'])
+    assert load_config(None, ['model.name=vit_tiny_patch16_224.augreg_in21k']).model.name.startswith('vit_tiny')
+
+
+def test_keep_from_base_takes_the_architecture_from_the_saved_config_unless_the_command_line_sets_it(tmp_path):
+    saved = load_config(None, ['task=segmentation', 'model.kwargs.depth=2', 'model.kwargs.embed_dim=48',
+                               'data.img_size=192', 'seg.neck_dim=16', 'seg.feature_blocks=[0,1]'])
+    other = _write(tmp_path / 'eval.yaml', "task: classification\nmodel:\n  name: vit_small_patch16_224\n"
+                                           "  kwargs:\n    num_heads: 6\ndata:\n  img_size: 512\n  root: photos\n"
+                                           "seg:\n  neck_dim: 128\n  dice_weight: 0.5\n  eval:\n    mode: slide\n")
+    cfg = load_config(other, ['model.kwargs.depth=3'], base=config_from_yaml(config_to_yaml(saved)),
+                      keep_from_base=ARCHITECTURE_KEYS)
+    assert cfg.task == 'segmentation' and cfg.model.name == saved.model.name
+    assert OmegaConf.to_container(cfg.model.kwargs) == {'depth': 3, 'embed_dim': 48}  # the file's num_heads: gone
+    assert cfg.data.img_size == 192 and cfg.seg.neck_dim == 16 and list(cfg.seg.feature_blocks) == [0, 1]
+    # what the file may say: where the data lives and how to evaluate (and the rest of the recipe)
+    assert cfg.data.root == 'photos' and cfg.seg.eval.mode == 'slide' and cfg.seg.dice_weight == 0.5
+    assert load_config(other, ['data.img_size=256'], base=config_from_yaml(config_to_yaml(saved)),
+                       keep_from_base=ARCHITECTURE_KEYS).data.img_size == 256

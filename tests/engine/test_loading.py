@@ -7,10 +7,13 @@ import pytest
 import timm
 import torch
 from safetensors.torch import load_file, save_file
+from timm.models.vision_transformer import checkpoint_filter_fn
+from tiny_run import TINY_MODEL, TINY_SEG
 
-from linvit.engine import train
+from linvit.engine import load_config, train
 from linvit.engine.checkpoint import load_checkpoint
-from linvit.engine.loading import load_trained
+from linvit.engine.loading import WeightsMismatchError, load_trained, load_weights, resample_position_embeddings
+from linvit.engine.tasks.segmentation import create_segmentation_model
 
 
 @pytest.fixture(scope='module')
@@ -92,3 +95,62 @@ def test_what_is_not_a_run_is_named(ema_run, tmp_path):
     save_file(weights, run / 'model.safetensors')
     with pytest.raises(RuntimeError, match='does not fit the model'):
         load_trained(str(run))
+
+
+def test_another_image_size_resamples_the_position_embedding_as_timm_does(ema_run):
+    at48 = load_trained(str(ema_run), overrides=['data.img_size=48'])
+    assert at48.img_size == 48 and at48.model.pos_embed.shape[1] == 1 + 6 * 6
+    weights = load_file(ema_run / 'model.safetensors')
+    reference = timm.create_model('linvit_tiny_patch16_224', depth=2, embed_dim=48, num_heads=3, patch_size=8,
+                                  img_size=48, num_classes=weights['head.weight'].shape[0])
+    reference.load_state_dict(checkpoint_filter_fn(dict(weights), reference))  # timm's pretrained-weights path
+    assert _same_weights(at48.model, reference.state_dict())
+
+
+def _tiny_seg_model(img_size):
+    cfg = load_config(None, [*TINY_MODEL, *TINY_SEG])
+    return create_segmentation_model(cfg.model, cfg.seg, num_classes=3, img_size=img_size)
+
+
+def test_a_nested_position_embedding_is_resampled_with_its_own_grid():
+    weights, bigger = _tiny_seg_model(32).state_dict(), _tiny_seg_model(48)
+    fitted = resample_position_embeddings(bigger, weights)
+    backbone = {k[len('backbone.'):]: v for k, v in weights.items() if k.startswith('backbone.')}
+    expected = checkpoint_filter_fn(backbone, bigger.backbone)['pos_embed']
+    assert fitted['backbone.pos_embed'].shape == bigger.backbone.pos_embed.shape == expected.shape
+    torch.testing.assert_close(fitted['backbone.pos_embed'], expected, rtol=0, atol=0)
+    assert all(fitted[k] is v for k, v in weights.items() if k != 'backbone.pos_embed')
+
+
+def test_weights_that_do_not_fit_are_one_line_naming_the_keys():
+    trained, wider = _tiny_seg_model(32), _tiny_seg_model(32)
+    weights = dict(trained.state_dict())
+    weights['head.classifier.weight'] = weights['head.classifier.weight'][:2]
+    del weights['head.classifier.bias']
+    weights['extra.weight'] = torch.zeros(1)
+    with pytest.raises(WeightsMismatchError) as info:
+        load_weights(wider, weights, 'seg.pt')
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and message.startswith('seg.pt does not fit the model')
+    assert 'head.classifier.weight is [2, 16, 1, 1] in the weights, [3, 16, 1, 1] in the model' in message
+    assert 'head.classifier.bias is missing from the weights' in message
+    assert 'extra.weight is in the weights but not in the model' in message
+    with pytest.raises(WeightsMismatchError, match='backbone.pos_embed is'):
+        load_weights(_tiny_seg_model(48), trained.state_dict(), 'seg.pt', resample_pos_embed=False)
+
+
+def test_a_run_saved_with_the_old_config_words_still_loads(ema_run, tmp_path):
+    run = tmp_path / 'old_run'
+    shutil.copytree(ema_run, run)
+    text = (run / 'config.yaml').read_text()
+    assert 'precision: float32' in text
+    (run / 'config.yaml').write_text(text.replace('precision: float32', 'amp: none'))
+    with pytest.warns(FutureWarning, match='train.amp=none is deprecated'):
+        trained = load_trained(str(run))
+    assert trained.cfg.train.precision == 'float32'
+
+
+def test_the_old_task_kinds_table_warns():
+    from linvit.engine import loading
+    with pytest.warns(FutureWarning, match="TASK_KINDS is deprecated.*cfg.task"):
+        assert loading.TASK_KINDS['seg'] == 'segmentation'
