@@ -28,6 +28,14 @@ segmentation), class names, input normalisation (mean, std), the input multiple 
 
 Something that cannot be exported raises ``ExportError`` naming the module that was running when tracing failed (or
 the op that has no ONNX translation), with the original error chained; nothing falls back to another exporter.
+
+What ``tools/export_onnx.py`` exports and times (the library behind the command line):
+
+    source = load_export_source('runs/demo')             # or 'linvit_small_patch16_224:img_size=512' (random weights)
+    report = export_onnx(source.model, source.default_out, img_size=source.img_size, dtype='float16',
+                         metadata=source.metadata)
+    rows = measure_latency(source.model, report.path, [(c.height, c.width) for c in report.checks], 'float16')
+    print(format_latency(rows, report.dtype))             # eager, compiled and onnxruntime ms per image
 """
 import contextlib
 import copy
@@ -41,15 +49,20 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
+from .precision import precision_dtype
+
 __all__ = ['export_onnx', 'ExportReport', 'SizeCheck', 'ExportError', 'ExportCheckError', 'default_check_sizes',
-           'input_multiple', 'ort_session', 'read_metadata', 'METADATA_PREFIX', 'TOLERANCES', 'INPUT_NAME',
-           'OUTPUT_NAME']
+           'input_multiple', 'ort_session', 'read_metadata', 'METADATA_PREFIX', 'TOLERANCES', 'EXPORT_PRECISIONS',
+           'INPUT_NAME', 'OUTPUT_NAME', 'ExportSource', 'load_export_source', 'is_trained_source', 'measure_latency',
+           'format_latency']
 
 INPUT_NAME = 'images'
 OUTPUT_NAME = 'logits'
 METADATA_PREFIX = 'linvit.'
 #: default max_rel allowed by the check, per export dtype
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2}
+#: the precisions a file can be exported in (``linvit.precision`` names)
+EXPORT_PRECISIONS = ('float32', 'float16')
 #: the largest image side, in patches, that a dynamic-size file declares (16,384 px at patch 16)
 MAX_SIDE_PATCHES = 1024
 
@@ -302,7 +315,7 @@ def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 
 def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union[int, Sequence[int]] = (224, 224),
                 dynamic_size: bool = True, dynamic_batch: bool = True, opset: Optional[int] = None,
-                dtype: torch.dtype = torch.float32, check_sizes: Optional[Sequence[Size2]] = None,
+                dtype: Union[torch.dtype, str] = torch.float32, check_sizes: Optional[Sequence[Size2]] = None,
                 tolerance: Optional[float] = None, metadata: Optional[Dict[str, Any]] = None,
                 verbose: bool = False) -> ExportReport:
     """Export ``model`` (images [B, 3, H, W] -> logits) to the ONNX file ``path`` and check it in onnxruntime.
@@ -310,7 +323,8 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
     img_size: the example image size (height, width) traced; with ``dynamic_size`` the file takes any multiple of
         the patch size from 2 patches to ``MAX_SIDE_PATCHES`` on a side (the model must take any size:
         ``dynamic_img_size=True`` for timm ViTs; segmentation models always do).
-    dtype: torch.float32 or torch.float16 (weights and activations; the attention core runs in float32).
+    dtype: torch.float32 or torch.float16, or its precision name 'float32' / 'float16' (weights and activations; the
+        attention core runs in float32).
     check_sizes: (height, width) sizes to check (default ``default_check_sizes``: the export size and, when dynamic,
         two more, one non-square); each runs a batch of 2 (1 when the batch is static).
     tolerance: the largest max_rel accepted (default ``TOLERANCES[dtype]``); beyond it ``ExportCheckError`` is
@@ -318,6 +332,8 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
     metadata: extra JSON-able values stored as ``linvit.<key>`` (e.g. class_names, model_name).
     Returns the ``ExportReport``; ``verbose`` prints its table. The model itself is not modified.
     """
+    if isinstance(dtype, str):
+        dtype = precision_dtype(dtype, 'dtype')
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype must be one of {[str(d) for d in TOLERANCES]}, got {dtype}")
     img_size = _pair(img_size, 'img_size')
@@ -364,3 +380,99 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
                                    f"max_rel {tolerance:.0e}; no file was written:\n{report.table()}")
         os.replace(tmp, destination)
     return report
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+
+@dataclass
+class ExportSource:
+    """A model to export, with what the file should record about it."""
+    model: nn.Module  # in eval mode
+    img_size: Size2  # the size to trace: the given one, else the model's img_size or the run's data.img_size
+    metadata: Dict[str, Any]  # for ``export_onnx(metadata=...)``: model_name, source; a run adds its task,
+    # class_names, mean and std
+    default_out: str  # model.onnx in the run directory, or <model name>.onnx here for a model spec
+
+
+def is_trained_source(source: str) -> bool:
+    """A run directory, a checkpoint (.pt, .pth) or a .safetensors file, rather than a timm model spec."""
+    return os.path.isdir(source) or source.endswith(('.pt', '.pth', '.safetensors'))
+
+
+def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_size: bool = True) -> ExportSource:
+    """A trained model (``is_trained_source``: loaded by ``linvit.engine.loading.load_trained``) or a timm model
+    spec ``name[:key=value,...]`` (random weights). With ``dynamic_size`` a classifier is built with
+    ``dynamic_img_size=True`` (same weights), so the file can take any image size."""
+    if is_trained_source(source):
+        from .engine.loading import load_trained
+        trained = load_trained(source, dynamic_img_size=dynamic_size)
+        metadata = {'task': trained.task, 'class_names': trained.class_names, 'mean': list(trained.mean),
+                    'std': list(trained.std), 'model_name': trained.cfg.model.name, 'source': source}
+        run_dir = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
+        return ExportSource(trained.model, img_size or (trained.img_size, trained.img_size), metadata,
+                            os.path.join(run_dir, 'model.onnx'))
+    import timm
+
+    from .bench.specs import parse_model_spec
+    spec = parse_model_spec(source)
+    kwargs = dict(spec.kwargs)
+    if img_size:
+        kwargs.setdefault('img_size', img_size)
+    if dynamic_size:
+        kwargs.setdefault('dynamic_img_size', True)
+    model = timm.create_model(spec.name, pretrained=False, **kwargs).eval()
+    size = img_size or tuple(model.patch_embed.img_size)
+    return ExportSource(model, size, {'model_name': spec.name, 'source': source}, f"{spec.name}.onnx")
+
+
+# ---------------------------------------------------------------------------------------------------- latency
+
+def _runtimes(model: nn.Module, compiled: nn.Module, session: Any, images: torch.Tensor,
+              dtype: torch.dtype) -> Dict[str, Callable[[], Any]]:
+    """The three ways to run one image batch [1, 3, H, W], as calls for ``time_interleaved``."""
+    feed = {INPUT_NAME: images.to(dtype).numpy()}
+
+    @torch.no_grad()
+    def eager() -> Any:
+        return model(images)
+
+    @torch.no_grad()
+    def fast() -> Any:
+        return compiled(images)
+
+    return {'eager': eager, 'compiled': fast, 'onnxruntime': lambda: session.run(None, feed)}
+
+
+def measure_latency(model: nn.Module, path: Union[str, os.PathLike], sizes: Sequence[Size2],
+                    dtype: Union[torch.dtype, str] = torch.float32, warmup: int = 2,
+                    repeats: int = 5) -> List[Dict[str, Any]]:
+    """Median ms per image (batch 1, CPU) of the float32 PyTorch model eager and compiled
+    (``linvit.fast.compile_model``, one static graph per size) and of the ONNX file at ``path`` in onnxruntime
+    (inputs in ``dtype``, the file's), at each (height, width): rows {height, width, eager, compiled, onnxruntime}.
+    The three run interleaved round by round after ``warmup`` untimed rounds (at least 1: the first compiles)."""
+    from .bench.timing import time_interleaved
+    from .fast import compile_model
+    dtype = precision_dtype(dtype, 'dtype') if isinstance(dtype, str) else dtype
+    session = ort_session(path)
+    compiled = compile_model(model)
+    rows = []
+    for height, width in sizes:
+        images = torch.randn(1, 3, height, width)
+        ms = time_interleaved(_runtimes(model, compiled, session, images, dtype), warmup=max(1, warmup),
+                              repeats=repeats, device='cpu')
+        rows.append({'height': height, 'width': width, **ms})
+    return rows
+
+
+def format_latency(rows: Sequence[Dict[str, Any]], dtype_label: str) -> str:
+    """The latency table of ``measure_latency``'s rows; ``dtype_label``: the file's precision (ExportReport.dtype)."""
+    from .bench.specs import size_label
+    lines = [f"# latency per image (batch 1, median ms; PyTorch float32, onnxruntime {dtype_label}, "
+             f"{torch.get_num_threads()} threads); ratios above 1: onnxruntime faster",
+             f"{'size':>11} {'eager ms':>9} {'compiled ms':>12} {'onnxruntime ms':>15} {'eager/ort':>10} "
+             f"{'compiled/ort':>13}"]
+    for r in rows:
+        lines.append(f"{size_label(r['height'], r['width']):>11} {r['eager']:>9.1f} {r['compiled']:>12.1f} "
+                     f"{r['onnxruntime']:>15.1f} {r['eager'] / r['onnxruntime']:>9.2f}x "
+                     f"{r['compiled'] / r['onnxruntime']:>12.2f}x")
+    return '\n'.join(lines)

@@ -1,6 +1,7 @@
-"""tools/export_onnx.py and tools/predict.py on tiny trained runs (classification and segmentation): the export
-from a run directory, the parity and latency tables, predictions from PyTorch and from ONNX against the model run
-directly, masks at the input's size, a corrupt file named and skipped."""
+"""tools/export_onnx.py and tools/predict.py (over linvit.export and linvit.predict) on tiny trained runs
+(classification and segmentation): the export from a run directory, the parity and latency tables, predictions from
+PyTorch and from ONNX against the model run directly, masks at the input's size, a corrupt file named and skipped,
+the old --fp16 flag."""
 import csv
 
 import albumentations as A
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
 from linvit.engine import load_config, train
-from linvit.engine.segmentation import create_segmentation_model
+from linvit.engine.tasks.segmentation import create_segmentation_model
 from linvit.export import read_metadata
 
 pytestmark = pytest.mark.compiler
@@ -197,8 +198,20 @@ def test_predict_without_images_or_model_fails_with_a_reason(predict_tool, cls_r
 
 def test_predict_refuses_an_autoregressive_run(predict_tool, tmp_path, capsys):
     out = tmp_path / 'ar'
-    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'task=ar', 'data.aug.hflip=0', 'train.max_steps=1',
-                             f'output_dir={out}']))
+    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'task=autoregressive', 'data.aug.hflip=0',
+                             'train.max_steps=1', f'output_dir={out}']))
     _write_images(tmp_path / 'in', [(32, 32)])
     assert predict_tool.main([str(out), str(tmp_path / 'in')]) == 2
-    assert "task='ar' run; predict.py takes classification and segmentation runs" in capsys.readouterr().err
+    assert ("task='autoregressive' run; predict.py takes classification and segmentation runs"
+            in capsys.readouterr().err)
+
+
+def test_export_precision_flags(export_tool):
+    assert export_tool.parse_args(['m']).dtype == 'float32'
+    assert export_tool.parse_args(['m', '--dtype', 'float16']).dtype == 'float16'
+    with pytest.warns(FutureWarning, match='--fp16 is deprecated .* use --dtype float16'):
+        assert export_tool.parse_args(['m', '--fp16']).dtype == 'float16'
+    with pytest.warns(FutureWarning, match="--dtype='fp16' is deprecated"):
+        assert export_tool.parse_args(['m', '--dtype', 'fp16']).dtype == 'float16'
+    with pytest.raises(SystemExit):  # a precision, but not one an ONNX file is exported in
+        export_tool.parse_args(['m', '--dtype', 'bfloat16'])

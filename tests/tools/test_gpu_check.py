@@ -1,38 +1,24 @@
-"""tools/gpu_check.py on the CPU: the quick run end to end under a short budget (its processes, deadlines and report
-files), the sections' measurements in this process, and the report built from records with known values."""
+"""tools/gpu_check.py, the command line over linvit.bench.gpu_check (tested in tests/bench): the quick run on the CPU
+end to end under a short budget (its processes, deadlines and report files), and the options' help."""
 import argparse
 import csv
-import gzip
-import json
-import os
-import struct
+import runpy
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-import numpy as np
 import pytest
-import torch
-from conftest import load_tool
-from omegaconf import OmegaConf
 
-from linvit.engine import load_config
+from linvit.bench import gpu_check as check
 
 E2E_BUDGET_S = 24.0
+TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'gpu_check.py'
 
 
 @pytest.fixture(scope='module')
 def gpu_check():
-    return load_tool('gpu_check')
-
-
-def args_for(tool, tmp_path: Path, *extra: str) -> argparse.Namespace:
-    return tool.parse_args(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'out'), '--cache-dir',
-                            str(tmp_path / 'cache'), '--fmnist-dir', str(tmp_path / 'no_data'), *extra])
-
-
-def emitted(printed: str, tool) -> list:
-    return [json.loads(line[len(tool.RESULT_MARK):]) for line in printed.splitlines()
-            if line.startswith(tool.RESULT_MARK)]
+    """The script's functions (build_parser, parse_args, main), run as a file the way python runs it."""
+    return SimpleNamespace(**runpy.run_path(str(TOOL)))
 
 
 def table_header(header) -> str:
@@ -48,166 +34,31 @@ def test_quick_run_reports_every_planned_row_within_its_budget(gpu_check, tmp_pa
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert elapsed < E2E_BUDGET_S + 5  # a hard budget: sections are stopped at their deadlines
-    for header in (gpu_check.PARITY_HEADER, gpu_check.OP_HEADER, gpu_check.MODELS_HEADER, gpu_check.QUALITY_HEADER):
+    for header in (check.PARITY_HEADER, check.OP_HEADER, check.MODELS_HEADER, check.QUALITY_HEADER):
         assert table_header(header) in printed
     assert (out / 'gpu_check.md').read_text().strip() in printed
     assert (out / 'gpu_check_throughput.png').stat().st_size > 0
     rows = {row['key']: row for row in csv.DictReader((out / 'gpu_check.csv').open())}
-    for section in gpu_check.SECTIONS:
-        for key in gpu_check.plan_keys(section, gpu_check.QUICK):
+    for section in check.SECTIONS:
+        for key in check.plan_keys(section, check.QUICK):
             status = rows[key]['status']
             # measured, or not reached in time: never an estimate and never an error
             assert status == 'ok' or status.startswith('skipped ('), (key, status)
-    for key in gpu_check.plan_keys('parity', gpu_check.QUICK):
+    for key in check.plan_keys('parity', check.QUICK):
         row = rows[key]
         if row['status'] == 'ok':
             assert max(float(row[f"err_{n}"]) for n in ('out', 'dq', 'dk', 'dv')) <= float(row['tol'])
     assert rows['quality/linvit']['status'].startswith('skipped (no Fashion-MNIST IDX files')
 
 
-def test_parity_and_op_sections_measure_in_process(gpu_check, tmp_path, capsys):
-    args = args_for(gpu_check, tmp_path)
-    args.deadline = time.time() + 120
-    device = torch.device('cpu')
-    gpu_check.run_parity(args, gpu_check.QUICK, device)
-    gpu_check.run_op(args, gpu_check.QUICK, device)
-    records = {r['key']: r for r in emitted(capsys.readouterr().out, gpu_check)}
-    assert list(records) == gpu_check.plan_keys('parity', gpu_check.QUICK) + gpu_check.plan_keys('op', gpu_check.QUICK)
-    for key in gpu_check.plan_keys('parity', gpu_check.QUICK):
-        r = records[key]
-        if r['status'].startswith('skipped (Triton interpreter'):  # this process runs under TRITON_INTERPRET=1
-            continue
-        assert r['status'] == 'ok', r
-        assert max(r[f"err_{n}"] for n in ('out', 'dq', 'dk', 'dv')) <= gpu_check.TOLERANCES[r['dtype']]
-    for key in gpu_check.plan_keys('op', gpu_check.QUICK):
-        r = records[key]
-        assert r['status'] == 'ok', r
-        assert r['sdpa_over_kernel'] == pytest.approx(r['sdpa_ms'] / r['kernel_ms'])
-        assert r['torch_over_kernel'] == pytest.approx(r['torch_ms'] / r['kernel_ms'])
-
-
-def test_model_record_times_a_compiled_step(gpu_check):
-    case = gpu_check.ModelCase('small', 32, 'train', 'linvit', 2)
-    r = gpu_check.model_record(case, gpu_check.QUICK, torch.device('cpu'), 'aot_eager', time.time() + 120)
-    assert (r['tokens'], r['batch'], r['repeats'], r['task']) == (5, 2, gpu_check.QUICK.train_repeats, 'train')
-    assert r['img_per_s'] == pytest.approx(2e3 / r['ms']) and r['peak_mem_mib'] > 0 and r['first_call_s'] > 0
-
-
-def test_models_are_linvit_its_floor_softmax_and_the_torch_path(gpu_check):
-    def build(kind):
-        return gpu_check.build_model(gpu_check.ModelCase('small', 32, 'infer', kind, 2), gpu_check.QUICK)
-
-    attention = {kind: {type(m).__name__ for m in build(kind).modules() if hasattr(m, 'qkv')}
-                 for kind in (*gpu_check.KINDS, gpu_check.TORCH_PATH)}
-    assert attention == {'linvit': {'LinearAttention'}, 'softmax': {'Attention'}, 'floor': {'NoMixingAttention'},
-                         gpu_check.TORCH_PATH: {'LinearAttention'}}
-    assert {m.attn_backend for m in build(gpu_check.TORCH_PATH).modules() if hasattr(m, 'attn_backend')} == {'torch'}
-    # the priority order: ViT-S at its first size, training before inference, linvit before softmax and floor
-    plan = gpu_check.plan_models(gpu_check.FULL)
-    assert [(c.size, c.px, c.task, c.kind) for c in plan[:4]] == [
-        ('small', 1024, 'train', 'linvit'), ('small', 1024, 'train', 'softmax'), ('small', 1024, 'train', 'floor'),
-        ('small', 1024, 'infer', 'linvit')]
-
-
-def _records(gpu_check):
-    """Known records for part of the quick plan: the report's arithmetic, its skipped rows and its failures."""
-    parity_keys = gpu_check.plan_keys('parity', gpu_check.QUICK)
-    records = {
-        parity_keys[0]: {'section': 'parity', 'key': parity_keys[0], 'status': 'ok', 'kernel': 'triton',
-                         'err_out': 1e-7, 'err_dq': 2e-7, 'err_dk': 3e-7, 'err_dv': 4e-7},
-        parity_keys[2]: {'section': 'parity', 'key': parity_keys[2], 'status': 'FAIL', 'kernel': 'triton',
-                         'err_out': 1e-2, 'err_dq': 2e-7, 'err_dk': 3e-7, 'err_dv': 4e-7},
-        'op/64/fwd': {'section': 'op', 'key': 'op/64/fwd', 'status': 'ok', 'kernel': 'triton', 'kernel_ms': 2.0,
-                      'torch_ms': 5.0, 'sdpa_ms': 8.0, 'sdpa_over_kernel': 4.0, 'torch_over_kernel': 2.5},
-    }
-    for kind, speed in (('linvit', 30.0), ('softmax', 10.0), ('floor', 40.0), (gpu_check.TORCH_PATH, 20.0)):
-        key = f"models/small/64/train/{kind}"
-        records[key] = {'section': 'models', 'key': key, 'status': 'ok', 'size': 'small', 'kind': kind, 'px': 64,
-                        'task': 'train', 'tokens': 17, 'img_per_s': speed, 'peak_mem_mib': 2048.0,
-                        'first_call_s': 12.0}
-    records['quality/linvit'] = {'section': 'quality', 'key': 'quality/linvit', 'status': 'ok', 'top1': 0.8,
-                                 'steps': 40, 'train_s': 30.0}
-    records['quality/softmax'] = {'section': 'quality', 'key': 'quality/softmax', 'status': 'ok', 'top1': 0.75,
-                                  'steps': 40, 'train_s': 31.0}
-    return records
-
-
-def test_report_from_known_records(gpu_check, tmp_path):
-    args = args_for(gpu_check, tmp_path)
-    records = _records(gpu_check)
-    killed = gpu_check.Section('models', None, tmp_path / 'models.log', 0.0, 0.0, killed=True)
-    crashed = gpu_check.Section('op', None, tmp_path / 'op.log', 0.0, 0.0, code=1)
-    for name, section in (('parity', killed), ('op', crashed), ('models', killed)):
-        gpu_check.fill_missing(section, gpu_check.plan_keys(name, gpu_check.QUICK), records)
-    Path(args.out).mkdir(parents=True)
-    lines = gpu_check.report(records, args, gpu_check.QUICK, [killed], 99.0).splitlines()
-    parity = [line for line in lines if line[2:6] in gpu_check.DTYPES]
-    assert parity[0].endswith('| 1.0e-07 | 2.0e-07 | 3.0e-07 | 4.0e-07 | 1e-04 | ok |')
-    assert parity[1].endswith(f"| - | - | - | - | 2e-02 | {gpu_check.SKIPPED} |")
-    assert parity[2].endswith('| 1.0e-02 | 2.0e-07 | 3.0e-07 | 4.0e-07 | 5e-03 | FAIL |')
-    assert '| 64 | fwd | triton | 2.000 | 5.000 | 8.000 | 4.00 | 2.50 | ok |' in lines
-    assert any(line.startswith('| 64 | fwd+bwd |') and '| error: the op process exited 1 (logs/op.log) |' in line
-               for line in lines)
-    (train,) = [line for line in lines if line.startswith('| ViT-S | 64 (17) | train |')]
-    assert '| 30.0 | 10.0 | 40.0 | 3.00 | 0.75 | 1.50 | 2.0/2.0/2.0 | 12.0 | ok |' in train
-    (infer,) = [line for line in lines if line.startswith('| ViT-S | 64 (-) | infer |')]
-    assert infer.endswith(f"| -/-/- | - | linvit: {gpu_check.SKIPPED}; softmax: {gpu_check.SKIPPED}; floor: "
-                          f"{gpu_check.SKIPPED}; linvit_torch: {gpu_check.SKIPPED} |")
-    assert any('| 40 | 80.0 | 75.0 | +5.0 | 30/31 | ok |' in line for line in lines)
-    assert sorted(gpu_check.failed(records)) == sorted(
-        [f"{gpu_check.plan_keys('parity', gpu_check.QUICK)[2]}: FAIL"]
-        + [f"{key}: error: the op process exited 1 (logs/op.log)" for key in gpu_check.plan_keys('op', gpu_check.QUICK)
-           if key != 'op/64/fwd'])
-    csv_rows = list(csv.DictReader((Path(args.out) / 'gpu_check.csv').open()))
-    assert {row['key'] for row in csv_rows} == set(records)
-    assert (Path(args.out) / 'gpu_check_throughput.png').stat().st_size > 0
-
-
-def test_both_train_commands_resolve_to_the_same_recipe(gpu_check, tmp_path):
-    args = args_for(gpu_check, tmp_path)
-    q = gpu_check.FULL.quality
-    configs = {}
-    for kind in ('linvit', 'softmax'):
-        cmd = gpu_check.train_command(args, q, tmp_path / 'data', kind)
-        assert cmd[1].endswith('train.py') and cmd[2] == '--config'
-        configs[kind] = OmegaConf.to_container(load_config(cmd[3], cmd[4:]), resolve=True)
-    assert (configs['linvit']['model']['name'], configs['softmax']['model']['name']) == ('linvit_tiny_patch16_224',
-                                                                                         'vit_tiny_patch16_224')
-    assert configs['linvit']['data']['img_size'] == q.size and configs['linvit']['train']['epochs'] == q.epochs
-    assert configs['linvit']['train']['amp'] == 'none'  # bf16 on CUDA devices
-    for cfg in configs.values():  # everything else, the recipe and the step budget, is the same
-        del cfg['model']['name'], cfg['output_dir']
-    assert configs['linvit'] == configs['softmax']
-
-
-def write_idx(folder: Path, per_class: int) -> None:
-    """Tiny Fashion-MNIST IDX files (gzip): a solid bar per item whose position gives its class."""
-    folder.mkdir(parents=True)
-    labels = np.repeat(np.arange(10, dtype=np.uint8), per_class)
-    images = np.zeros((len(labels), 28, 28), dtype=np.uint8)
-    for i, label in enumerate(labels):
-        images[i, 4 + label:14 + label, 6:22] = 200
-    for prefix in ('train', 't10k'):
-        for stem, array in ((f'{prefix}-images-idx3-ubyte', images), (f'{prefix}-labels-idx1-ubyte', labels)):
-            header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f'>{array.ndim}I', *array.shape)
-            (folder / f'{stem}.gz').write_bytes(gzip.compress(header + array.tobytes()))
-
-
-def test_quality_data_is_rendered_once_and_reused(gpu_check, tmp_path):
-    args = args_for(gpu_check, tmp_path)
-    args.fmnist_dir = str(tmp_path / 'idx')
-    assert len(gpu_check.missing_idx_files(Path(args.fmnist_dir))) == 4
-    write_idx(Path(args.fmnist_dir), per_class=4)
-    assert gpu_check.missing_idx_files(Path(args.fmnist_dir)) == []
-    (Path(args.out) / 'logs').mkdir(parents=True)
-    q = gpu_check.QUICK.quality
-    data, why = gpu_check.fmnist_data(args, q, time.time() + 60)
-    assert why == '' and (data / 'manifest.csv').is_file()
-    assert len(list((data / 'train').rglob('*.png'))) == 10 * q.train_per_class
-    assert len(list((data / 'val').rglob('*.png'))) == 10 * q.val_per_class
-    stamp = os.stat(data / 'manifest.csv').st_mtime_ns
-    assert gpu_check.fmnist_data(args, q, time.time() + 60) == (data, '')  # reused: nothing rendered again
-    assert os.stat(data / 'manifest.csv').st_mtime_ns == stamp
+def test_options_become_resolved_settings(gpu_check, tmp_path):
+    settings = gpu_check.parse_args(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'o'),
+                                     '--sections', 'parity', 'op'])
+    assert (settings.budget, settings.compile_backend, settings.sections) == (check.QUICK.budget_s, 'aot_eager',
+                                                                             ('parity', 'op'))
+    assert settings.out == str(tmp_path / 'o')
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(['--budget', '5'])
 
 
 def test_every_option_has_help_that_shows_its_default(gpu_check):

@@ -1,48 +1,41 @@
-"""tools/make_fmnist_hires.py on tiny IDX files written here (no Debian package needed): IDX parsing and its errors,
-the ImageFolder layout, counts, sizes, the item's pixels on the canvas, and reading the result back with linvit."""
-import csv
-import gzip
-import importlib.util
+"""tools/make_fmnist_hires.py, the command line over linvit.data.fmnist_hires (tested in tests/data): help with
+defaults, argument checks and defaults per task, the old --task names, and runs of the script on tiny IDX files
+written here (no Debian package needed): exit status, files, and the one-line errors."""
+import runpy
 import struct
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from PIL import Image
+
+from linvit.data.fmnist_hires import CLASS_NAMES
 
 TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'make_fmnist_hires.py'
-ITEM_VALUE = 200          # every test item is a solid square of this grey, on black
-ITEM_ROWS = slice(6, 22)  # ... over rows/cols 6..21 of the 28x28 item
 
 
 @pytest.fixture(scope='module')
 def tool():
-    spec = importlib.util.spec_from_file_location('make_fmnist_hires', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module        # worker processes find write_item by module name
-    spec.loader.exec_module(module)
-    return module
+    """The script's functions (build_parser, parse_args, main), run as a file the way python runs it."""
+    return SimpleNamespace(**runpy.run_path(str(TOOL)))
 
 
-def idx_bytes(array: np.ndarray) -> bytes:
-    """The IDX encoding of a uint8 array: 0, 0, type 0x08, ndim, big-endian dims, values."""
-    return bytes([0, 0, 0x08, array.ndim]) + struct.pack(f'>{array.ndim}I', *array.shape) + array.tobytes()
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
 
 
-def write_fake_fmnist(folder: Path, per_class: int = 3, gz: bool = True) -> None:
-    """Train and t10k IDX files with ``per_class`` items of each of the 10 classes."""
+def write_fake_fmnist(folder: Path, per_class: int) -> None:
+    """Train and t10k IDX files (not gzipped) with ``per_class`` solid squares of each of the 10 classes."""
     folder.mkdir(parents=True, exist_ok=True)
     labels = np.repeat(np.arange(10, dtype=np.uint8), per_class)
     images = np.zeros((len(labels), 28, 28), dtype=np.uint8)
-    images[:, ITEM_ROWS, ITEM_ROWS] = ITEM_VALUE
+    images[:, 6:22, 6:22] = 200
     for prefix in ('train', 't10k'):
         for stem, array in ((f'{prefix}-images-idx3-ubyte', images), (f'{prefix}-labels-idx1-ubyte', labels)):
-            data = idx_bytes(array)
-            if gz:
-                (folder / f'{stem}.gz').write_bytes(gzip.compress(data))
-            else:
-                (folder / stem).write_bytes(data)
+            header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f'>{array.ndim}I', *array.shape)
+            (folder / stem).write_bytes(header + array.tobytes())
 
 
 def test_every_option_has_help_with_its_default(tool):
@@ -53,30 +46,25 @@ def test_every_option_has_help_with_its_default(tool):
     assert 'dataset-fashion-mnist' in parser.format_help()
 
 
-@pytest.mark.parametrize('gz', [True, False])
-def test_read_idx_round_trip(tool, tmp_path, gz):
-    write_fake_fmnist(tmp_path, per_class=2, gz=gz)
-    images, labels = tool.load_split(tmp_path, 'val')
-    assert images.shape == (20, 28, 28) and images.dtype == np.uint8 and images[0, 10, 10] == ITEM_VALUE
-    np.testing.assert_array_equal(labels, np.repeat(np.arange(10), 2))
+def test_defaults_per_task_and_argument_checks(tool):
+    assert tool.parse_args(['--out', 'x', '--task', 'segmentation']).size == 1024
+    assert tool.parse_args(['--out', 'x']).size == 512
+    args = tool.parse_args(['--out', 'x', '--task', 'segmentation'])
+    assert (args.train_images, args.val_images, args.items_per_image) == (2000, 200, [3, 8])
+    for bad in (['--items-per-image', '0', '3'], ['--items-per-image', '5', '3'], ['--train-images', '0'],
+                ['--size', '32'], ['--seed', '-1'], ['--task', 'detection']):
+        with pytest.raises(SystemExit):
+            tool.parse_args(['--out', 'x', '--task', 'segmentation', *bad])
 
 
-def test_read_idx_rejects_bad_headers(tool, tmp_path):
-    bad_magic = tmp_path / 'a'
-    bad_magic.write_bytes(b'\x01\x02\x08\x01' + b'\x00' * 8)
-    with pytest.raises(ValueError, match='bad magic number 01020801'):
-        tool.read_idx(bad_magic, ndim=1)
-    wrong_ndim = tmp_path / 'b'
-    wrong_ndim.write_bytes(idx_bytes(np.zeros((2, 3), dtype=np.uint8)))
-    with pytest.raises(ValueError, match='2 dimensions; expected unsigned bytes .* with 3 dimensions'):
-        tool.read_idx(wrong_ndim, ndim=3)
-    short = tmp_path / 'c'
-    short.write_bytes(idx_bytes(np.zeros((4,), dtype=np.uint8))[:-1])
-    with pytest.raises(ValueError, match=r'shape \(4,\) \(4 values\) but the file holds 3'):
-        tool.read_idx(short, ndim=1)
+def test_the_old_task_names_still_work_and_warn(tool):
+    for old, new, size in (('cls', 'classification', 512), ('seg', 'segmentation', 1024)):
+        with pytest.warns(FutureWarning, match=f'--task {old} is deprecated .* use --task {new}'):
+            args = tool.parse_args(['--out', 'x', '--task', old])
+        assert (args.task, args.size) == (new, size)
 
 
-def test_missing_idx_files_say_how_to_install(tool, tmp_path, capsys):
+def test_missing_idx_files_say_how_to_install(tool, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'none'), '--size', '64'])
     message = str(exit_info.value.code)
@@ -84,56 +72,24 @@ def test_missing_idx_files_say_how_to_install(tool, tmp_path, capsys):
     assert str(tmp_path / 'none') in message
 
 
-def test_writes_the_imagefolder_layout_with_the_items_on_the_canvas(tool, tmp_path):
-    idx_dir, out = tmp_path / 'idx', tmp_path / 'out'
-    write_fake_fmnist(idx_dir, per_class=3)
-    assert tool.main(['--out', str(out), '--idx-dir', str(idx_dir), '--size', '64', '--train-per-class', '2',
-                      '--val-per-class', '1', '--workers', '1']) == 0
-    for split, per_class in (('train', 2), ('val', 1)):
-        assert sorted(p.name for p in (out / split).iterdir()) == sorted(tool.CLASS_NAMES)
-        for name in tool.CLASS_NAMES:
-            assert len(list((out / split / name).glob('*.png'))) == per_class
-    with open(out / 'manifest.csv') as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) == 30
-    for row in rows:
-        canvas = np.asarray(Image.open(out / row['path']))
-        assert canvas.shape == (64, 64) and canvas.dtype == np.uint8
-        assert row['class_name'] == tool.CLASS_NAMES[int(row['label'])] and f"/{row['class_name']}/" in row['path']
-        top, left, side = int(row['top']), int(row['left']), int(row['side'])
-        assert 56 <= side <= 58 and 0 <= top <= 64 - side and 0 <= left <= 64 - side   # 2x-2.06x at 64 px
-        # the item's square (rows 6..21 of 28) lands at a known place; its inside is exactly the item's grey
-        inner = slice(round(side * 8 / 28), round(side * 20 / 28))
-        box = canvas[top:top + side, left:left + side]
-        assert np.all(box[inner, inner] == ITEM_VALUE), row['path']
-    # the same arguments write the same files; a second run refuses a non-empty --out
-    again = tmp_path / 'again'
-    tool.main(['--out', str(again), '--idx-dir', str(idx_dir), '--size', '64', '--train-per-class', '2',
-               '--val-per-class', '1', '--workers', '2'])
-    first = rows[0]['path']
-    assert (out / first).read_bytes() == (again / first).read_bytes()
-    with pytest.raises(SystemExit, match='not empty'):
-        tool.main(['--out', str(out), '--idx-dir', str(idx_dir), '--size', '64'])
-
-
-def test_asking_for_more_items_than_exist_is_an_error(tool, tmp_path):
+def test_errors_end_in_one_line_before_anything_is_written(tool, tmp_path):
     write_fake_fmnist(tmp_path / 'idx', per_class=1)
     with pytest.raises(SystemExit, match='has 1 items, fewer than the 2 asked for'):
         tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'idx'), '--size', '64',
                    '--train-per-class', '2'])
     assert not (tmp_path / 'out').exists()                     # checked before anything is written
+    (tmp_path / 'out').mkdir()
+    (tmp_path / 'out' / 'old.png').write_bytes(b'')
+    with pytest.raises(SystemExit, match='not empty'):
+        tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'idx'), '--size', '64'])
 
 
-def test_output_reads_back_as_a_folder_dataset(tool, tmp_path):
-    from types import SimpleNamespace
-
-    from linvit.data import build_classification_datasets
-
-    write_fake_fmnist(tmp_path / 'idx', per_class=1)
-    tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'idx'), '--size', '64',
-               '--train-per-class', '1', '--val-per-class', '1', '--workers', '1'])
-    aug = SimpleNamespace(random_resized_crop=False, scale=[0.5, 1.0], hflip=0.5, vflip=0.0, color_jitter=0.0)
-    cfg = SimpleNamespace(name='folder', root=str(tmp_path / 'out'), img_size=32, max_bad_fraction=0.0, aug=aug)
-    train, val, names = build_classification_datasets(cfg, (0.5,) * 3, (0.5,) * 3)
-    assert names == sorted(tool.CLASS_NAMES) and len(train) == len(val) == 10 and train.num_bad == 0
-    assert train[(0, 0)][0].shape == (3, 32, 32)
+def test_the_script_writes_a_segmentation_set(tmp_path):
+    idx_dir, out = tmp_path / 'idx', tmp_path / 'out'
+    write_fake_fmnist(idx_dir, per_class=2)
+    done = run_script('--task', 'segmentation', '--out', str(out), '--idx-dir', str(idx_dir), '--size', '64',
+                      '--train-images', '2', '--val-images', '1', '--workers', '1')
+    assert done.returncode == 0, done.stderr
+    assert f'data.root={out}' in done.stdout.splitlines()[-1]
+    assert (out / 'classes.txt').read_text().splitlines() == ['background', *CLASS_NAMES]
+    assert len(list((out / 'train' / 'masks').glob('*.png'))) == 2 and (out / 'manifest.csv').is_file()

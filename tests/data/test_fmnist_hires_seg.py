@@ -1,29 +1,20 @@
-"""tools/make_fmnist_hires.py --task seg on tiny IDX files written here: the images/ + masks/ layout, classes.txt,
-the manifest, every item's pixels labelled class + 1 in drawing order (recomputed here from the manifest), defaults,
+"""linvit.data.fmnist_hires, segmentation, on tiny IDX files written here: the images/ + masks/ layout, classes.txt,
+the manifest, every item's pixels labelled class + 1 in drawing order (recomputed here from the manifest),
 determinism, and reading the result back with linvit's segmentation folder dataset."""
 import csv
-import importlib.util
 import struct
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 from PIL import Image
 
-TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'make_fmnist_hires.py'
-THRESHOLD = 10          # the tool's documented paint threshold: item pixels <= 10 are transparent
+from linvit.data import build_segmentation_datasets
+from linvit.data import fmnist_hires as hires
+from linvit.data.fmnist_hires import FmnistHiresSpec, write_dataset
+
+THRESHOLD = 10          # the documented paint threshold: item pixels <= 10 are transparent
 ITEMS_PER_CLASS = 2
-
-
-@pytest.fixture(scope='module')
-def tool():
-    spec = importlib.util.spec_from_file_location('make_fmnist_hires', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module        # worker processes find write_seg_image by module name
-    spec.loader.exec_module(module)
-    return module
 
 
 def fake_items() -> tuple[np.ndarray, np.ndarray]:
@@ -47,12 +38,13 @@ def write_idx(folder: Path) -> None:
             (folder / stem).write_bytes(header + array.tobytes())
 
 
-def run_tool(tool, tmp_path, out_name='out', *extra):
+def write_seg_set(tmp_path, out_name='out', workers=1):
+    """3 train and 2 val images of 96 px with 2-4 items each."""
     write_idx(tmp_path / 'idx')
     out = tmp_path / out_name
-    args = ['--task', 'seg', '--out', str(out), '--idx-dir', str(tmp_path / 'idx'), '--size', '96',
-            '--train-images', '3', '--val-images', '2', '--items-per-image', '2', '4', '--workers', '1', *extra]
-    assert tool.main(args) == 0
+    spec = FmnistHiresSpec(out=out, task='segmentation', idx_dir=tmp_path / 'idx', size=96, train_images=3,
+                           val_images=2, items_per_image=(2, 4), workers=workers)
+    write_dataset(spec, log=lambda line: None)
     return out
 
 
@@ -73,9 +65,9 @@ def expected_mask(rows: list[dict], size: int) -> np.ndarray:
     return mask
 
 
-def test_writes_images_masks_classes_and_a_manifest_of_items(tool, tmp_path):
-    out = run_tool(tool, tmp_path)
-    assert (out / 'classes.txt').read_text().splitlines() == ['background', *tool.CLASS_NAMES]
+def test_writes_images_masks_classes_and_a_manifest_of_items(tmp_path):
+    out = write_seg_set(tmp_path)
+    assert (out / 'classes.txt').read_text().splitlines() == ['background', *hires.CLASS_NAMES]
     rows = read_manifest(out)
     _, labels = fake_items()
     for split, count in (('train', 3), ('val', 2)):
@@ -92,7 +84,7 @@ def test_writes_images_masks_classes_and_a_manifest_of_items(tool, tmp_path):
             np.testing.assert_array_equal(mask, expected_mask(items, 96))
             for row in items:
                 label = int(row['label'])
-                assert row['class_name'] == tool.CLASS_NAMES[label] and int(row['mask_value']) == label + 1
+                assert row['class_name'] == hires.CLASS_NAMES[label] and int(row['mask_value']) == label + 1
                 assert labels[int(row['source_index'])] == label
             # the last item is on top: its solid square's inside shows its grey and its label
             last = max(items, key=lambda r: int(r['item']))
@@ -106,33 +98,25 @@ def test_writes_images_masks_classes_and_a_manifest_of_items(tool, tmp_path):
             assert np.all(mask[~boxes] == 0) and (mask[boxes] == 0).any()     # the items' black surround is background
 
 
-def test_seg_defaults_and_argument_checks(tool):
-    assert tool.parse_args(['--out', 'x', '--task', 'seg']).size == 1024
-    assert tool.parse_args(['--out', 'x']).size == 512
-    args = tool.parse_args(['--out', 'x', '--task', 'seg'])
-    assert (args.train_images, args.val_images, args.items_per_image) == (2000, 200, [3, 8])
-    for bad in (['--items-per-image', '0', '3'], ['--items-per-image', '5', '3'], ['--train-images', '0']):
-        with pytest.raises(SystemExit):
-            tool.parse_args(['--out', 'x', '--task', 'seg', *bad])
+def test_the_paint_threshold_is_the_documented_one():
+    assert hires.SEG_PAINT_THRESHOLD == THRESHOLD
 
 
-def test_the_same_arguments_write_the_same_files_with_any_worker_count(tool, tmp_path):
-    out = run_tool(tool, tmp_path)
-    again = run_tool(tool, tmp_path, 'again', '--workers', '2')
+def test_the_same_spec_writes_the_same_files_with_any_worker_count(tmp_path):
+    out = write_seg_set(tmp_path)
+    again = write_seg_set(tmp_path, 'again', workers=2)
     for split_file in ('train/images/train-00001.png', 'train/masks/train-00001.png', 'val/masks/val-00000.png'):
         assert (out / split_file).read_bytes() == (again / split_file).read_bytes()
     assert (out / 'manifest.csv').read_bytes() == (again / 'manifest.csv').read_bytes()
 
 
-def test_output_reads_back_as_a_segmentation_folder(tool, tmp_path):
-    from linvit.data import build_segmentation_datasets
-
-    out = run_tool(tool, tmp_path)
+def test_output_reads_back_as_a_segmentation_folder(tmp_path):
+    out = write_seg_set(tmp_path)
     aug = SimpleNamespace(scale_range=[0.75, 1.5], hflip=0.5, vflip=0.0, color_jitter=0.0)
     cfg = SimpleNamespace(name='folder', root=str(out), img_size=64, ignore_index=255, num_classes=None,
                           max_bad_fraction=0.0, aug=aug)
     train, val, names = build_segmentation_datasets(cfg, (0.5,) * 3, (0.5,) * 3)
-    assert names == ['background', *tool.CLASS_NAMES] and len(train) == 3 and len(val) == 2
+    assert names == ['background', *hires.CLASS_NAMES] and len(train) == 3 and len(val) == 2
     image, mask = train[(0, 0)]
     assert image.shape == (3, 64, 64) and mask.shape == (64, 64)
     _, val_mask = val[0]

@@ -1,0 +1,209 @@
+"""linvit.bench.gpu_check on the CPU: the sections' measurements in this process, the model variants and their
+order, the report built from records with known values, the quality section's train.py commands and data, and the
+module's light imports. (The whole quick run, with its processes and deadlines: tests/tools/test_gpu_check.py.)"""
+import csv
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from linvit.bench import gpu_check
+from linvit.engine import load_config
+from linvit.precision import PRECISIONS
+
+
+def settings_for(tmp_path: Path, **changes) -> gpu_check.CheckSettings:
+    """The quick CPU settings, resolved, writing under tmp_path (no Fashion-MNIST data unless changed)."""
+    values = dict(device='cpu', quick=True, out=str(tmp_path / 'out'), cache_dir=str(tmp_path / 'cache'),
+                  fmnist_dir=str(tmp_path / 'no_data'))
+    return gpu_check.CheckSettings(**{**values, **changes}).resolved()
+
+
+def emitted(printed: str) -> list:
+    return [json.loads(line[len(gpu_check.RESULT_MARK):]) for line in printed.splitlines()
+            if line.startswith(gpu_check.RESULT_MARK)]
+
+
+def test_settings_resolve_their_defaults_and_reject_a_budget_without_room(tmp_path):
+    quick, full = settings_for(tmp_path), settings_for(tmp_path, quick=False)
+    assert (quick.budget, quick.compile_backend) == (gpu_check.QUICK.budget_s, 'aot_eager')
+    assert (full.budget, full.compile_backend) == (gpu_check.FULL.budget_s, 'inductor')
+    assert Path(quick.out).is_absolute() and quick.preset is gpu_check.QUICK
+    for bad in (dict(budget=gpu_check.REPORT_RESERVE_S), dict(sections=('parity', 'speed')),
+                dict(compile_backend='cudagraphs')):
+        with pytest.raises(ValueError):
+            settings_for(tmp_path, **bad)
+
+
+def test_parity_and_op_sections_measure_in_process(tmp_path, capsys):
+    settings = settings_for(tmp_path)
+    settings.deadline = time.time() + 120
+    device = torch.device('cpu')
+    gpu_check.run_parity(settings, gpu_check.QUICK, device)
+    gpu_check.run_op(settings, gpu_check.QUICK, device)
+    records = {r['key']: r for r in emitted(capsys.readouterr().out)}
+    assert list(records) == gpu_check.plan_keys('parity', gpu_check.QUICK) + gpu_check.plan_keys('op', gpu_check.QUICK)
+    for key in gpu_check.plan_keys('parity', gpu_check.QUICK):
+        r = records[key]
+        if r['status'].startswith('skipped (Triton interpreter'):  # this process runs under TRITON_INTERPRET=1
+            continue
+        assert r['status'] == 'ok', r
+        assert max(r[f"err_{n}"] for n in ('out', 'dq', 'dk', 'dv')) <= gpu_check.TOLERANCES[r['dtype']]
+    for key in gpu_check.plan_keys('op', gpu_check.QUICK):
+        r = records[key]
+        assert r['status'] == 'ok', r
+        assert r['sdpa_over_kernel'] == pytest.approx(r['sdpa_ms'] / r['kernel_ms'])
+        assert r['torch_over_kernel'] == pytest.approx(r['torch_ms'] / r['kernel_ms'])
+
+
+def test_model_record_times_a_compiled_step():
+    case = gpu_check.ModelCase('small', 32, 'training', 'linvit', 2)
+    r = gpu_check.model_record(case, gpu_check.QUICK, torch.device('cpu'), 'aot_eager', time.time() + 120)
+    assert (r['tokens'], r['batch'], r['repeats'], r['workload']) == (5, 2, gpu_check.QUICK.train_repeats, 'training')
+    assert r['img_per_s'] == pytest.approx(2e3 / r['ms']) and r['peak_mem_mib'] > 0 and r['first_call_s'] > 0
+
+
+def test_models_are_linvit_its_floor_softmax_and_the_torch_path():
+    def build(kind):
+        return gpu_check.build_model(gpu_check.ModelCase('small', 32, 'inference', kind, 2), gpu_check.QUICK)
+
+    attention = {kind: {type(m).__name__ for m in build(kind).modules() if hasattr(m, 'qkv')}
+                 for kind in (*gpu_check.KINDS, gpu_check.TORCH_PATH)}
+    assert attention == {'linvit': {'LinearAttention'}, 'softmax': {'Attention'}, 'floor': {'NoMixingAttention'},
+                         gpu_check.TORCH_PATH: {'LinearAttention'}}
+    assert {m.attn_backend for m in build(gpu_check.TORCH_PATH).modules() if hasattr(m, 'attn_backend')} == {'torch'}
+    # the priority order: ViT-S at its first size, training before inference, linvit before softmax and floor
+    plan = gpu_check.plan_models(gpu_check.FULL)
+    assert [(c.size, c.px, c.workload, c.kind) for c in plan[:4]] == [
+        ('small', 1024, 'training', 'linvit'), ('small', 1024, 'training', 'softmax'),
+        ('small', 1024, 'training', 'floor'), ('small', 1024, 'inference', 'linvit')]
+
+
+def _records():
+    """Known records for part of the quick plan: the report's arithmetic, its skipped rows and its failures."""
+    parity_keys = gpu_check.plan_keys('parity', gpu_check.QUICK)
+    records = {
+        parity_keys[0]: {'section': 'parity', 'key': parity_keys[0], 'status': 'ok', 'kernel': 'triton',
+                         'err_out': 1e-7, 'err_dq': 2e-7, 'err_dk': 3e-7, 'err_dv': 4e-7},
+        parity_keys[2]: {'section': 'parity', 'key': parity_keys[2], 'status': 'FAIL', 'kernel': 'triton',
+                         'err_out': 1e-2, 'err_dq': 2e-7, 'err_dk': 3e-7, 'err_dv': 4e-7},
+        'op/64/fwd': {'section': 'op', 'key': 'op/64/fwd', 'status': 'ok', 'kernel': 'triton', 'kernel_ms': 2.0,
+                      'torch_ms': 5.0, 'sdpa_ms': 8.0, 'sdpa_over_kernel': 4.0, 'torch_over_kernel': 2.5},
+    }
+    for kind, speed in (('linvit', 30.0), ('softmax', 10.0), ('floor', 40.0), (gpu_check.TORCH_PATH, 20.0)):
+        key = f"models/small/64/training/{kind}"
+        records[key] = {'section': 'models', 'key': key, 'status': 'ok', 'size': 'small', 'kind': kind, 'px': 64,
+                        'workload': 'training', 'tokens': 17, 'img_per_s': speed, 'peak_mem_mib': 2048.0,
+                        'first_call_s': 12.0}
+    records['quality/linvit'] = {'section': 'quality', 'key': 'quality/linvit', 'status': 'ok', 'top1': 0.8,
+                                 'steps': 40, 'train_s': 30.0}
+    records['quality/softmax'] = {'section': 'quality', 'key': 'quality/softmax', 'status': 'ok', 'top1': 0.75,
+                                  'steps': 40, 'train_s': 31.0}
+    return records
+
+
+def test_report_from_known_records(tmp_path):
+    settings = settings_for(tmp_path)
+    records = _records()
+    killed = gpu_check.Section('models', None, tmp_path / 'models.log', 0.0, 0.0, killed=True)
+    crashed = gpu_check.Section('op', None, tmp_path / 'op.log', 0.0, 0.0, code=1)
+    for name, section in (('parity', killed), ('op', crashed), ('models', killed)):
+        gpu_check.fill_missing(section, gpu_check.plan_keys(name, gpu_check.QUICK), records)
+    Path(settings.out).mkdir(parents=True)
+    lines = gpu_check.report(records, settings, gpu_check.QUICK, [killed], 99.0).splitlines()
+    parity = [line for line in lines if line[2:].split(' ', 1)[0] in PRECISIONS]
+    assert parity[0].endswith('| 1.0e-07 | 2.0e-07 | 3.0e-07 | 4.0e-07 | 1e-04 | ok |')
+    assert parity[1].endswith(f"| - | - | - | - | 2e-02 | {gpu_check.SKIPPED} |")
+    assert parity[2].endswith('| 1.0e-02 | 2.0e-07 | 3.0e-07 | 4.0e-07 | 5e-03 | FAIL |')
+    assert '| 64 | fwd | triton | 2.000 | 5.000 | 8.000 | 4.00 | 2.50 | ok |' in lines
+    assert any(line.startswith('| 64 | fwd+bwd |') and '| error: the op process exited 1 (logs/op.log) |' in line
+               for line in lines)
+    (train,) = [line for line in lines if line.startswith('| ViT-S | 64 (17) | training |')]
+    assert '| 30.0 | 10.0 | 40.0 | 3.00 | 0.75 | 1.50 | 2.0/2.0/2.0 | 12.0 | ok |' in train
+    (infer,) = [line for line in lines if line.startswith('| ViT-S | 64 (-) | inference |')]
+    assert infer.endswith(f"| -/-/- | - | linvit: {gpu_check.SKIPPED}; softmax: {gpu_check.SKIPPED}; floor: "
+                          f"{gpu_check.SKIPPED}; linvit_torch: {gpu_check.SKIPPED} |")
+    assert any('| 40 | 80.0 | 75.0 | +5.0 | 30/31 | ok |' in line for line in lines)
+    assert sorted(gpu_check.failed(records)) == sorted(
+        [f"{gpu_check.plan_keys('parity', gpu_check.QUICK)[2]}: FAIL"]
+        + [f"{key}: error: the op process exited 1 (logs/op.log)" for key in gpu_check.plan_keys('op', gpu_check.QUICK)
+           if key != 'op/64/fwd'])
+    csv_rows = list(csv.DictReader((Path(settings.out) / 'gpu_check.csv').open()))
+    assert {row['key'] for row in csv_rows} == set(records)
+    assert (Path(settings.out) / 'gpu_check_throughput.png').stat().st_size > 0
+
+
+def test_both_train_commands_resolve_to_the_same_recipe(tmp_path):
+    settings = settings_for(tmp_path)
+    q = gpu_check.FULL.quality
+    configs = {}
+    for kind in ('linvit', 'softmax'):
+        cmd = gpu_check.train_command(settings, q, tmp_path / 'data', kind)
+        assert cmd[1].endswith('train.py') and cmd[2] == '--config'
+        configs[kind] = OmegaConf.to_container(load_config(cmd[3], cmd[4:]), resolve=True)
+    assert (configs['linvit']['model']['name'], configs['softmax']['model']['name']) == ('linvit_tiny_patch16_224',
+                                                                                         'vit_tiny_patch16_224')
+    assert configs['linvit']['data']['img_size'] == q.size and configs['linvit']['train']['epochs'] == q.epochs
+    assert configs['linvit']['train']['precision'] == 'float32'  # bfloat16 on CUDA devices
+    assert configs['linvit']['task'] == 'classification'
+    for cfg in configs.values():  # everything else, the recipe and the step budget, is the same
+        del cfg['model']['name'], cfg['output_dir']
+    assert configs['linvit'] == configs['softmax']
+    on_cuda = gpu_check.train_command(settings_for(tmp_path, device='cuda:0'), q, tmp_path / 'data', 'linvit')
+    assert 'train.precision=bfloat16' in on_cuda
+
+
+def write_idx(folder: Path, per_class: int) -> None:
+    """Tiny Fashion-MNIST IDX files (gzip): a solid bar per item whose position gives its class."""
+    folder.mkdir(parents=True)
+    labels = np.repeat(np.arange(10, dtype=np.uint8), per_class)
+    images = np.zeros((len(labels), 28, 28), dtype=np.uint8)
+    for i, label in enumerate(labels):
+        images[i, 4 + label:14 + label, 6:22] = 200
+    for prefix in ('train', 't10k'):
+        for stem, array in ((f'{prefix}-images-idx3-ubyte', images), (f'{prefix}-labels-idx1-ubyte', labels)):
+            header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f'>{array.ndim}I', *array.shape)
+            (folder / f'{stem}.gz').write_bytes(gzip.compress(header + array.tobytes()))
+
+
+def test_quality_data_is_rendered_once_and_reused(tmp_path):
+    settings = settings_for(tmp_path, fmnist_dir=str(tmp_path / 'idx'))
+    assert len(gpu_check.missing_idx_files(Path(settings.fmnist_dir))) == 4
+    assert gpu_check.quality_unavailable(settings.fmnist_dir).startswith('skipped (no Fashion-MNIST IDX files')
+    write_idx(Path(settings.fmnist_dir), per_class=4)
+    assert gpu_check.missing_idx_files(Path(settings.fmnist_dir)) == []
+    assert gpu_check.quality_unavailable(settings.fmnist_dir) is None
+    (Path(settings.out) / 'logs').mkdir(parents=True)
+    q = gpu_check.QUICK.quality
+    data, why = gpu_check.fmnist_data(settings, q)
+    assert why == '' and (data / 'manifest.csv').is_file()
+    assert len(list((data / 'train').rglob('*.png'))) == 10 * q.train_per_class
+    assert len(list((data / 'val').rglob('*.png'))) == 10 * q.val_per_class
+    stamp = os.stat(data / 'manifest.csv').st_mtime_ns
+    assert gpu_check.fmnist_data(settings, q) == (data, '')  # reused: nothing rendered again
+    assert os.stat(data / 'manifest.csv').st_mtime_ns == stamp
+
+
+def test_a_section_process_reads_the_settings_it_is_given(tmp_path):
+    settings = settings_for(tmp_path, sections=('op',))
+    argv = gpu_check.section_argv(settings, 'op', deadline=123.5)
+    assert argv[:3] == [sys.executable, '-m', 'linvit.bench.gpu_check'] and argv[4] == 'op'
+    given = gpu_check.CheckSettings(**{**json.loads(argv[3]), 'sections': ('op',)})
+    assert given == gpu_check.CheckSettings(**{**vars(settings), 'deadline': 123.5})
+
+
+def test_the_module_imports_without_the_training_stack():
+    """The kernel sections must run where albumentations, omegaconf or pydantic failed to install."""
+    code = ("import sys; import linvit.bench.gpu_check; "
+            "print(sorted(m for m in ('albumentations', 'omegaconf', 'pydantic', 'matplotlib') if m in sys.modules))")
+    printed = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == '[]'

@@ -1,0 +1,125 @@
+"""linvit.predict with stand-in models (no training): inputs found in folders and named uniquely, top-k rows against
+softmax computed here, a fixed-batch model fed in chunks, masks at the input's size against a threshold computed
+here, unreadable images skipped with a reason, and the errors that stop a prediction."""
+import csv
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from linvit.predict import (
+    PREDICTION_FIELDS,
+    Predictor,
+    classify_images,
+    collect_inputs,
+    load_predictor,
+    segment_images,
+    write_predictions,
+)
+
+MEAN = STD = (0.5, 0.5, 0.5)
+
+
+def save_image(path, rgb: np.ndarray):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rgb).save(path)
+    return path
+
+
+def solid(height: int, width: int, rgb) -> np.ndarray:
+    return np.broadcast_to(np.array(rgb, dtype=np.uint8), (height, width, 3)).copy()
+
+
+def channel_means_classifier(batches: list) -> Predictor:
+    """Logits [B, 3] = the mean of each normalised channel; records every batch size it is called with."""
+    def run(images: torch.Tensor) -> torch.Tensor:
+        batches.append(images.shape[0])
+        return images.mean(dim=(2, 3))
+    return Predictor(run=run, task='classification', class_names=['red', 'green', 'blue'], mean=MEAN, std=STD,
+                     img_size=(16, 16), multiple=1)
+
+
+def test_inputs_from_files_and_folders_get_unique_names(tmp_path):
+    a = save_image(tmp_path / 'in' / 'a.png', solid(4, 4, (0, 0, 0)))
+    b = save_image(tmp_path / 'in' / 'sub' / 'b.png', solid(4, 4, (0, 0, 0)))
+    (tmp_path / 'in' / 'notes.txt').write_text('not an image')
+    again = save_image(tmp_path / 'other' / 'a.png', solid(4, 4, (0, 0, 0)))
+    items, missing = collect_inputs([str(tmp_path / 'in'), str(again), str(tmp_path / 'nowhere')])
+    assert [(item.path, item.name) for item in items] == [(str(a), 'a'), (str(b), 'sub/b'), (str(again), 'a_1')]
+    assert missing == [(str(tmp_path / 'nowhere'), 'no such file or folder')]
+
+
+def test_top_k_rows_match_softmax_and_an_unreadable_image_is_skipped(tmp_path):
+    colours = {'reddish.png': (250, 40, 10), 'bluish.png': (20, 90, 240), 'greenish.png': (60, 200, 100)}
+    paths = [save_image(tmp_path / name, solid(20, 30, rgb)) for name, rgb in colours.items()]
+    (tmp_path / 'broken.png').write_bytes(b'\x89PNG\r\n\x1a\n not really a png')
+    items, _ = collect_inputs([str(p) for p in paths] + [str(tmp_path / 'broken.png')])
+    batches: list = []
+    rows, skipped = classify_images(channel_means_classifier(batches), items, top_k=2, batch_size=2)
+    assert [path for path, _ in skipped] == [str(tmp_path / 'broken.png')] and 'Error' in skipped[0][1]
+    assert batches == [2, 1]
+    for path, rgb in zip(paths, colours.values()):
+        expected = ((torch.tensor(rgb, dtype=torch.float64) / 255 - 0.5) / 0.5).softmax(0).topk(2)
+        mine = [row for row in rows if row['file'] == str(path)]
+        assert [row['rank'] for row in mine] == [1, 2]
+        assert [row['class_index'] for row in mine] == expected.indices.tolist()
+        assert [row['class_name'] for row in mine] == [['red', 'green', 'blue'][i] for i in expected.indices]
+        assert [row['probability'] for row in mine] == pytest.approx(expected.values.tolist(), abs=1e-5)
+    written = write_predictions(rows, str(tmp_path / 'out'))
+    with open(written, newline='') as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == PREDICTION_FIELDS and len(list(reader)) == 6
+
+
+def test_a_fixed_batch_model_is_fed_exactly_its_batch(tmp_path):
+    paths = [save_image(tmp_path / f'{i}.png', solid(8, 8, (10 * i, 0, 0))) for i in range(5)]
+    items, _ = collect_inputs([str(p) for p in paths])
+    batches: list = []
+    predictor = channel_means_classifier(batches)
+    predictor.max_batch = 2
+    rows, _ = classify_images(predictor, items, top_k=1, batch_size=4)
+    assert batches == [2, 2, 1] and len(rows) == 5
+
+
+def red_threshold_segmenter(window_sizes: list) -> Predictor:
+    """Logits [B, 2, H, W]: class 1 where the normalised red channel is positive (red > 127.5), class 0 elsewhere;
+    records the (height, width) of every call."""
+    def run(images: torch.Tensor) -> torch.Tensor:
+        window_sizes.append(tuple(images.shape[-2:]))
+        red = images[:, :1]
+        return torch.cat([-red, red], dim=1)
+    return Predictor(run=run, task='segmentation', class_names=['dark', 'red'], mean=MEAN, std=STD, img_size=(16, 16),
+                     multiple=8)
+
+
+@pytest.mark.parametrize('mode', ['whole', 'slide'])
+def test_masks_and_overlays_have_the_input_size(tmp_path, mode):
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (21, 35, 3), dtype=np.uint8)
+    path = save_image(tmp_path / 'in' / 'deep' / 'scan.png', image)
+    items, _ = collect_inputs([str(tmp_path / 'in')])
+    calls: list = []
+    written, skipped = segment_images(red_threshold_segmenter(calls), items, str(tmp_path / 'out'), mode=mode,
+                                      window=16, stride=8)
+    assert (written, skipped) == (1, [])
+    mask = np.asarray(Image.open(tmp_path / 'out' / 'deep' / 'scan_mask.png'))
+    assert mask.dtype == np.uint8
+    np.testing.assert_array_equal(mask, (image[..., 0] > 127.5).astype(np.uint8))
+    assert Image.open(tmp_path / 'out' / 'deep' / 'scan_overlay.png').size == Image.open(path).size
+    if mode == 'whole':
+        assert calls == [(24, 40)]                          # padded to the multiple of 8
+    else:
+        assert set(calls) == {(16, 16)}
+
+
+def test_what_stops_a_prediction(tmp_path):
+    predictor = red_threshold_segmenter([])
+    with pytest.raises(ValueError, match='give --out FOLDER'):
+        segment_images(predictor, [], None)
+    with pytest.raises(FileNotFoundError, match='nothing.onnx does not exist'):
+        load_predictor(str(tmp_path / 'nothing.onnx'))
+    wide = channel_means_classifier([])
+    wide.img_size = (16, 24)
+    with pytest.raises(ValueError, match='square training size'):
+        classify_images(wide, [])
