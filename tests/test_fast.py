@@ -13,11 +13,12 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.models.vision_transformer import VisionTransformer
 
 import linvit
 from linvit import fast
-from linvit.layers import LinearAttention, LocalMix, NoMixingAttention
+from linvit.engine.step import TrainStep
+from linvit.fast.compiler import _UNFUSE_CPU_BIAS_ADD, _inductor_options
+from linvit.layers import LinearAttention
 from linvit.ops import list_feature_maps
 
 IMG = 64
@@ -95,7 +96,7 @@ def test_registered_model_compiles_as_one_graph(name):
     model = timm.create_model(name, img_size=IMG, num_classes=10)
     x = images(1)
     assert_one_graph(fast.check_graph_breaks(model.eval(), x))
-    step = fast.TrainStep(model.train(), F.cross_entropy)
+    step = TrainStep(model.train(), F.cross_entropy)
     assert_one_graph(fast.check_graph_breaks(step.forward_loss, x, targets(1)))
 
 
@@ -104,7 +105,7 @@ def test_attention_option_compiles_as_one_graph(options):
     model = tiny_linvit(**options)
     x = images()
     assert_one_graph(fast.check_graph_breaks(model.eval(), x))
-    step = fast.TrainStep(model.train(), F.cross_entropy)
+    step = TrainStep(model.train(), F.cross_entropy)
     assert_one_graph(fast.check_graph_breaks(step.forward_loss, x, targets()))
 
 
@@ -113,7 +114,7 @@ def test_converted_timm_vit_compiles_as_one_graph():
     model = randomize(linvit.convert_to_linear(vit, local_mix=True))
     assert any(isinstance(m, LinearAttention) for m in model.modules())
     assert_one_graph(fast.check_graph_breaks(model.eval(), images()))
-    step = fast.TrainStep(model.train(), F.cross_entropy)
+    step = TrainStep(model.train(), F.cross_entropy)
     assert_one_graph(fast.check_graph_breaks(step.forward_loss, images(), targets()))
 
 
@@ -221,7 +222,7 @@ def test_compiled_train_step_matches_eager():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     step = fast.compile_train_step(model, F.cross_entropy, opt)
-    ref_step = fast.TrainStep(reference, F.cross_entropy, ref_opt)
+    ref_step = TrainStep(reference, F.cross_entropy, ref_opt)
     for i in range(2):
         x, y = images(seed=10 + i), targets()
         loss, ref_loss = step(x, y), ref_step(x, y)
@@ -258,12 +259,12 @@ def test_cpu_bias_add_is_split_off_into_the_following_pointwise_kernel():
 
 
 def test_inductor_options_respect_a_mode_and_the_users_own_pass():
-    assert fast._inductor_options(None, 'inductor') == {'layout_optimization': False,
-                                                        'post_grad_custom_post_pass': fast._UNFUSE_CPU_BIAS_ADD}
-    assert fast._inductor_options('max-autotune', 'inductor') is None  # torch.compile takes mode or options
-    assert fast._inductor_options(None, 'aot_eager') is None
+    assert _inductor_options(None, 'inductor') == {'layout_optimization': False,
+                                                        'post_grad_custom_post_pass': _UNFUSE_CPU_BIAS_ADD}
+    assert _inductor_options('max-autotune', 'inductor') is None  # torch.compile takes mode or options
+    assert _inductor_options(None, 'aot_eager') is None
     with torch._inductor.config.patch(post_grad_custom_post_pass=fast.UnfuseCpuBiasAdd()):
-        assert fast._inductor_options(None, 'inductor') == {'layout_optimization': False}
+        assert _inductor_options(None, 'inductor') == {'layout_optimization': False}
 
 
 def test_compiled_attention_features_stay_head_major_next_to_convolutions():
@@ -288,7 +289,7 @@ def test_train_step_autocast_follows_the_input_device():
         return F.cross_entropy(logits.float(), y)
 
     model = tiny_linvit(local_mix=True).train()
-    eager = fast.TrainStep(model, loss_fn, amp_dtype=torch.bfloat16)
+    eager = TrainStep(model, loss_fn, amp_dtype=torch.bfloat16)
     loss = eager(images(), targets())
     assert seen == [torch.bfloat16] and torch.isfinite(loss)
     grads = [p.grad.clone() for p in model.parameters()]
@@ -346,7 +347,7 @@ def dynamic_train_step_matches_eager(freeze_pos_embed: bool = False, **kwargs) -
         model.pos_embed.requires_grad_(False)
     reference = copy.deepcopy(model)
     step = fast.compile_train_step(model, F.cross_entropy, dynamic=True, backend='aot_eager')
-    ref_step = fast.TrainStep(reference, F.cross_entropy)
+    ref_step = TrainStep(reference, F.cross_entropy)
     for hw in [(96, 64), (128, 80)]:
         x = images(2, *hw)
         torch.testing.assert_close(step(x, targets()), ref_step(x, targets()))
@@ -367,7 +368,7 @@ def test_dynamic_train_step_rejects_a_trained_resampled_position_embedding_up_fr
     with pytest.raises(ValueError, match=r'pos_embed.*dynamic=False.*requires_grad_\(False\).*pos_embed=.none.'):
         fast.compile_train_step(model, F.cross_entropy, dynamic=True)
     fast.compile_train_step(model, F.cross_entropy, dynamic=False)  # static shapes stay allowed
-    fast.TrainStep(model, F.cross_entropy, dynamic=True)  # and so does the eager step
+    TrainStep(model, F.cross_entropy, dynamic=True)  # and so does the eager step
 
 
 def test_dynamic_train_step_with_a_frozen_resampled_position_embedding_matches_eager():
@@ -394,7 +395,7 @@ def test_inductor_dynamic_train_step_matches_eager_at_thousands_of_non_square_to
     model.pos_embed.requires_grad_(False)  # see test_dynamic_train_step_rejects_..._up_front
     reference = copy.deepcopy(model)
     step = fast.compile_train_step(model, F.cross_entropy, dynamic=True)
-    ref_step = fast.TrainStep(reference, F.cross_entropy)
+    ref_step = TrainStep(reference, F.cross_entropy)
     for i, hw in enumerate(INDUCTOR_SIZES[:2]):  # two sizes: each backward compile costs about a minute here
         x, y = images(1, *hw, seed=20 + i), targets(1)
         torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
@@ -432,7 +433,7 @@ def test_cuda_graphs_inference_and_train_step_match_eager():
     model.train()
     reference = copy.deepcopy(model)
     step = fast.compile_train_step(model, F.cross_entropy, mode='reduce-overhead')
-    ref_step = fast.TrainStep(reference, F.cross_entropy)
+    ref_step = TrainStep(reference, F.cross_entropy)
     for _ in range(3):
         torch.testing.assert_close(step(x, targets().cuda()), ref_step(x, targets().cuda()), rtol=1e-4, atol=1e-5)
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -441,41 +442,13 @@ def test_cuda_graphs_inference_and_train_step_match_eager():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the floor
+# names that moved: they keep working for one release, with a FutureWarning naming the new place
 
-def test_floor_of_a_softmax_vit_is_the_no_mixing_vit():
-    config = dict(img_size=32, patch_size=16, embed_dim=48, depth=2, num_heads=3, num_classes=10)
-    vit = randomize(VisionTransformer(**config)).eval()
-    reference = VisionTransformer(**config, attn_layer=NoMixingAttention).eval()
-    reference.load_state_dict(vit.state_dict())
-    qkv_weights = [blk.attn.qkv.weight for blk in vit.blocks]
-    floor = fast.make_floor(vit)
-    assert floor is vit
-    assert all(type(blk.attn) is NoMixingAttention for blk in floor.blocks)
-    assert all(blk.attn.qkv.weight is w for blk, w in zip(floor.blocks, qkv_weights))  # shared, not copied
-    x = images(2, 32, 32)
-    torch.testing.assert_close(floor(x), reference(x))
-    # one layer against the formula: proj(v), v the last third of qkv
-    attn, tokens = floor.blocks[0].attn, torch.randn(2, 5, 48)
-    v = tokens @ attn.qkv.weight[96:].T + attn.qkv.bias[96:]
-    torch.testing.assert_close(attn(tokens), v @ attn.proj.weight.T + attn.proj.bias)
-
-
-def test_floor_of_a_hybrid_linvit_drops_all_mixing():
-    model = tiny_linvit(local_mix=True, softmax_blocks=(1,)).eval()
-    state = {k: v for k, v in model.state_dict().items() if 'local_mix' not in k}
-    reference = VisionTransformer(**{**TINY, 'patch_size': 16}, attn_layer=NoMixingAttention).eval()
-    reference.load_state_dict(state)
-    floor = fast.make_floor(model)
-    assert all(type(blk.attn) is NoMixingAttention for blk in floor.blocks)
-    assert not any(isinstance(m, (LocalMix, LinearAttention)) for m in floor.modules())
-    x = images()
-    torch.testing.assert_close(floor(x), reference(x))
-    assert_one_graph(fast.check_graph_breaks(floor, x))
-
-
-def test_floor_keeps_training_mode_and_rejects_models_without_attention():
-    model = fast.make_floor(tiny_linvit().train())
-    assert all(blk.attn.training for blk in model.blocks)
-    with pytest.raises(ValueError, match='no timm Attention'):
-        fast.make_floor(nn.Sequential(nn.Linear(4, 4)))
+def test_moved_names_still_work_and_warn():
+    from linvit.layers import make_floor
+    with pytest.warns(FutureWarning, match=r'linvit\.fast\.TrainStep .*use linvit\.engine\.TrainStep'):
+        assert fast.TrainStep is TrainStep
+    with pytest.warns(FutureWarning, match=r'linvit\.fast\.make_floor .*use linvit\.layers\.make_floor'):
+        assert fast.make_floor is make_floor
+    with pytest.raises(AttributeError):
+        fast.no_such_name  # noqa: B018

@@ -1,4 +1,4 @@
-"""Semantic segmentation data: image/mask folders, the dataset base class, and the config -> datasets builder.
+"""Semantic segmentation data: image/mask folders and the config -> datasets builder (folders or built-in shapes).
 
 Folder layout (``data.name: folder``)::
 
@@ -29,11 +29,11 @@ from typing import Any, Callable, Sequence
 
 import albumentations as A
 import numpy as np
-import torch
 from PIL import Image, ImageOps
 
-from .base import KeyedImageDataset, sample_seed
+from .base import DataError, KeyedSegDataset, mask_dtype
 from .folder import list_images, load_rgb, readable_extensions
+from .synthetic_seg import SyntheticShapesSeg
 from .transforms import build_seg_transforms
 
 __all__ = ['KeyedSegDataset', 'SegFolderDataset', 'SEG_DATASET_BUILDERS', 'build_segmentation_datasets',
@@ -50,48 +50,6 @@ _SHOWN_BAD_VALUES = 5
 SegDatasets = tuple['KeyedSegDataset', 'KeyedSegDataset', list[str]]
 
 
-def mask_dtype(num_classes: int, ignore_index: int) -> np.dtype:
-    """The smallest mask dtype holding ids 0..num_classes-1 and ``ignore_index`` (uint8 usually, else int32):
-    masks are resized by cv2 in this dtype, and uint8 is the fastest."""
-    if num_classes <= 256 and 0 <= ignore_index <= 255:
-        return np.dtype(np.uint8)
-    return np.dtype(np.int32)
-
-
-class KeyedSegDataset(KeyedImageDataset):
-    """Base class: ``dataset[key] -> (image float32 [3, H, W], mask int64 [H, W])`` for ``key`` = index or
-    (index, seed); the transform is seeded by ``sample_seed(index, seed)`` exactly as for classification.
-
-    Subclasses implement ``load(index) -> (image uint8 [H, W, 3] RGB, mask integer [H, W] class ids)`` and
-    ``describe()``, and may override ``label_after_transform(mask, transform_output)`` to edit the transformed mask.
-
-    Attributes:
-        class_names: ``list[str]``, position = class id.
-        ignore_index: the mask value of unlabelled pixels.
-        targets: empty (a segmentation sample has no single label).
-        num_bad: files found undecodable so far.
-    """
-
-    def __init__(self, transform: A.Compose, class_names: Sequence[str], num_samples: int, ignore_index: int):
-        super().__init__(transform, class_names, targets=())
-        self.num_samples = int(num_samples)
-        self.ignore_index = int(ignore_index)
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index, seed = self._parse_key(key)
-        image, mask = self.load(index)
-        self.transform.set_random_seed(sample_seed(index, seed))
-        out = self.transform(image=image, mask=mask)
-        return out['image'], self.label_after_transform(out['mask'], out)
-
-    def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """The raw sample ``(image uint8 [H, W, 3] RGB, mask [H, W] class ids)`` at a valid, non-negative index."""
-        raise NotImplementedError
-
-
 # ---------------------------------------------------------------- masks and class names
 
 def decode_mask(path: str | os.PathLike) -> tuple[str, np.ndarray]:
@@ -104,9 +62,9 @@ def decode_mask(path: str | os.PathLike) -> tuple[str, np.ndarray]:
 
 def check_mask_mode(mode: str, path: str | os.PathLike) -> None:
     if mode not in MASK_MODES:
-        raise ValueError(f"mask {path} has PIL mode {mode!r}; masks must be single-channel class-id PNGs "
-                         f"(mode 'L', 'P', 'I;16' or 'I': pixel value = class id, ignore_index = unlabelled), "
-                         f"not colour images")
+        raise DataError(f"mask {path} has PIL mode {mode!r}; masks must be single-channel class-id PNGs "
+                        f"(mode 'L', 'P', 'I;16' or 'I': pixel value = class id, ignore_index = unlabelled), "
+                        f"not colour images")
 
 
 def read_mask(path: str | os.PathLike) -> np.ndarray:
@@ -124,8 +82,8 @@ def check_mask_values(mask: np.ndarray, path: str | os.PathLike, num_classes: in
         return
     bad = np.unique(mask[~valid])
     shown = ', '.join(str(v) for v in bad[:_SHOWN_BAD_VALUES]) + (', ...' if len(bad) > _SHOWN_BAD_VALUES else '')
-    raise ValueError(f"mask {path} has values {shown} ({int((~valid).sum())} pixels) that are neither class ids "
-                     f"0..{num_classes - 1} ({num_classes} classes) nor ignore_index={ignore_index}")
+    raise DataError(f"mask {path} has values {shown} ({int((~valid).sum())} pixels) that are neither class ids "
+                    f"0..{num_classes - 1} ({num_classes} classes) nor ignore_index={ignore_index}")
 
 
 def read_class_names(root: Path, num_classes: int | None) -> list[str] | None:
@@ -140,8 +98,8 @@ def read_class_names(root: Path, num_classes: int | None) -> list[str] | None:
         return None if num_classes is None else [f'class_{i}' for i in range(num_classes)]
     names = _parse_classes_file(path)
     if num_classes is not None and num_classes != len(names):
-        raise ValueError(f"{path} names {len(names)} classes but data.num_classes={num_classes}; make them agree "
-                         f"(or unset data.num_classes)")
+        raise DataError(f"{path} names {len(names)} classes but data.num_classes={num_classes}; make them agree "
+                        f"(or unset data.num_classes)")
     return names
 
 
@@ -150,13 +108,13 @@ def _parse_classes_file(path: Path) -> list[str]:
     while names and not names[-1]:
         names.pop()
     if not names:
-        raise ValueError(f"{path} names no classes; write one class name per line (line 1 = class id 0)")
+        raise DataError(f"{path} names no classes; write one class name per line (line 1 = class id 0)")
     if '' in names:
-        raise ValueError(f"{path} line {names.index('') + 1} is blank; write one class name per line "
-                         f"(line 1 = class id 0), blank lines only at the end")
+        raise DataError(f"{path} line {names.index('') + 1} is blank; write one class name per line "
+                        f"(line 1 = class id 0), blank lines only at the end")
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"{path} repeats class names {repeated}; each line must name a different class")
+        raise DataError(f"{path} repeats class names {repeated}; each line must name a different class")
     return names
 
 
@@ -165,9 +123,9 @@ def infer_num_classes(mask_paths: Sequence[str], ignore_index: int, num_threads:
     with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
         largest = max(pool.map(lambda p: _largest_id(p, ignore_index), mask_paths), default=-1)
     if largest < 0:
-        raise ValueError(f"the {len(mask_paths)} train masks hold no labelled pixel (all ignore_index={ignore_index}"
-                         f" or undecodable), so the class count cannot be read off them; write classes.txt or set "
-                         f"data.num_classes")
+        raise DataError(f"the {len(mask_paths)} train masks hold no labelled pixel (all ignore_index={ignore_index}"
+                        f" or undecodable), so the class count cannot be read off them; write classes.txt or set "
+                        f"data.num_classes")
     return largest + 1
 
 
@@ -198,8 +156,8 @@ def pair_images_with_masks(split_dir: Path) -> tuple[list[str], list[str]]:
     extensions = readable_extensions()
     images = list_images(images_dir, extensions)
     if not images:
-        raise ValueError(f"no images under {images_dir} (looked for files PIL opens: "
-                         f"{', '.join(sorted(extensions)[:12])}, ...)")
+        raise DataError(f"no images under {images_dir} (looked for files PIL opens: "
+                        f"{', '.join(sorted(extensions)[:12])}, ...)")
     masks = [_expected_mask(images_dir, masks_dir, image) for image in images]
     _check_unique_masks(images, masks)
     existing = set(list_images(masks_dir, frozenset({MASK_EXTENSION})))
@@ -225,8 +183,8 @@ def _check_unique_masks(images: Sequence[str], masks: Sequence[str]) -> None:
     owner: dict[str, str] = {}
     for image, mask in zip(images, masks):
         if mask in owner:
-            raise ValueError(f"images {owner[mask]} and {image} would share the mask {mask}; give them different "
-                             f"names")
+            raise DataError(f"images {owner[mask]} and {image} would share the mask {mask}; give them different "
+                            f"names")
         owner[mask] = image
 
 
@@ -269,7 +227,7 @@ class SegFolderDataset(KeyedSegDataset):
                 self._record_load_failure(candidate, err)
                 continue
             return image, self._checked_mask(candidate, image, mode, values)
-        raise RuntimeError(f"no image/mask pair under {self.split_dir} could be decoded")
+        raise DataError(f"no image/mask pair under {self.split_dir} could be decoded")
 
     def describe(self) -> str:
         shown = ', '.join(self.class_names[:5]) + (', ...' if len(self.class_names) > 5 else '')
@@ -282,8 +240,8 @@ class SegFolderDataset(KeyedSegDataset):
         check_mask_mode(mode, mask_path)
         if values.shape != image.shape[:2]:
             (ih, iw), (mh, mw) = image.shape[:2], values.shape
-            raise ValueError(f"mask {mask_path} is {mw}x{mh} (width x height) but its image "
-                             f"{self.image_paths[index]} is {iw}x{ih}; a mask must have its image's size")
+            raise DataError(f"mask {mask_path} is {mw}x{mh} (width x height) but its image "
+                            f"{self.image_paths[index]} is {iw}x{ih}; a mask must have its image's size")
         check_mask_values(values, mask_path, len(self.class_names), self.ignore_index)
         return values.astype(self.mask_dtype, copy=False)
 
@@ -301,9 +259,9 @@ class SegFolderDataset(KeyedSegDataset):
                         self.image_paths[index], self.mask_paths[index], type(err).__name__, err)
         fraction = self.num_bad / len(self)
         if fraction > self.max_bad_fraction:
-            raise RuntimeError(f"{self.num_bad} of {len(self)} image/mask pairs under {self.split_dir} could not be "
-                               f"decoded ({fraction:.2%}), more than max_bad_fraction={self.max_bad_fraction:.2%}; "
-                               "see the warnings for their paths")
+            raise DataError(f"{self.num_bad} of {len(self)} image/mask pairs under {self.split_dir} could not be "
+                            f"decoded ({fraction:.2%}), more than max_bad_fraction={self.max_bad_fraction:.2%}; "
+                            "see the warnings for their paths")
 
 
 # ---------------------------------------------------------------- config -> datasets
@@ -348,9 +306,6 @@ def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> S
 
 def build_seg_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> SegDatasets:
     """The built-in shapes-and-key task (``linvit.data.synthetic_seg``) rendered at ``cfg.img_size``."""
-    # imported here: synthetic_seg subclasses KeyedSegDataset from this module
-    from .synthetic_seg import SyntheticShapesSeg
-
     train_tf = build_seg_transforms(cfg.aug, cfg.img_size, mean, std, cfg.ignore_index, train=True)
     val_tf = build_seg_transforms(cfg.aug, cfg.img_size, mean, std, cfg.ignore_index, train=False)
     syn = cfg.synthetic

@@ -27,8 +27,7 @@ import albumentations as A
 import numpy as np
 import torch
 
-from .base import seed_words
-from .segmentation import KeyedSegDataset, mask_dtype
+from .base import KeyedSegDataset, mask_dtype, seed_words
 from .synthetic import MARK_COLOURS, _noisy_background
 
 __all__ = ['SHAPE_KINDS', 'KEY_COLOURS', 'Shape', 'ShapesLayout', 'SyntheticShapesSeg', 'seg_class_names',

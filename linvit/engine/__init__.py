@@ -4,12 +4,18 @@
     metrics = train(cfg)                                  # writes the run directory cfg.output_dir
     metrics = evaluate(cfg, 'runs/x/best.pt', 'runs/x/eval')
 
+Where things live: ``config`` (the typed config), ``tasks/`` (one module per task, registered in ``TASKS`` on
+import), ``trainer`` (the loop: ``Run`` / ``Training`` built from the config, ``TrainingLoop``), ``step`` (the step
+runner: backward, accumulation, loss scaling, clipping, the optimizer step), ``metrics`` (the meters),
+``checkpoint`` / ``loading`` (files), ``sampler`` and ``distributed`` (data order and processes), ``plots``.
+
 Needs the ``train`` extra (albumentations, omegaconf, tensorboard, tqdm, matplotlib); ``import linvit`` alone
 does not import this package.
 """
 from .config import ConfigError, RunConfig, config_from_yaml, config_to_yaml, load_config
+from .step import TrainStep
 from .tasks import TASKS, Task, build_task, register_task
 from .trainer import NonFiniteLossError, evaluate, train
 
 __all__ = ['ConfigError', 'RunConfig', 'load_config', 'config_to_yaml', 'config_from_yaml', 'TASKS', 'Task',
-           'build_task', 'register_task', 'NonFiniteLossError', 'train', 'evaluate']
+           'build_task', 'register_task', 'TrainStep', 'NonFiniteLossError', 'train', 'evaluate']

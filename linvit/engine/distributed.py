@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ['DistInfo', 'setup_distributed', 'cleanup_distributed', 'resolve_device', 'all_reduce_mean', 'barrier']
+__all__ = ['DistInfo', 'distributed_running', 'setup_distributed', 'cleanup_distributed', 'resolve_device',
+           'all_reduce_mean', 'all_reduce_max', 'barrier']
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def distributed_running() -> bool:
+    """Whether this process is part of a torch.distributed process group (torchrun with several ranks)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -58,7 +64,7 @@ def setup_distributed(device: str = 'auto') -> DistInfo:
     resolved = resolve_device(device, local_rank)
     if resolved.type == 'cuda':
         torch.cuda.set_device(resolved)
-    if world_size > 1 and not dist.is_initialized():
+    if world_size > 1 and not distributed_running():
         backend = 'nccl' if resolved.type == 'cuda' else 'gloo'
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 device_id=resolved if resolved.type == 'cuda' else None)
@@ -66,19 +72,27 @@ def setup_distributed(device: str = 'auto') -> DistInfo:
 
 
 def cleanup_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if distributed_running():
         dist.destroy_process_group()
 
 
 def all_reduce_mean(value: torch.Tensor, info: Optional[DistInfo] = None) -> torch.Tensor:
     """The mean of ``value`` over all ranks (a copy; ``value`` itself is unchanged); itself on one process."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed_running():
         return value.clone()
     out = value.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out / dist.get_world_size()
 
 
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of ``value`` over all ranks (a copy); itself on one process."""
+    out = value.detach().clone()
+    if distributed_running():
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if distributed_running():
         dist.barrier()

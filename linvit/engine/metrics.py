@@ -1,4 +1,12 @@
-"""Classification metrics accumulated on the device: top-k accuracy and mean loss, summed across processes.
+"""The engine's metrics, accumulated on the device and summed across processes: one ``Meter`` base, one meter per task.
+
+Every meter follows the same protocol (``Meter``): ``update`` per batch queues device work only (no ``.item()``,
+no host sync); ``reduce_`` once, on every process, sums the counters over the processes (a no-op on one process);
+``compute`` reads them back once. The base holds what they share: reset, allocation on the first batch's device,
+the guard against reducing twice, and the device a process without data reduces on. Each meter keeps only its
+statistic.
+
+Classification: top-k accuracy and mean loss.
 
     meter = ClassificationMeter(ks=(1, 5))
     for images, targets, valid in loader:           # valid: bool [B], False for the sampler's padded duplicates
@@ -32,6 +40,9 @@ Semantic segmentation: a confusion matrix (rows = ground truth, columns = predic
 
 mIoU follows mmsegmentation: IoU_c = TP / (TP + FP + FN) for every class whose union (ground truth or prediction)
 is non-empty; a class absent from both is NaN in ``per_class_iou`` and left out of the mean (nanmean).
+
+Autoregressive pretraining: ``NextPatchMeter`` sums the squared error of next-patch predictions [B, M, P] and the
+targets' sum of squares; ``compute`` gives ``{'loss': MSE, 'r2': 1 - SSE / SST, 'count': images}``.
 """
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -40,7 +51,82 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ['topk_correct', 'ClassificationMeter', 'confusion_matrix', 'SegmentationMeter']
+from .distributed import distributed_running
+
+__all__ = ['Meter', 'topk_correct', 'ClassificationMeter', 'confusion_matrix', 'SegmentationMeter', 'NextPatchMeter']
+
+Counters = Dict[str, torch.Tensor]
+
+
+def float_counter_dtype(device: torch.device) -> torch.dtype:
+    """float64 for sums of losses and squares; float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == 'mps' else torch.float64
+
+
+class Meter:
+    """Base of the meters: named counters on one device, summed over batches without host syncs, then over processes.
+
+    A subclass declares its counters in ``_zeros(device) -> {name: zero tensor}``, and in ``update`` calls
+    ``_check_open()`` first and then ``counters = self._counters_on(device)`` (allocated on the first batch's device
+    unless ``device`` was given) before adding the batch to them; ``compute`` reads ``self._counters`` (None while no
+    batch was seen). ``reduce_`` sums every counter over the processes in one float64 collective (integer counts are
+    exact up to 2**53); the counters named in ``MAX_COUNTERS`` are reduced with MAX instead.
+    """
+    MAX_COUNTERS: Tuple[str, ...] = ()
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self._device = device
+        self.reset()
+
+    def _zeros(self, device: torch.device) -> Counters:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget every update (and a previous ``reduce_``)."""
+        self._counters: Optional[Counters] = None
+        self._reduced = False
+        if self._device is not None:
+            self._counters = self._zeros(torch.device(self._device))
+
+    def _check_open(self) -> None:
+        if self._reduced:
+            raise RuntimeError(f'{type(self).__name__}.update after reduce_: the counters are already global; '
+                               f'reset() first')
+
+    def _counters_on(self, device: torch.device) -> Counters:
+        """The counters, allocated on ``device`` if this is the first batch."""
+        if self._counters is None:
+            self._counters = self._zeros(device)
+        return self._counters
+
+    @staticmethod
+    def _collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+        """Where a process that saw no batch allocates its counters: a device its backend can reduce on."""
+        if dist.get_backend(group) == 'nccl':
+            return torch.device('cuda', torch.cuda.current_device())
+        return torch.device('cpu')
+
+    @torch.no_grad()
+    def reduce_(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Sum the counters over the processes of ``group`` (all_reduce SUM; ``MAX_COUNTERS``: MAX), in place; a
+        no-op when torch.distributed is not running. Every process must call it, once, after its last ``update``
+        (a process without data still takes part)."""
+        if self._reduced:
+            raise RuntimeError(f'{type(self).__name__}.reduce_ called twice: the counters would be summed again')
+        self._reduced = True
+        if not distributed_running():
+            return
+        if self._counters is None:
+            self._counters = self._zeros(self._collective_device(group))
+        counters = self._counters
+        summed = [tensor for name, tensor in counters.items() if name not in self.MAX_COUNTERS]
+        packed = torch.cat([tensor.double().reshape(-1) for tensor in summed])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        for tensor, values in zip(summed, packed.split([tensor.numel() for tensor in summed])):
+            values = values.reshape(tensor.shape)
+            tensor.copy_(values if tensor.dtype.is_floating_point else values.round())
+        for name in self.MAX_COUNTERS:
+            dist.all_reduce(counters[name], op=dist.ReduceOp.MAX, group=group)
 
 
 def _check_ks(ks: Sequence[int]) -> None:
@@ -81,7 +167,7 @@ def topk_correct(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] 
     return _topk_hits(logits, targets, ks).sum(dim=0, dtype=torch.int64)
 
 
-class ClassificationMeter:
+class ClassificationMeter(Meter):
     """Top-k accuracy and mean loss over many batches, accumulated on the logits' device without host syncs.
 
     Counters (all on one device): correct int64 [len(ks)], count int64 [], loss_sum float64 [] (float32 on MPS,
@@ -91,23 +177,12 @@ class ClassificationMeter:
     def __init__(self, ks: Sequence[int] = (1, 5), device: Optional[torch.device] = None):
         _check_ks(ks)
         self.ks = tuple(int(k) for k in ks)
-        self._device = device
-        self.reset()
+        super().__init__(device)
 
-    def reset(self) -> None:
-        """Forget every update (and a previous ``reduce_``)."""
-        self._correct: Optional[torch.Tensor] = None
-        self._count: Optional[torch.Tensor] = None
-        self._loss_sum: Optional[torch.Tensor] = None
-        self._reduced = False
-        if self._device is not None:
-            self._allocate(torch.device(self._device))
-
-    def _allocate(self, device: torch.device) -> None:
-        loss_dtype = torch.float32 if device.type == 'mps' else torch.float64
-        self._correct = torch.zeros(len(self.ks), dtype=torch.int64, device=device)
-        self._count = torch.zeros((), dtype=torch.int64, device=device)
-        self._loss_sum = torch.zeros((), dtype=loss_dtype, device=device)
+    def _zeros(self, device: torch.device) -> Counters:
+        return {'correct': torch.zeros(len(self.ks), dtype=torch.int64, device=device),
+                'count': torch.zeros((), dtype=torch.int64, device=device),
+                'loss_sum': torch.zeros((), dtype=float_counter_dtype(device), device=device)}
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor,
@@ -118,60 +193,30 @@ class ClassificationMeter:
         of the per-sample losses over the batch's valid samples (not the mean); valid: optional bool [B], False for
         samples to leave out (a distributed sampler's padded duplicates). All on the same device.
         """
-        if self._reduced:
-            raise RuntimeError('ClassificationMeter.update after reduce_: the counters are already global; reset() '
-                               'first')
+        self._check_open()
         _check_batch(logits, targets)
         if loss.ndim not in (0, 1) or (loss.ndim == 1 and loss.shape != targets.shape):
             raise ValueError(f'loss must be a 0-d sum or per-sample [B={targets.shape[0]}], got {tuple(loss.shape)}')
         if valid is not None and (valid.dtype != torch.bool or valid.shape != targets.shape):
             raise ValueError(f'valid must be bool [B={targets.shape[0]}], got {valid.dtype} {tuple(valid.shape)}')
-        if self._correct is None:
-            self._allocate(logits.device)
+        counters = self._counters_on(logits.device)
 
         hits = _topk_hits(logits, targets, self.ks)                                  # [B, len(ks)]
         if valid is not None:
             hits = hits & valid[:, None]
             if loss.ndim == 1:
                 loss = loss.masked_fill(~valid, 0)
-        self._correct += hits.sum(dim=0, dtype=torch.int64)
-        self._count += targets.shape[0] if valid is None else valid.sum(dtype=torch.int64)
-        self._loss_sum += loss.detach().sum(dtype=self._loss_sum.dtype)
-
-    def _collective_device(self, group: Optional[dist.ProcessGroup]) -> torch.device:
-        if self._correct is not None:
-            return self._correct.device
-        # a process that saw no batch still has to take part, on a device its backend can reduce
-        if dist.get_backend(group) == 'nccl':
-            return torch.device('cuda', torch.cuda.current_device())
-        return torch.device('cpu')
-
-    @torch.no_grad()
-    def reduce_(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        """Sum the counters over the processes of ``group`` (all_reduce SUM), in place; a no-op when
-        torch.distributed is not initialized. Every process must call it; call it once, after the last ``update``.
-        """
-        if self._reduced:
-            raise RuntimeError('ClassificationMeter.reduce_ called twice: the counters would be summed again')
-        self._reduced = True
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if self._correct is None:
-            self._allocate(self._collective_device(group))
-        # one collective for all counters; float64 holds integer counts exactly up to 2**53
-        packed = torch.cat([self._correct.double(), self._count.double()[None], self._loss_sum.double()[None]])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        num_ks = len(self.ks)
-        self._correct.copy_(packed[:num_ks].round())
-        self._count.copy_(packed[num_ks].round())
-        self._loss_sum.copy_(packed[num_ks + 1])
+        counters['correct'] += hits.sum(dim=0, dtype=torch.int64)
+        counters['count'] += targets.shape[0] if valid is None else valid.sum(dtype=torch.int64)
+        counters['loss_sum'] += loss.detach().sum(dtype=counters['loss_sum'].dtype)
 
     def compute(self) -> Dict[str, float]:
         """{'top1': fraction in [0, 1], 'top5': ..., (one 'top{k}' per k), 'loss': mean per-sample loss,
         'count': samples counted}. One host sync. With no samples, the fractions and loss are NaN and count is 0."""
-        if self._correct is None:
+        if self._counters is None:
             return {**{f'top{k}': math.nan for k in self.ks}, 'loss': math.nan, 'count': 0}
-        values = torch.cat([self._correct.double(), self._count.double()[None], self._loss_sum.double()[None]]).tolist()
+        c = self._counters
+        values = torch.cat([c['correct'].double(), c['count'].double()[None], c['loss_sum'].double()[None]]).tolist()
         correct, count, loss_sum = values[:len(self.ks)], int(values[len(self.ks)]), values[len(self.ks) + 1]
         if count == 0:
             return {**{f'top{k}': math.nan for k in self.ks}, 'loss': math.nan, 'count': 0}
@@ -247,16 +292,17 @@ def confusion_matrix(preds: torch.Tensor, targets: torch.Tensor, num_classes: in
     return confusion
 
 
-class SegmentationMeter:
+class SegmentationMeter(Meter):
     """Confusion matrix, summed cross-entropy and pixel count over many batches, on the device without host syncs.
 
     Counters (one device): confusion int64 [K, K] (rows: ground truth, columns: prediction; its sum is the number of
     counted pixels), loss_sum float64 [] (float32 on MPS), and for targets outside 0..K-1 that are not
-    ``ignore_index``: bad_pixels int64 [] and bad_value int64 [] (the largest such value). Those are not raised in
-    ``update`` (that would need a host sync per batch, and in a distributed run one rank raising alone leaves the
-    others waiting in ``reduce_``): ``compute`` raises ValueError naming the value, on every rank.
+    ``ignore_index``: bad_pixels int64 [] and bad_value int64 [] (the largest such value, reduced with MAX). Those
+    are not raised in ``update`` (that would need a host sync per batch, and in a distributed run one rank raising
+    alone leaves the others waiting in ``reduce_``): ``compute`` raises ValueError naming the value, on every rank.
     Use: ``update`` per batch, ``reduce_`` once (sums over processes), then ``compute``.
     """
+    MAX_COUNTERS = ('bad_value',)
 
     def __init__(self, num_classes: int, ignore_index: int = 255, device: Optional[torch.device] = None):
         if int(num_classes) < 1:
@@ -265,25 +311,13 @@ class SegmentationMeter:
             raise ValueError(f'ignore_index={ignore_index} is one of the {num_classes} classes 0..{num_classes - 1}')
         self.num_classes = int(num_classes)
         self.ignore_index = int(ignore_index)
-        self._device = device
-        self.reset()
+        super().__init__(device)
 
-    def reset(self) -> None:
-        """Forget every update (and a previous ``reduce_``)."""
-        self._confusion: Optional[torch.Tensor] = None
-        self._loss_sum: Optional[torch.Tensor] = None
-        self._bad_pixels: Optional[torch.Tensor] = None
-        self._bad_value: Optional[torch.Tensor] = None
-        self._reduced = False
-        if self._device is not None:
-            self._allocate(torch.device(self._device))
-
-    def _allocate(self, device: torch.device) -> None:
-        loss_dtype = torch.float32 if device.type == 'mps' else torch.float64
-        self._confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64, device=device)
-        self._loss_sum = torch.zeros((), dtype=loss_dtype, device=device)
-        self._bad_pixels = torch.zeros((), dtype=torch.int64, device=device)
-        self._bad_value = torch.full((), _NO_BAD_VALUE, dtype=torch.int64, device=device)
+    def _zeros(self, device: torch.device) -> Counters:
+        return {'confusion': torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64, device=device),
+                'bad_pixels': torch.zeros((), dtype=torch.int64, device=device),
+                'loss_sum': torch.zeros((), dtype=float_counter_dtype(device), device=device),
+                'bad_value': torch.full((), _NO_BAD_VALUE, dtype=torch.int64, device=device)}
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, targets: torch.Tensor, loss_sum: torch.Tensor) -> None:
@@ -293,73 +327,41 @@ class SegmentationMeter:
         class indices (``ignore_index`` = unlabelled); loss_sum: 0-d tensor, the SUM of the per-pixel cross-entropy
         over the batch's labelled pixels (``F.cross_entropy(..., ignore_index=..., reduction='sum')``). One device.
         """
-        if self._reduced:
-            raise RuntimeError('SegmentationMeter.update after reduce_: the counters are already global; reset() '
-                               'first')
+        self._check_open()
         _check_segmentation_batch(logits, targets, self.num_classes)
         if loss_sum.ndim != 0:
             raise ValueError(f'loss_sum must be a 0-d tensor (the summed per-pixel loss), got {tuple(loss_sum.shape)}')
-        if self._confusion is None:
-            self._allocate(logits.device)
+        counters = self._counters_on(logits.device)
         confusion, bad, bad_value = _confusion_counts(logits.argmax(dim=1), targets, self.num_classes,
                                                       self.ignore_index)
-        self._confusion += confusion
-        self._bad_pixels += bad
-        torch.maximum(self._bad_value, bad_value, out=self._bad_value)
-        self._loss_sum += loss_sum.detach().to(self._loss_sum.dtype)
-
-    def _collective_device(self, group: Optional[dist.ProcessGroup]) -> torch.device:
-        if self._confusion is not None:
-            return self._confusion.device
-        # a process that saw no batch still has to take part, on a device its backend can reduce
-        if dist.get_backend(group) == 'nccl':
-            return torch.device('cuda', torch.cuda.current_device())
-        return torch.device('cpu')
-
-    @torch.no_grad()
-    def reduce_(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        """Sum the counters over the processes of ``group`` (all_reduce SUM; the bad target value: MAX), in place;
-        a no-op when torch.distributed is not initialized. Every process must call it, once, after the last
-        ``update``."""
-        if self._reduced:
-            raise RuntimeError('SegmentationMeter.reduce_ called twice: the counters would be summed again')
-        self._reduced = True
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if self._confusion is None:
-            self._allocate(self._collective_device(group))
-        # one SUM for all the counts (float64 holds integer counts exactly up to 2**53) and one MAX
-        cells = self.num_classes * self.num_classes
-        packed = torch.cat([self._confusion.double().reshape(-1), self._bad_pixels.double()[None],
-                            self._loss_sum.double()[None]])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(self._bad_value, op=dist.ReduceOp.MAX, group=group)
-        self._confusion.copy_(packed[:cells].round().reshape(self.num_classes, self.num_classes))
-        self._bad_pixels.copy_(packed[cells].round())
-        self._loss_sum.copy_(packed[cells + 1])
+        counters['confusion'] += confusion
+        counters['bad_pixels'] += bad
+        torch.maximum(counters['bad_value'], bad_value, out=counters['bad_value'])
+        counters['loss_sum'] += loss_sum.detach().to(counters['loss_sum'].dtype)
 
     def confusion(self) -> torch.Tensor:
         """The accumulated confusion matrix, int64 [K, K] (rows: ground truth, columns: prediction); zeros if empty."""
-        if self._confusion is None:
+        if self._counters is None:
             return torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64)
-        return self._confusion.clone()
+        return self._counters['confusion'].clone()
 
     def compute(self) -> Dict[str, Any]:
         """{'miou': mean IoU over the classes present in ground truth or prediction, 'pixel_acc': correct / counted
         pixels, 'loss': loss_sum / counted pixels, 'pixels': counted pixels (int), 'per_class_iou': [K] floats, NaN
         for a class absent from both}. Fractions in [0, 1]; with no pixels they are NaN. One host sync. Raises
         ValueError naming the value if any target was outside 0..K-1 and not ``ignore_index``."""
-        if self._confusion is None:
+        if self._counters is None:
             return _scores_from_confusion(np.zeros((self.num_classes, self.num_classes)), math.nan)
-        values = torch.cat([self._confusion.double().reshape(-1), self._bad_pixels.double()[None],
-                            self._bad_value.double()[None], self._loss_sum.double()[None]]).tolist()
+        c = self._counters
+        values = torch.cat([c['confusion'].double().reshape(-1), c['bad_pixels'].double()[None],
+                            c['loss_sum'].double()[None]]).tolist()
         cells = self.num_classes * self.num_classes
         bad_pixels = int(values[cells])
         if bad_pixels:
             # the value itself from the int64 counter: float64 would round a huge one
-            raise _bad_target_error(int(self._bad_value), bad_pixels, self.num_classes, self.ignore_index)
+            raise _bad_target_error(int(c['bad_value']), bad_pixels, self.num_classes, self.ignore_index)
         confusion = np.asarray(values[:cells], dtype=np.float64).reshape(self.num_classes, self.num_classes)
-        return _scores_from_confusion(confusion, values[cells + 2])
+        return _scores_from_confusion(confusion, values[cells + 1])
 
 
 def _scores_from_confusion(confusion: np.ndarray, loss_sum: float) -> Dict[str, Any]:
@@ -380,3 +382,40 @@ def _scores_from_confusion(confusion: np.ndarray, loss_sum: float) -> Dict[str, 
         'pixels': pixels,
         'per_class_iou': per_class,
     }
+
+
+# --- autoregressive pretraining ---------------------------------------------------------------------------------
+
+class NextPatchMeter(Meter):
+    """Squared error, target sum of squares, value count and image count over many batches, summed on the device
+    (float64; float32 on MPS) without host syncs; ``reduce_`` sums them over processes, ``compute`` reads them once.
+
+    ``loss`` is SSE / values (the mean squared error, the training loss's definition over the whole set), so no
+    separate loss sum is kept.
+    """
+
+    def _zeros(self, device: torch.device) -> Counters:
+        return {'sums': torch.zeros(4, dtype=float_counter_dtype(device), device=device)}  # [sse, sst, values, images]
+
+    @torch.no_grad()
+    def update(self, predictions: torch.Tensor, targets: torch.Tensor) -> None:
+        """Add one batch: predictions and targets [B, M, P] of the same shape (``align_next_patch``)."""
+        self._check_open()
+        if predictions.shape != targets.shape or predictions.ndim != 3:
+            raise ValueError(f"predictions and targets must be [B, M, P] of one shape, got {tuple(predictions.shape)} "
+                             f"and {tuple(targets.shape)}")
+        sums = self._counters_on(predictions.device)['sums']
+        dtype = sums.dtype
+        sums[0] += (predictions.to(dtype) - targets.to(dtype)).square().sum()
+        sums[1] += targets.to(dtype).square().sum()
+        sums[2] += targets.numel()
+        sums[3] += targets.shape[0]
+
+    def compute(self) -> Dict[str, float]:
+        """{'loss': SSE / values, 'r2': 1 - SSE / SST, 'count': images}. One host sync; NaN and 0 with no data."""
+        if self._counters is None:
+            return {'loss': math.nan, 'r2': math.nan, 'count': 0}
+        sse, sst, values, images = self._counters['sums'].double().tolist()
+        if values == 0:
+            return {'loss': math.nan, 'r2': math.nan, 'count': 0}
+        return {'loss': sse / values, 'r2': 1.0 - sse / sst if sst > 0 else math.nan, 'count': int(round(images))}

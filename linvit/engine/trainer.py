@@ -13,7 +13,6 @@ Determinism: the seed fixes model init, data order and augmentation (each sample
 position in the epoch, see ``sampler``); a checkpoint holds the model, optimizer, scheduler, scaler, EMA, the step
 and every RNG, so a resumed run continues on the same trajectory. Evaluation draws nothing from the training RNGs.
 """
-import contextlib
 import csv
 import json
 import logging
@@ -22,7 +21,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -30,23 +29,27 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
+from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm import tqdm
 
-from ..fast import TrainStep
+from ..data import DataError
+from ..precision import PRECISIONS
 from .checkpoint import (
     atomic_write,
     capture_rng_state,
-    load_checkpoint,
     restore_rng_state,
     save_checkpoint,
     save_model_safetensors,
 )
 from .config import config_to_yaml
-from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
-from .loading import evaluated_weights
+from .distributed import DistInfo, all_reduce_max, all_reduce_mean, barrier, setup_distributed
+from .loading import load_weights, read_weights
+from .plots import plot_curves
 from .sampler import ResumableSampler, ShardSampler
+from .step import TrainStep
 from .tasks import Task, build_task, normalization_of
 
 __all__ = ['train', 'evaluate', 'NonFiniteLossError', 'CSV_BASE_COLUMNS']
@@ -54,8 +57,10 @@ __all__ = ['train', 'evaluate', 'NonFiniteLossError', 'CSV_BASE_COLUMNS']
 _logger = logging.getLogger('linvit.train')
 
 CSV_BASE_COLUMNS = ('epoch', 'step', 'split', 'loss', 'lr', 'img_per_s', 'data_wait_frac', 'peak_mem_mib')
-AMP_DTYPES = {'none': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 CHECKPOINT_VERSION = 1
+
+#: a task's batch mixing: (images, targets) -> (images, targets), e.g. Mixup
+BatchMixer = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -66,7 +71,7 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclass
 class Progress:
-    """Where the run is: completed optimizer steps, the epoch, and the batch to start that epoch at."""
+    """Where the run is: completed optimizer steps, the epoch, and the batch to start that epoch at (checkpointed)."""
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches of this epoch already consumed (a multiple of accum_steps)
@@ -74,25 +79,43 @@ class Progress:
     best_step: int = -1
 
 
-@dataclass
-class Components:
-    """Everything a run builds from its config."""
-    task: Task
+@dataclass(frozen=True)
+class Run:
+    """What a run builds from its config before training or evaluating: the task, its data and its model."""
+    cfg: DictConfig
     info: DistInfo
-    model: nn.Module  # the bare model
-    wrapped: nn.Module  # what the step runs (DDP around the model when distributed)
+    task: Task
+    model: nn.Module  # the bare model, on info.device
     class_names: List[str]
     train_set: Dataset
     val_set: Dataset
-    mean: Sequence[float]
-    std: Sequence[float]
-    amp_dtype: Optional[torch.dtype] = None
-    optimizer: Any = None
-    scheduler: Any = None
-    scaler: Any = None
-    ema: Any = None
-    sampler: Any = None
-    steps_per_epoch: int = 0
+    mean: Tuple[float, ...]
+    std: Tuple[float, ...]
+    amp_dtype: Optional[torch.dtype]  # autocast dtype of train.precision; None: float32, no autocast
+
+
+@dataclass(frozen=True)
+class Training:
+    """What training adds to a Run: data order, optimizer, schedule, loss scaling, EMA and the step runner."""
+    sampler: ResumableSampler
+    steps_per_epoch: int  # optimizer steps per epoch (each accumulates train.accum_steps micro-batches)
+    total_steps: int  # train.epochs * steps_per_epoch
+    stop_at: int  # the step training stops at: total_steps, or train.max_steps when smaller
+    optimizer: torch.optim.Optimizer
+    scheduler: Scheduler
+    scaler: Optional[torch.amp.GradScaler]  # float16 only
+    ema: Optional[ModelEmaV3]
+    step: TrainStep  # around the model (DistributedDataParallel around it when distributed)
+    mixer: Optional[BatchMixer]  # the task's batch mixing (e.g. Mixup); None: off
+
+
+@dataclass
+class LoopState:
+    """What the loop tracks besides the checkpointed Progress."""
+    bad_step: torch.Tensor  # int64 [] on the device: the first step whose loss was not finite, -1 while none was
+    saved_step: Optional[int] = None  # the step of the last checkpoint of this run, None before the first
+    evaluated_step: int = -1  # the step of the last evaluation
+    metrics: Optional[Dict[str, float]] = None  # that evaluation's metrics
 
 
 def _seed_everything(seed: int) -> None:
@@ -105,14 +128,16 @@ def _autocast_factory(device: torch.device, amp_dtype: Optional[torch.dtype]) ->
     return lambda: torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
 
-def _check_amp(amp: str, device: torch.device) -> Optional[torch.dtype]:
-    if amp == 'fp16' and device.type != 'cuda':
-        raise ValueError(f"train.amp=fp16 needs CUDA (a gradient scaler guards float16 there); on {device.type} use "
-                         f"train.amp=bf16")
-    return AMP_DTYPES[amp]
+def _check_amp(precision: str, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype of train.precision (None for float32: no autocast)."""
+    if precision == 'float16' and device.type != 'cuda':
+        raise ValueError(f"train.precision=float16 needs CUDA (a gradient scaler guards float16 there); on "
+                         f"{device.type} use train.precision=bfloat16")
+    return None if precision == 'float32' else PRECISIONS[precision]
 
 
-def _build_components(cfg: DictConfig, info: DistInfo, for_training: bool) -> Components:
+def _build_run(cfg: DictConfig, info: DistInfo) -> Run:
+    """The task, its datasets and its model (seeded with cfg.seed, so every rank starts from the same weights)."""
     task = build_task(cfg)
     mean, std = normalization_of(cfg.model.name)
     train_set, val_set, class_names = task.build_datasets(mean, std)
@@ -124,43 +149,49 @@ def _build_components(cfg: DictConfig, info: DistInfo, for_training: bool) -> Co
             _logger.warning("%d unreadable image file(s) skipped (named in the warnings above)", bad)
     _seed_everything(cfg.seed)  # the same initial weights on every rank
     model = task.build_model(len(class_names)).to(info.device)
-    amp_dtype = _check_amp(cfg.train.amp, info.device)
-    wrapped = model
-    if info.distributed and for_training:
-        wrapped = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == 'cuda' else None)
-    return Components(task=task, info=info, model=model, wrapped=wrapped, class_names=class_names,
-                      train_set=train_set, val_set=val_set, mean=mean, std=std, amp_dtype=amp_dtype)
+    return Run(cfg=cfg, info=info, task=task, model=model, class_names=class_names, train_set=train_set,
+               val_set=val_set, mean=mean, std=std, amp_dtype=_check_amp(cfg.train.precision, info.device))
 
 
-def _loader(dataset: Dataset, sampler: Any, batch_size: int, cfg: DictConfig, info: DistInfo,
-            drop_last: bool) -> DataLoader:
+def _loader(run: Run, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool) -> DataLoader:
     # a private generator: creating a loader iterator draws its worker base seed from it, not from torch's global
     # generator, whose stream (dropout, drop path) must be the same whether or not a run was resumed
-    workers = cfg.data.num_workers
+    workers = run.cfg.data.num_workers
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                      pin_memory=info.device.type == 'cuda', drop_last=drop_last,
-                      persistent_workers=False, generator=torch.Generator().manual_seed(cfg.seed),
+                      pin_memory=run.info.device.type == 'cuda', drop_last=drop_last,
+                      persistent_workers=False, generator=torch.Generator().manual_seed(run.cfg.seed),
                       prefetch_factor=4 if workers > 0 else None)
 
 
-def _add_training_parts(cfg: DictConfig, c: Components) -> None:
-    train = cfg.train
+def _build_training(run: Run) -> Training:
+    """Sampler, optimizer, scheduler, scaler, EMA and the step runner of ``run``, as cfg.train says."""
+    train, info = run.cfg.train, run.info
     if train.accum_steps < 1:
         raise ValueError(f"train.accum_steps must be >= 1, got {train.accum_steps}")
-    c.sampler = ResumableSampler(len(c.train_set), cfg.data.batch_size, seed=cfg.seed, shuffle=True,
-                                 rank=c.info.rank, world_size=c.info.world_size)
-    c.steps_per_epoch = c.sampler.batches_per_epoch // train.accum_steps
-    if c.steps_per_epoch < 1:
-        raise ValueError(f"an epoch has {c.sampler.batches_per_epoch} batches per process, fewer than "
+    wrapped = run.model
+    if info.distributed:
+        wrapped = DistributedDataParallel(run.model, device_ids=[info.device.index] if info.device.type == 'cuda'
+                                          else None)
+    sampler = ResumableSampler(len(run.train_set), run.cfg.data.batch_size, seed=run.cfg.seed, shuffle=True,
+                               rank=info.rank, world_size=info.world_size)
+    steps_per_epoch = sampler.batches_per_epoch // train.accum_steps
+    if steps_per_epoch < 1:
+        raise ValueError(f"an epoch has {sampler.batches_per_epoch} batches per process, fewer than "
                          f"train.accum_steps={train.accum_steps}")
-    c.optimizer = create_optimizer_v2(c.model, opt=train.opt, lr=train.lr, weight_decay=train.weight_decay,
-                                      layer_decay=train.layer_decay)
-    c.scheduler, _ = create_scheduler_v2(c.optimizer, sched=train.sched, num_epochs=train.epochs,
-                                         warmup_epochs=train.warmup_epochs, warmup_lr=train.warmup_lr,
-                                         min_lr=train.min_lr, step_on_epochs=False,
-                                         updates_per_epoch=c.steps_per_epoch)
-    c.scaler = torch.amp.GradScaler(c.info.device.type) if c.amp_dtype == torch.float16 else None
-    c.ema = ModelEmaV3(c.model, decay=train.ema_decay) if train.ema else None
+    optimizer = create_optimizer_v2(run.model, opt=train.opt, lr=train.lr, weight_decay=train.weight_decay,
+                                    layer_decay=train.layer_decay)
+    scheduler, _ = create_scheduler_v2(optimizer, sched=train.sched, num_epochs=train.epochs,
+                                       warmup_epochs=train.warmup_epochs, warmup_lr=train.warmup_lr,
+                                       min_lr=train.min_lr, step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+    scaler = torch.amp.GradScaler(info.device.type) if run.amp_dtype == torch.float16 else None
+    ema = ModelEmaV3(run.model, decay=train.ema_decay) if train.ema else None
+    step = TrainStep(wrapped, run.task.train_loss(), optimizer, compile=train.compile, amp_dtype=run.amp_dtype,
+                     grad_scaler=scaler, accum_steps=train.accum_steps, clip_grad=train.clip_grad)
+    total_steps = train.epochs * steps_per_epoch
+    stop_at = min(total_steps, train.max_steps) if train.max_steps else total_steps
+    return Training(sampler=sampler, steps_per_epoch=steps_per_epoch, total_steps=total_steps, stop_at=stop_at,
+                    optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, step=step,
+                    mixer=run.task.batch_mixer(len(run.class_names)))
 
 
 # ---------------------------------------------------------------------------------------------------- run directory
@@ -234,79 +265,82 @@ def _add_file_log(out_dir: str) -> logging.Handler:
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
-def _checkpoint_state(cfg: DictConfig, c: Components, progress: Progress) -> Dict[str, Any]:
+def _checkpoint_state(run: Run, training: Training, progress: Progress) -> Dict[str, Any]:
     return {
         'version': CHECKPOINT_VERSION,
-        'config': config_to_yaml(cfg),
-        'class_names': list(c.class_names),
-        'model': c.model.state_dict(),
-        'ema': c.ema.module.state_dict() if c.ema is not None else None,
-        'optimizer': c.optimizer.state_dict(),
-        'scheduler': c.scheduler.state_dict(),
-        'scaler': c.scaler.state_dict() if c.scaler is not None else None,
+        'config': config_to_yaml(run.cfg),
+        'class_names': list(run.class_names),
+        'model': run.model.state_dict(),
+        'ema': training.ema.module.state_dict() if training.ema is not None else None,
+        'optimizer': training.optimizer.state_dict(),
+        'scheduler': training.scheduler.state_dict(),
+        'scaler': training.scaler.state_dict() if training.scaler is not None else None,
         'progress': {'step': progress.step, 'epoch': progress.epoch, 'batch_in_epoch': progress.batch_in_epoch,
                      'best': progress.best, 'best_step': progress.best_step},
         'rng': capture_rng_state(),
-        'world_size': c.info.world_size,
+        'world_size': run.info.world_size,
     }
 
 
-def _restore(c: Components, state: Dict[str, Any]) -> Progress:
-    c.model.load_state_dict(state['model'])
-    if c.ema is not None:
+def _restore(run: Run, training: Training, state: Dict[str, Any]) -> Progress:
+    """Load a 'last' checkpoint's weights, optimizer, scheduler, scaler, EMA and RNG states; returns its Progress."""
+    load_weights(run.model, state['model'], 'the resumed checkpoint', resample_pos_embed=False)
+    if training.ema is not None:
         if state.get('ema') is None:
             raise ValueError("the checkpoint has no EMA weights but train.ema=true; resume with train.ema=false")
-        c.ema.module.load_state_dict(state['ema'])
-    c.optimizer.load_state_dict(state['optimizer'])
-    c.scheduler.load_state_dict(state['scheduler'])
-    if c.scaler is not None and state.get('scaler') is not None:
-        c.scaler.load_state_dict(state['scaler'])
-    if state.get('world_size', 1) != c.info.world_size:
+        training.ema.module.load_state_dict(state['ema'])
+    training.optimizer.load_state_dict(state['optimizer'])
+    training.scheduler.load_state_dict(state['scheduler'])
+    if training.scaler is not None and state.get('scaler') is not None:
+        training.scaler.load_state_dict(state['scaler'])
+    if state.get('world_size', 1) != run.info.world_size:
         _logger.warning("resuming a run of %d process(es) on %d: the data order differs from here on",
-                        state.get('world_size', 1), c.info.world_size)
+                        state.get('world_size', 1), run.info.world_size)
     restore_rng_state(state['rng'])
     return Progress(**state['progress'])
 
 
-def evaluated_model(c: Components) -> nn.Module:
+def _evaluated_model(run: Run, training: Training) -> nn.Module:
     """The weights that are evaluated and exported: the EMA copy when train.ema is on, else the model."""
-    return c.ema.module if c.ema is not None else c.model
+    return training.ema.module if training.ema is not None else run.model
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def _evaluate(cfg: DictConfig, c: Components, model: nn.Module) -> Dict[str, float]:
-    loader = _loader(c.val_set, ShardSampler(len(c.val_set), c.info.rank, c.info.world_size),
-                     c.task.eval_batch_size(), cfg, c.info,
-                     drop_last=False)
-    meter = c.task.new_meter(c.info.device)
+def _evaluate(run: Run, model: nn.Module) -> Dict[str, float]:
+    """The task's metrics of ``model`` on the validation set, summed over every process (``meter.compute()``)."""
+    info = run.info
+    loader = _loader(run, run.val_set, ShardSampler(len(run.val_set), info.rank, info.world_size),
+                     run.task.eval_batch_size(), drop_last=False)
+    meter = run.task.new_meter(info.device)
     was_training = model.training
     model.eval()
-    autocast = _autocast_factory(c.info.device, c.amp_dtype)
+    autocast = _autocast_factory(info.device, run.amp_dtype)
     try:
         for images, targets in loader:
-            images = images.to(c.info.device, non_blocking=True)
-            targets = targets.to(c.info.device, non_blocking=True)
+            images = images.to(info.device, non_blocking=True)
+            targets = targets.to(info.device, non_blocking=True)
             with autocast():
-                c.task.evaluate_batch(model, images, targets, meter)
+                run.task.evaluate_batch(model, images, targets, meter)
     finally:
         model.train(was_training)
     meter.reduce_()
     return meter.compute()
 
 
-def _save_pictures(cfg: DictConfig, c: Components, model: nn.Module, step: int) -> None:
-    if not (cfg.train.pictures and c.info.is_main):
+def _save_pictures(run: Run, model: nn.Module, step: int) -> None:
+    """The task's prediction picture of ``step`` and the curves so far (rank 0, when train.pictures is on)."""
+    cfg = run.cfg
+    if not (cfg.train.pictures and run.info.is_main):
         return
-    from .plots import plot_curves
     pictures = os.path.join(cfg.output_dir, 'pictures')
     os.makedirs(pictures, exist_ok=True)
     was_training = model.training
     model.eval()
     try:
-        c.task.save_pictures(model, c.val_set, c.class_names, os.path.join(pictures, f'val_step{step:06d}.png'),
-                             c.mean, c.std, c.info.device, _autocast_factory(c.info.device, c.amp_dtype))
+        run.task.save_pictures(model, run.val_set, run.class_names, os.path.join(pictures, f'val_step{step:06d}.png'),
+                               run.mean, run.std, run.info.device, _autocast_factory(run.info.device, run.amp_dtype))
     finally:
         model.train(was_training)
     csv_path = os.path.join(cfg.output_dir, 'metrics.csv')
@@ -330,46 +364,17 @@ class _Window:
         self.data_wait = 0.0
         self.start = time.perf_counter()
 
+    def add(self, loss: torch.Tensor, images: int) -> None:
+        """One micro-batch: its 0-dim loss and the images it held over all processes."""
+        self.loss_sum += loss.double()
+        self.micro_batches += 1
+        self.images += images
+
 
 def _first_bad_step(flag: torch.Tensor, loss: torch.Tensor, step: int) -> torch.Tensor:
     """Record the first step whose loss is not finite, on the device (read only at log and checkpoint points)."""
     bad = ~torch.isfinite(loss.detach())
     return torch.where(bad & (flag < 0), torch.full_like(flag, step), flag)
-
-
-def _bad_step_everywhere(flag: torch.Tensor) -> int:
-    """The largest recorded bad step over all ranks (-1: every loss was finite). One host sync."""
-    import torch.distributed as dist
-    flag = flag.clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
-
-
-def _check_finite(flag: torch.Tensor, out_dir: str, saved_step: Optional[int]) -> None:
-    bad_step = _bad_step_everywhere(flag)
-    if bad_step < 0:
-        return
-    kept = (f"the last good checkpoint {os.path.join(out_dir, 'last.pt')} (step {saved_step}) is kept"
-            if saved_step is not None else "no checkpoint was written by this run")
-    raise NonFiniteLossError(f"non-finite training loss at step {bad_step}: the run stopped and {kept}. Lower "
-                             f"train.lr, set train.clip_grad, or use train.amp=bf16 instead of fp16")
-
-
-def _optimizer_step(cfg: DictConfig, c: Components) -> None:
-    """Unscale (float16), clip, step and clear the gradients of one accumulated step."""
-    clip = cfg.train.clip_grad
-    if c.scaler is not None:
-        if clip:
-            c.scaler.unscale_(c.optimizer)
-            torch.nn.utils.clip_grad_norm_(c.model.parameters(), clip)
-        c.scaler.step(c.optimizer)
-        c.scaler.update()
-    else:
-        if clip:
-            torch.nn.utils.clip_grad_norm_(c.model.parameters(), clip)
-        c.optimizer.step()
-    c.optimizer.zero_grad(set_to_none=True)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -389,108 +394,163 @@ def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
     return max(group['lr'] for group in optimizer.param_groups)
 
 
-def _train_row(window: _Window, progress: Progress, c: Components) -> Dict[str, Any]:
-    elapsed = max(time.perf_counter() - window.start, 1e-9)
-    loss = all_reduce_mean(window.loss_sum / max(window.micro_batches, 1)).item()
-    return {'epoch': progress.epoch, 'step': progress.step, 'split': 'train', 'loss': loss,
-            'lr': _learning_rate(c.optimizer), 'img_per_s': window.images / elapsed,
-            'data_wait_frac': window.data_wait / elapsed, 'peak_mem_mib': peak_memory_mib(c.info.device)}
+class TrainingLoop:
+    """Epochs of accumulated optimizer steps with logging, checkpoints and evaluations, from ``progress`` (a fresh
+    run, or ``resume``'s checkpoint) to ``training.stop_at``; ``fit()`` returns the final evaluation."""
 
+    def __init__(self, run: Run, training: Training, log: RunLog) -> None:
+        self.run = run
+        self.training = training
+        self.log = log
+        self.progress = Progress()
+        self.state = LoopState(bad_step=torch.full((), -1, dtype=torch.int64, device=run.info.device))
 
-def _evaluate_and_record(cfg: DictConfig, c: Components, progress: Progress,
-                         log: RunLog) -> Tuple[Dict[str, float], bool]:
-    """Evaluate, log a val row, update the best score and draw the pictures; returns (metrics, improved)."""
-    model = evaluated_model(c)
-    metrics = _evaluate(cfg, c, model)
-    log.row({'epoch': progress.epoch, 'step': progress.step, 'split': 'val', **metrics})
-    if c.info.is_main:
-        _logger.info("evaluation at step %d: %s", progress.step,
-                     ', '.join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
-    main = metrics[c.task.main_metric]
-    improved = main > progress.best
-    if improved:
-        progress.best, progress.best_step = main, progress.step
-    _save_pictures(cfg, c, model, progress.step)
-    return metrics, improved
+    def resume(self, checkpoint: Dict[str, Any]) -> None:
+        """Continue from a 'last' checkpoint of this run: its weights, states and progress; later CSV rows dropped."""
+        self.progress = _restore(self.run, self.training, checkpoint)
+        self.state.saved_step = self.progress.step
+        self.log.truncate_after(self.progress.step)
+        if self.run.info.is_main:
+            _logger.info("resumed at step %d (epoch %d, batch %d)", self.progress.step, self.progress.epoch,
+                         self.progress.batch_in_epoch)
 
+    def fit(self) -> Dict[str, float]:
+        """Train to ``stop_at``: a checkpoint after every epoch, an evaluation every train.eval_every epochs and at
+        the end; returns the final metrics (what metrics.json holds)."""
+        cfg, progress, stop_at = self.run.cfg, self.progress, self.training.stop_at
+        while progress.step < stop_at:
+            self._run_epoch()
+            self._check_finite()
+            epoch_done = progress.batch_in_epoch == 0
+            improved = False
+            if epoch_done and (progress.epoch % cfg.train.eval_every == 0 or progress.step >= stop_at):
+                improved = self._evaluate_and_record()
+            self._save_last(also_best=improved)
+        if self.state.evaluated_step != progress.step and self._evaluate_and_record():
+            self._save_last(also_best=True)
+        if progress.step < self.training.total_steps and self.run.info.is_main:
+            _logger.info("stopped at train.max_steps=%d of %d steps; continue with --resume %s", progress.step,
+                         self.training.total_steps, cfg.output_dir)
+        return self._finish()
 
-def _save_last(cfg: DictConfig, c: Components, progress: Progress, also_best: bool = False) -> None:
-    if c.info.is_main:
-        state = _checkpoint_state(cfg, c, progress)
-        save_checkpoint(os.path.join(cfg.output_dir, 'last.pt'), state)
-        if also_best:
-            save_checkpoint(os.path.join(cfg.output_dir, 'best.pt'), state)
-    barrier()
+    def _run_epoch(self) -> None:
+        """Train from progress.batch_in_epoch to the end of the epoch or to step ``stop_at``; updates ``progress``."""
+        run, training, progress = self.run, self.training, self.progress
+        train, accum = run.cfg.train, training.step.accum_steps
+        training.sampler.set_epoch(progress.epoch, progress.batch_in_epoch)
+        batches = iter(_loader(run, run.train_set, training.sampler, run.cfg.data.batch_size, drop_last=True))
+        window = _Window(run.info.device)
+        bar = tqdm(total=training.steps_per_epoch, initial=progress.batch_in_epoch // accum,
+                   disable=not run.info.is_main, desc=f"epoch {progress.epoch + 1}/{train.epochs}", unit='step',
+                   dynamic_ncols=True, mininterval=2.0)
+        training.step.model.train()
+        try:
+            for micro in range(progress.batch_in_epoch, training.steps_per_epoch * accum):
+                images, targets = self._next_batch(batches, window)
+                last = (micro + 1) % accum == 0
+                loss = training.step.accumulate(images, targets, last=last)
+                window.add(loss, images.shape[0] * run.info.world_size)
+                self.state.bad_step = _first_bad_step(self.state.bad_step, loss, progress.step + 1)
+                if not last:
+                    continue
+                self._optimizer_step(batch_in_epoch=micro + 1)
+                bar.update(1)
+                if progress.step % train.log_every == 0 or progress.step == training.stop_at:
+                    self._check_finite()
+                    row = self._log_train_row(window)
+                    bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", img_s=f"{row['img_per_s']:.1f}")
+                    window.reset()
+                if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
+                    self._check_finite()
+                    self._save_last()
+                if progress.step >= training.stop_at:
+                    break
+        finally:
+            bar.close()
+            del batches  # stops the loader's workers before evaluation starts its own
+        if progress.batch_in_epoch == training.steps_per_epoch * accum:
+            progress.epoch += 1
+            progress.batch_in_epoch = 0
 
+    def _next_batch(self, batches: Iterator, window: _Window) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The next training batch on the device, mixed by the task's mixer; the wait for it counts as data wait."""
+        device = self.run.info.device
+        waited = time.perf_counter()
+        images, targets = next(batches)
+        window.data_wait += time.perf_counter() - waited
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        if self.training.mixer is not None:
+            images, targets = self.training.mixer(images, targets)
+        return images, targets
 
-def _finish(cfg: DictConfig, c: Components, metrics: Dict[str, float]) -> Dict[str, float]:
-    final = c.task.final_metrics(metrics)
-    if c.info.is_main:
-        _write_json(os.path.join(cfg.output_dir, 'metrics.json'), final)
-        save_model_safetensors(evaluated_model(c), os.path.join(cfg.output_dir, 'model.safetensors'))
-    return final
+    def _optimizer_step(self, batch_in_epoch: int) -> None:
+        """Apply the accumulated gradients, count the step, and advance the schedule and the EMA."""
+        training, progress = self.training, self.progress
+        training.step.optimizer_step()
+        progress.step += 1
+        progress.batch_in_epoch = batch_in_epoch
+        training.scheduler.step_update(progress.step)
+        if training.ema is not None:
+            training.ema.update(self.run.model, step=progress.step)
 
+    def _log_train_row(self, window: _Window) -> Dict[str, Any]:
+        """Log the window's mean loss (over all processes), learning rate, throughput and memory as a train row."""
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        loss = all_reduce_mean(window.loss_sum / max(window.micro_batches, 1)).item()
+        row = {'epoch': self.progress.epoch, 'step': self.progress.step, 'split': 'train', 'loss': loss,
+               'lr': _learning_rate(self.training.optimizer), 'img_per_s': window.images / elapsed,
+               'data_wait_frac': window.data_wait / elapsed, 'peak_mem_mib': peak_memory_mib(self.run.info.device)}
+        self.log.row(row)
+        return row
 
-def _run_epoch(cfg: DictConfig, c: Components, step_fn: TrainStep, mixer: Optional[Callable], progress: Progress,
-               log: RunLog, stop_at: int, state: Dict[str, Any]) -> None:
-    """Train from progress.batch_in_epoch to the end of the epoch or to step ``stop_at``; updates ``progress``."""
-    from tqdm import tqdm
+    def _check_finite(self) -> None:
+        """NonFiniteLossError if any process saw a non-finite loss (one host sync)."""
+        bad_step = int(all_reduce_max(self.state.bad_step).item())
+        if bad_step < 0:
+            return
+        out_dir, saved_step = self.run.cfg.output_dir, self.state.saved_step
+        kept = (f"the last good checkpoint {os.path.join(out_dir, 'last.pt')} (step {saved_step}) is kept"
+                if saved_step is not None else "no checkpoint was written by this run")
+        raise NonFiniteLossError(f"non-finite training loss at step {bad_step}: the run stopped and {kept}. Lower "
+                                 f"train.lr, set train.clip_grad, or use train.precision=bfloat16 instead of float16")
 
-    info, train = c.info, cfg.train
-    accum = train.accum_steps
-    c.sampler.set_epoch(progress.epoch, progress.batch_in_epoch)
-    batches = iter(_loader(c.train_set, c.sampler, cfg.data.batch_size, cfg, info, drop_last=True))
-    window = _Window(info.device)
-    bar = tqdm(total=c.steps_per_epoch, initial=progress.batch_in_epoch // accum, disable=not info.is_main,
-               desc=f"epoch {progress.epoch + 1}/{train.epochs}", unit='step', dynamic_ncols=True,
-               mininterval=2.0)
-    c.wrapped.train()
-    try:
-        for micro in range(progress.batch_in_epoch, c.steps_per_epoch * accum):
-            waited = time.perf_counter()
-            images, targets = next(batches)
-            window.data_wait += time.perf_counter() - waited
-            images = images.to(info.device, non_blocking=True)
-            targets = targets.to(info.device, non_blocking=True)
-            if mixer is not None:
-                images, targets = mixer(images, targets)
-            boundary = (micro + 1) % accum == 0
-            no_sync = c.wrapped.no_sync() if info.distributed and not boundary else contextlib.nullcontext()
-            with no_sync:
-                loss = step_fn.loss(images, targets)
-                scaled = loss / accum
-                (c.scaler.scale(scaled) if c.scaler is not None else scaled).backward()
-            window.loss_sum += loss.detach().double()
-            window.micro_batches += 1
-            window.images += images.shape[0] * info.world_size
-            state['bad_step'] = _first_bad_step(state['bad_step'], loss, progress.step + 1)
-            if not boundary:
-                continue
-            _optimizer_step(cfg, c)
-            progress.step += 1
-            progress.batch_in_epoch = micro + 1
-            c.scheduler.step_update(progress.step)
-            if c.ema is not None:
-                c.ema.update(c.model, step=progress.step)
-            bar.update(1)
-            if progress.step % train.log_every == 0 or progress.step == stop_at:
-                _check_finite(state['bad_step'], cfg.output_dir, state['saved_step'])
-                row = _train_row(window, progress, c)
-                log.row(row)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", img_s=f"{row['img_per_s']:.1f}")
-                window.reset()
-            if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
-                _check_finite(state['bad_step'], cfg.output_dir, state['saved_step'])
-                _save_last(cfg, c, progress)
-                state['saved_step'] = progress.step
-            if progress.step >= stop_at:
-                break
-    finally:
-        bar.close()
-        del batches  # stops the loader's workers before evaluation starts its own
-    if progress.batch_in_epoch == c.steps_per_epoch * accum:
-        progress.epoch += 1
-        progress.batch_in_epoch = 0
+    def _evaluate_and_record(self) -> bool:
+        """Evaluate, log a val row, update the best score and draw the pictures; returns whether it improved."""
+        run, progress = self.run, self.progress
+        model = _evaluated_model(run, self.training)
+        metrics = _evaluate(run, model)
+        self.log.row({'epoch': progress.epoch, 'step': progress.step, 'split': 'val', **metrics})
+        if run.info.is_main:
+            _logger.info("evaluation at step %d: %s", progress.step,
+                         ', '.join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+        main = metrics[run.task.main_metric]
+        improved = main > progress.best
+        if improved:
+            progress.best, progress.best_step = main, progress.step
+        _save_pictures(run, model, progress.step)
+        self.state.evaluated_step, self.state.metrics = progress.step, metrics
+        return improved
+
+    def _save_last(self, also_best: bool = False) -> None:
+        """Checkpoint the run as last.pt (and best.pt) on rank 0; every rank waits for it."""
+        if self.run.info.is_main:
+            state = _checkpoint_state(self.run, self.training, self.progress)
+            save_checkpoint(os.path.join(self.run.cfg.output_dir, 'last.pt'), state)
+            if also_best:
+                save_checkpoint(os.path.join(self.run.cfg.output_dir, 'best.pt'), state)
+        barrier()
+        self.state.saved_step = self.progress.step
+
+    def _finish(self) -> Dict[str, float]:
+        """metrics.json and model.safetensors of the last evaluation (rank 0); returns the final metrics."""
+        run = self.run
+        final = run.task.final_metrics(self.state.metrics)
+        if run.info.is_main:
+            _write_json(os.path.join(run.cfg.output_dir, 'metrics.json'), final)
+            save_model_safetensors(_evaluated_model(run, self.training),
+                                   os.path.join(run.cfg.output_dir, 'model.safetensors'))
+        return final
 
 
 def _prepare_run_dir(cfg: DictConfig, info: DistInfo) -> Optional[logging.Handler]:
@@ -515,44 +575,14 @@ def train(cfg: DictConfig, resume: Optional[Dict[str, Any]] = None) -> Dict[str,
     handler = _prepare_run_dir(cfg, info)
     log = None
     try:
-        c = _build_components(cfg, info, for_training=True)
-        _add_training_parts(cfg, c)
+        run = _build_run(cfg, info)
+        training = _build_training(run)
         _seed_everything(cfg.seed + 1 + info.rank)  # per-rank dropout / drop-path / mixup streams
-        progress = Progress()
-        log = RunLog(cfg.output_dir, CSV_BASE_COLUMNS + tuple(c.task.metric_columns), info.is_main)
-        state: Dict[str, Any] = {'saved_step': None,
-                                 'bad_step': torch.full((), -1, dtype=torch.int64, device=info.device)}
+        log = RunLog(cfg.output_dir, CSV_BASE_COLUMNS + tuple(run.task.metric_columns), info.is_main)
+        loop = TrainingLoop(run, training, log)
         if resume is not None:
-            progress = _restore(c, resume)
-            state['saved_step'] = progress.step
-            log.truncate_after(progress.step)
-            if info.is_main:
-                _logger.info("resumed at step %d (epoch %d, batch %d)", progress.step, progress.epoch,
-                             progress.batch_in_epoch)
-        step_fn = TrainStep(c.wrapped, c.task.train_loss(), compile=cfg.train.compile, amp_dtype=c.amp_dtype)
-        mixer = c.task.batch_mixer(len(c.class_names))
-        total = cfg.train.epochs * c.steps_per_epoch
-        stop_at = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
-        metrics: Optional[Dict[str, float]] = None
-        evaluated_step = -1
-        while progress.step < stop_at:
-            _run_epoch(cfg, c, step_fn, mixer, progress, log, stop_at, state)
-            _check_finite(state['bad_step'], cfg.output_dir, state['saved_step'])
-            epoch_done = progress.batch_in_epoch == 0
-            improved = False
-            if epoch_done and (progress.epoch % cfg.train.eval_every == 0 or progress.step >= stop_at):
-                metrics, improved = _evaluate_and_record(cfg, c, progress, log)
-                evaluated_step = progress.step
-            _save_last(cfg, c, progress, also_best=improved)
-            state['saved_step'] = progress.step
-        if evaluated_step != progress.step:
-            metrics, improved = _evaluate_and_record(cfg, c, progress, log)
-            if improved:
-                _save_last(cfg, c, progress, also_best=True)
-        if progress.step < total and info.is_main:
-            _logger.info("stopped at train.max_steps=%d of %d steps; continue with --resume %s", progress.step, total,
-                         cfg.output_dir)
-        return _finish(cfg, c, metrics)
+            loop.resume(resume)
+        return loop.fit()
     finally:
         if log is not None:
             log.close()
@@ -563,29 +593,26 @@ def train(cfg: DictConfig, resume: Optional[Dict[str, Any]] = None) -> Dict[str,
 
 
 def _load_weights(path: str) -> Dict[str, Any]:
-    """(state_dict, class names or None, saved config text or None) from a checkpoint .pt or a .safetensors file."""
-    if path.endswith('.safetensors'):
-        from safetensors.torch import load_file
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"weights file {path} does not exist")
-        return {'weights': load_file(path), 'class_names': None}
-    state = load_checkpoint(path)
-    if 'model' not in state:
-        raise RuntimeError(f"{path} is not a linvit training checkpoint: it has no 'model' entry")
-    return {'weights': evaluated_weights(state), 'class_names': state.get('class_names')}
+    """{'weights': state_dict, 'class_names': list or None} from a checkpoint .pt (its EMA weights when it has them)
+    or a .safetensors file; FileNotFoundError or CheckpointError (one line) for a file that is neither."""
+    weights, class_names = read_weights(path)
+    return {'weights': weights, 'class_names': class_names}
 
 
 def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, float]:
     """Evaluate saved weights (a linvit checkpoint, its EMA weights when it has them, or a .safetensors file) on the
-    validation set of ``cfg``; writes metrics.json (and a picture) into ``out_dir``; returns the metrics."""
+    validation set of ``cfg``; writes metrics.json (and a picture) into ``out_dir``; returns the metrics.
+
+    A model built for another image size than the weights' gets their position embeddings resampled (as timm's
+    checkpoint_filter_fn); weights that do not fit otherwise raise WeightsMismatchError naming the first keys."""
     info = setup_distributed(cfg.device)
     loaded = _load_weights(weights_path)
-    c = _build_components(cfg, info, for_training=False)
+    c = _build_run(cfg, info)
     if loaded['class_names'] is not None and list(loaded['class_names']) != list(c.class_names):
-        raise ValueError(f"{weights_path} was trained on classes {loaded['class_names']} but the validation data has "
-                         f"{c.class_names}")
-    c.model.load_state_dict(loaded['weights'])
-    metrics = c.task.final_metrics(_evaluate(cfg, c, c.model))
+        raise DataError(f"{weights_path} was trained on classes {loaded['class_names']} but the validation data has "
+                        f"{c.class_names}")
+    load_weights(c.model, loaded['weights'], weights_path)
+    metrics = c.task.final_metrics(_evaluate(c, c.model))
     if info.is_main:
         os.makedirs(out_dir, exist_ok=True)
         _write_json(os.path.join(out_dir, 'metrics.json'), metrics)

@@ -12,7 +12,7 @@ from PIL import Image
 
 from linvit.engine import evaluate, register_task, train
 from linvit.engine.checkpoint import load_checkpoint
-from linvit.engine.classification import ClassificationTask
+from linvit.engine.tasks.classification import ClassificationTask
 from linvit.engine.trainer import NonFiniteLossError
 
 
@@ -144,7 +144,8 @@ def test_training_on_a_folder_with_odd_and_corrupt_files(tiny_config, tmp_path):
 
 
 def test_bf16_autocast_grad_checkpointing_and_layer_decay_on_cpu(tiny_config):
-    cfg = tiny_config('train.amp=bf16', 'model.grad_checkpointing=true', 'train.layer_decay=0.75', 'train.max_steps=3')
+    cfg = tiny_config('train.precision=bfloat16', 'model.grad_checkpointing=true', 'train.layer_decay=0.75',
+                      'train.max_steps=3')
     train(cfg)
     losses = [float(r['loss']) for r in _rows(cfg.output_dir, 'train')]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
@@ -155,8 +156,8 @@ def test_bf16_autocast_grad_checkpointing_and_layer_decay_on_cpu(tiny_config):
 
 
 def test_fp16_on_cpu_is_refused_with_the_alternative(tiny_config):
-    with pytest.raises(ValueError, match='train.amp=fp16 needs CUDA.*train.amp=bf16'):
-        train(tiny_config('train.amp=fp16'))
+    with pytest.raises(ValueError, match='train.precision=float16 needs CUDA.*train.precision=bfloat16'):
+        train(tiny_config('train.precision=float16'))
 
 
 def test_compiled_step_trains_like_the_eager_step(tiny_config):

@@ -1,5 +1,6 @@
-"""task=ar: patch targets, next-patch alignment and metrics against hand computations; a causal run end to end whose
-weights then fine-tune a (non-causal) classifier; the config refuses models and options that cannot be causal."""
+"""task=autoregressive: patch targets, next-patch alignment and metrics against hand computations; a causal run end
+to end whose weights then fine-tune a (non-causal) classifier; the config refuses models and options that cannot be
+causal."""
 import json
 import os
 
@@ -9,9 +10,11 @@ import torch
 from two_ranks import run_two_ranks
 
 from linvit.engine import train
-from linvit.engine.autoregressive import (
+from linvit.engine.config import ConfigError, load_config
+from linvit.engine.metrics import NextPatchMeter
+from linvit.engine.tasks import create_model_from_config
+from linvit.engine.tasks.autoregressive import (
     AutoregressiveTask,
-    NextPatchMeter,
     align_next_patch,
     next_patch_loss,
     next_patch_predictions,
@@ -19,12 +22,10 @@ from linvit.engine.autoregressive import (
     patchify,
     unpatchify,
 )
-from linvit.engine.classification import ClassificationTask
-from linvit.engine.config import ConfigError, load_config
-from linvit.engine.tasks import create_model_from_config
+from linvit.engine.tasks.classification import ClassificationTask
 
 CONFIGS = os.path.join(os.path.dirname(__file__), '..', '..', 'configs')
-AR = ['task=ar', 'data.aug.hflip=0', 'train.epochs=1', 'train.max_steps=3']
+AR = ['task=autoregressive', 'data.aug.hflip=0', 'train.epochs=1', 'train.max_steps=3']
 
 
 def test_patchify_and_normalised_targets_follow_the_patches_in_raster_order():
@@ -118,13 +119,13 @@ def test_ar_refuses_models_and_options_that_cannot_predict_the_next_patch(tiny_c
         train(tiny_config(*AR, 'model.name=vit_tiny_patch16_224', out='vit'))
     for override, key in [('model.kwargs.causal=false', 'causal'), ('model.kwargs.local_mix=true', 'local_mix'),
                           ('model.kwargs.global_pool=token', 'global_pool')]:
-        with pytest.raises(ConfigError, match=rf"model\.kwargs\.{key}=.* does not fit task=ar"):
+        with pytest.raises(ConfigError, match=rf"model\.kwargs\.{key}=.* does not fit task=autoregressive"):
             AutoregressiveTask(tiny_config(*AR, override)).build_model(4)
 
 
 def test_the_demo_configs_pretrain_then_fine_tune():
     ar = load_config(os.path.join(CONFIGS, 'ar_demo.yaml'))
-    assert ar.task == 'ar' and ar.data.aug.hflip == 0 and ar.model.kwargs.patch_size == 8
+    assert ar.task == 'autoregressive' and ar.data.aug.hflip == 0 and ar.model.kwargs.patch_size == 8
     cls = load_config(os.path.join(CONFIGS, 'cls_from_ar_demo.yaml'))
     assert cls.task == 'classification'
     assert cls.model.pretrained_file == os.path.join(ar.output_dir, 'model.safetensors')

@@ -1,4 +1,5 @@
-"""task=seg through the engine: built-in and folder data, metrics.json, pictures, eval-only, resume, compile, errors."""
+"""task=segmentation through the engine: built-in and folder data, metrics.json, pictures, eval-only, resume, compile,
+errors."""
 import csv
 import json
 import math
@@ -12,7 +13,7 @@ from safetensors.torch import load_file
 from tiny_run import TINY_MODEL, TINY_SEG
 
 from linvit.engine import evaluate, load_config, train
-from linvit.engine.segmentation import create_segmentation_model
+from linvit.engine.tasks.segmentation import create_segmentation_model
 
 
 @pytest.fixture
@@ -157,13 +158,13 @@ def test_unknown_seg_task_keys_are_named(seg_config):
 
 
 def test_a_classifier_name_that_is_not_a_vit_is_refused():
-    cfg = load_config(None, ['task=seg', 'model.name=resnet18'])
+    cfg = load_config(None, ['task=segmentation', 'model.name=resnet18'])
     with pytest.raises(ValueError, match="model.name='resnet18' is not a plain ViT"):
         create_segmentation_model(cfg.model, cfg.seg, num_classes=3, img_size=32)
 
 
 def test_the_segmentation_model_is_trained_through_torch_autocast_bf16(seg_config):
-    metrics = train(seg_config('train.amp=bf16', 'train.max_steps=2', 'model.grad_checkpointing=true'))
+    metrics = train(seg_config('train.precision=bfloat16', 'train.max_steps=2', 'model.grad_checkpointing=true'))
     assert math.isfinite(metrics['loss'])
     assert torch.isfinite(torch.tensor(metrics['miou']))
 

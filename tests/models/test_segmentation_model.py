@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import linvit  # noqa: F401  (registers linvit_* with timm)
-from linvit.engine.segmentation import SegmentationLoss, dice_loss
+from linvit.engine.tasks.segmentation import SegmentationLoss, dice_loss
 from linvit.fast import check_graph_breaks
 from linvit.models import SegmentationModel
 from linvit.models.segmentation import default_feature_blocks

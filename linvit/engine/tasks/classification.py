@@ -8,8 +8,9 @@ from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import Dataset
 
-from .metrics import ClassificationMeter
-from .tasks import Task, create_model_from_config, register_task
+from ..metrics import ClassificationMeter
+from ..plots import plot_prediction_grid
+from .base import Task, create_model_from_config, register_task
 
 __all__ = ['ClassificationTask']
 
@@ -23,7 +24,7 @@ class ClassificationTask(Task):
     metric_columns = ('top1', 'top5')
 
     def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
-        from ..data import build_classification_datasets
+        from ...data import build_classification_datasets  # here: albumentations is a heavy import
         return build_classification_datasets(self.cfg.data, mean, std)
 
     def build_model(self, num_classes: int) -> nn.Module:
@@ -63,7 +64,6 @@ class ClassificationTask(Task):
     @torch.no_grad()
     def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
                       mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
-        from .plots import plot_prediction_grid
         count = min(PICTURE_COUNT, len(dataset))
         # evenly spread over the set: folder datasets are sorted by class, so the first images share one class
         indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]

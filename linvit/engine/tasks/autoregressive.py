@@ -1,4 +1,5 @@
-"""Autoregressive pretraining (``task: ar``): next-patch pixel prediction in raster order with causal linear attention.
+"""Autoregressive pretraining (``task: autoregressive``): next-patch pixel prediction in raster order with causal
+linear attention.
 
 Katharopoulos et al. (2020) generate images autoregressively with causal linear attention; here a ``linvit_*`` model
 built with ``causal=True`` (token i attends to tokens <= i; the prefix tokens come first) and ``global_pool=''``
@@ -16,20 +17,20 @@ the run's ``model.safetensors``): only the mask changes, and the AR head is drop
 Metrics: ``loss`` (mean squared error per predicted value, in normalised units) and ``r2`` = 1 - SSE / SST with
 SST the targets' sum of squares: 0 for predicting every patch's mean, 1 for exact predictions (the main metric).
 """
-import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
-from .config import ConfigError
-from .tasks import Task, create_model_from_config, register_task
+from ..checkpoint import atomic_write
+from ..config import ConfigError
+from ..metrics import NextPatchMeter
+from .base import Task, create_model_from_config, register_task
 
-__all__ = ['AutoregressiveTask', 'NextPatchMeter', 'patchify', 'unpatchify', 'normalized_patch_targets',
+__all__ = ['AutoregressiveTask', 'patchify', 'unpatchify', 'normalized_patch_targets',
            'next_patch_predictions', 'align_next_patch', 'next_patch_loss', 'AR_MODEL_KWARGS']
 
 PatchSize = Union[int, Sequence[int]]
@@ -38,10 +39,10 @@ PatchSize = Union[int, Sequence[int]]
 AR_MODEL_KWARGS: Dict[str, Any] = dict(global_pool='', causal=True, local_mix=False)
 #: model.kwargs the task refuses, with the reason (checked before the model is built)
 _REFUSED = {
-    'causal': "task=ar predicts the next patch, so attention must be causal (the task sets causal=True)",
+    'causal': "task=autoregressive predicts the next patch, so attention must be causal (the task sets causal=True)",
     'local_mix': "the local-mixing convolution sees neighbouring patches, including later ones, which leaks the "
                  "patch to be predicted (the task sets local_mix=False)",
-    'global_pool': "task=ar needs one output per token (the task sets global_pool='')",
+    'global_pool': "task=autoregressive needs one output per token (the task sets global_pool='')",
     'num_classes': "the head's width is the patch's pixel count p * p * C (the task sets it)",
 }
 NORM_EPS = 1e-6
@@ -135,71 +136,6 @@ def next_patch_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return F.mse_loss(predictions.float(), targets.float())
 
 
-class NextPatchMeter:
-    """Squared error, target sum of squares, value count and image count over many batches, summed on the device
-    (float64; float32 on MPS) without host syncs; ``reduce_`` sums them over processes, ``compute`` reads them once.
-
-    ``loss`` is SSE / values (the mean squared error, the training loss's definition over the whole set), so no
-    separate loss sum is kept.
-    """
-
-    def __init__(self, device: Optional[torch.device] = None) -> None:
-        self._device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self._sums: Optional[torch.Tensor] = None  # [sse, sst, values, images]
-        self._reduced = False
-        if self._device is not None:
-            self._allocate(torch.device(self._device))
-
-    def _allocate(self, device: torch.device) -> None:
-        dtype = torch.float32 if device.type == 'mps' else torch.float64
-        self._sums = torch.zeros(4, dtype=dtype, device=device)
-
-    @torch.no_grad()
-    def update(self, predictions: torch.Tensor, targets: torch.Tensor) -> None:
-        """Add one batch: predictions and targets [B, M, P] of the same shape (``align_next_patch``)."""
-        if self._reduced:
-            raise RuntimeError('NextPatchMeter.update after reduce_: the sums are already global; reset() first')
-        if predictions.shape != targets.shape or predictions.ndim != 3:
-            raise ValueError(f"predictions and targets must be [B, M, P] of one shape, got {tuple(predictions.shape)} "
-                             f"and {tuple(targets.shape)}")
-        if self._sums is None:
-            self._allocate(predictions.device)
-        dtype = self._sums.dtype
-        self._sums[0] += (predictions.to(dtype) - targets.to(dtype)).square().sum()
-        self._sums[1] += targets.to(dtype).square().sum()
-        self._sums[2] += targets.numel()
-        self._sums[3] += targets.shape[0]
-
-    @torch.no_grad()
-    def reduce_(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        """Sum over the processes of ``group`` (all_reduce SUM) in place; a no-op without torch.distributed.
-        Every process calls it once, after its last ``update``."""
-        if self._reduced:
-            raise RuntimeError('NextPatchMeter.reduce_ called twice: the sums would be added again')
-        self._reduced = True
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if self._sums is None:
-            # a process that saw no batch still takes part, on a device its backend can reduce
-            nccl = dist.get_backend(group) == 'nccl'
-            self._allocate(torch.device('cuda', torch.cuda.current_device()) if nccl else torch.device('cpu'))
-        packed = self._sums.double()
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        self._sums.copy_(packed)
-
-    def compute(self) -> Dict[str, float]:
-        """{'loss': SSE / values, 'r2': 1 - SSE / SST, 'count': images}. One host sync; NaN and 0 with no data."""
-        if self._sums is None:
-            return {'loss': math.nan, 'r2': math.nan, 'count': 0}
-        sse, sst, values, images = self._sums.double().tolist()
-        if values == 0:
-            return {'loss': math.nan, 'r2': math.nan, 'count': 0}
-        return {'loss': sse / values, 'r2': 1.0 - sse / sst if sst > 0 else math.nan, 'count': int(round(images))}
-
-
 def _token_layout(model: nn.Module) -> Tuple[Tuple[int, int], int]:
     """(patch size (ph, pw), prefix-token count) of a ViT."""
     return _pair(model.patch_embed.patch_size), int(model.num_prefix_tokens)
@@ -208,7 +144,7 @@ def _token_layout(model: nn.Module) -> Tuple[Tuple[int, int], int]:
 @register_task
 class AutoregressiveTask(Task):
     """Next-patch pixel regression with a causal ``linvit_*`` model on the classification datasets (labels unused)."""
-    name = 'ar'
+    name = 'autoregressive'
     main_metric = 'r2'
     metric_columns = ('r2',)
 
@@ -217,22 +153,24 @@ class AutoregressiveTask(Task):
         self.patch_size: Optional[Tuple[int, int]] = None
 
     def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
-        from ..data import build_classification_datasets
+        from ...data import build_classification_datasets  # here: albumentations is a heavy import
         return build_classification_datasets(self.cfg.data, mean, std)
 
     def _check_model_config(self) -> None:
         name = self.cfg.model.name
         if not name.split('.')[0].startswith('linvit_'):
-            raise ConfigError(f"model.name={name!r}: task=ar needs a linvit_* model (causal linear attention, one "
-                              f"output per token); see timm.list_models('linvit_*')")
+            raise ConfigError(f"model.name={name!r}: task=autoregressive needs a linvit_* model (causal linear "
+                              f"attention, one output per token); see timm.list_models('linvit_*')")
         kwargs = self.cfg.model.kwargs
         kwargs = OmegaConf.to_container(kwargs) if isinstance(kwargs, DictConfig) else dict(kwargs)
         for key, why in _REFUSED.items():
             if key in kwargs and not (key in AR_MODEL_KWARGS and kwargs[key] == AR_MODEL_KWARGS[key]):
-                raise ConfigError(f"model.kwargs.{key}={kwargs[key]!r} does not fit task=ar: {why}; remove it")
+                raise ConfigError(f"model.kwargs.{key}={kwargs[key]!r} does not fit task=autoregressive: {why}; "
+                                  f"remove it")
         if kwargs.get('patch_drop_rate'):
-            raise ConfigError(f"model.kwargs.patch_drop_rate={kwargs['patch_drop_rate']!r} does not fit task=ar: "
-                              f"dropped tokens break the raster order the next-patch targets follow")
+            raise ConfigError(f"model.kwargs.patch_drop_rate={kwargs['patch_drop_rate']!r} does not fit "
+                              f"task=autoregressive: dropped tokens break the raster order the next-patch targets "
+                              f"follow")
 
     def build_model(self, num_classes: int) -> nn.Module:
         """The causal model with a head of p * p * C outputs per token (``num_classes``, the dataset's, is unused)."""
@@ -280,9 +218,7 @@ class AutoregressiveTask(Task):
         """Input | teacher-forced prediction, one row per image: every patch predicted from the true patches before
         it, de-normalised with the true patch's mean and std (patch 0 from the prefix token; without prefix tokens
         patch 0 is left grey)."""
-        from matplotlib.figure import Figure
-
-        from .checkpoint import atomic_write
+        from matplotlib.figure import Figure  # here: matplotlib is a heavy import
 
         count = min(PICTURE_COUNT, len(dataset))
         images = torch.stack([dataset[(i, 0)][0] for i in range(count)])             # [n, C, H, W]

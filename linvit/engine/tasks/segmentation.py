@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from ..inference import segment
-from ..models.segmentation import SegmentationModel
-from .metrics import SegmentationMeter
-from .tasks import Task, create_model_from_config, register_task
+from ...inference import segment
+from ...models.segmentation import SegmentationModel
+from ..metrics import SegmentationMeter
+from ..plots import plot_segmentation_grid
+from .base import Task, create_model_from_config, register_task
 
 __all__ = ['SegmentationTask', 'SegmentationLoss', 'dice_loss', 'create_segmentation_model']
 
@@ -89,7 +90,7 @@ def _input_multiple(model: nn.Module) -> int:
 
 @register_task
 class SegmentationTask(Task):
-    name = 'seg'
+    name = 'segmentation'
     main_metric = 'miou'
     metric_columns = ('miou', 'pixel_acc')
 
@@ -99,7 +100,7 @@ class SegmentationTask(Task):
         self.class_names: Optional[List[str]] = None
 
     def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
-        from ..data import build_segmentation_datasets
+        from ...data import build_segmentation_datasets  # here: albumentations is a heavy import
         train, val, self.class_names = build_segmentation_datasets(self.cfg.data, mean, std)
         return train, val, self.class_names
 
@@ -146,7 +147,6 @@ class SegmentationTask(Task):
     @torch.no_grad()
     def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
                       mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
-        from .plots import plot_segmentation_grid
         count = min(PICTURE_COUNT, len(dataset))
         indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]
         images, masks, predictions = [], [], []

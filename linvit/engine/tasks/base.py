@@ -1,7 +1,9 @@
-"""Tasks: what differs between classification, segmentation, ... ; the loop in ``trainer`` is written once.
+"""What every task shares: the ``Task`` interface, the ``TASKS`` registry, and building a timm model from the config.
 
 A task builds its datasets, model, training loss, batch mixing and metrics from the run config, evaluates one
-batch into a meter, and draws its pictures. New tasks register a class in ``TASKS`` (one file each).
+batch into a meter, and draws its pictures; the loop in ``linvit.engine.trainer`` is written once for all of them.
+A task is one module of this package that subclasses ``Task`` and decorates it with ``@register_task``; the
+package's ``__init__`` imports every such module, so ``TASKS`` is complete as soon as ``linvit.engine`` is imported.
 """
 import inspect
 import os
@@ -13,6 +15,9 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
+
+from ...layers import make_floor
+from ..metrics import Meter
 
 __all__ = ['Task', 'TASKS', 'register_task', 'build_task', 'create_model_from_config', 'normalization_of']
 
@@ -45,11 +50,12 @@ class Task:
         """Validation samples per loader batch."""
         return self.cfg.data.eval_batch_size or self.cfg.data.batch_size
 
-    def new_meter(self, device: torch.device) -> Any:
-        """An accumulator with ``reduce_()`` (sum over processes) and ``compute() -> dict``."""
+    def new_meter(self, device: torch.device) -> Meter:
+        """The task's meter: ``update`` per batch, ``reduce_()`` (sum over processes), ``compute() -> dict``."""
         raise NotImplementedError
 
-    def evaluate_batch(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor, meter: Any) -> None:
+    def evaluate_batch(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor, meter: Meter) -> None:
+        """Add one validation batch (images [B, C, H, W] and its targets, on the device) to ``meter``."""
         raise NotImplementedError
 
     def final_metrics(self, computed: Dict[str, float]) -> Dict[str, float]:
@@ -66,13 +72,15 @@ TASKS: Dict[str, Type[Task]] = {}
 
 
 def register_task(cls: Type[Task]) -> Type[Task]:
+    """Class decorator: ``TASKS[cls.name] = cls`` (the name is the config's ``task:`` value)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name: set the class attribute name = '<task>'")
     TASKS[cls.name] = cls
     return cls
 
 
 def build_task(cfg: DictConfig) -> Task:
-    # the built-in tasks register themselves when their module is imported
-    from . import autoregressive, classification, segmentation  # noqa: F401
+    """The task ``cfg.task`` names, built from the run config."""
     if cfg.task not in TASKS:
         raise ValueError(f"task={cfg.task!r} is not one of {sorted(TASKS)}")
     return TASKS[cfg.task](cfg)
@@ -155,7 +163,6 @@ def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: 
     model = timm.create_model(model_cfg.name, **kwargs)
     if model_cfg.floor:
         # the performance floor: same projections and MLPs, no token mixing (for train-speed ratios, not accuracy)
-        from ..fast import make_floor
         make_floor(model)
     if model_cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)

@@ -1,0 +1,86 @@
+"""The compiled fast path: ``torch.compile(fullgraph=True)`` for inference and for a training step.
+
+Eager PyTorch stays the default and the exact reference; this package is the one place that compiles a linvit (or
+any timm ViT) model, for the tools and the training engine.
+
+    fast_model = compile_model(model)                       # inference: images [B, 3, H, W] -> logits
+    graph = LossGraph(model, loss_fn, compile=True)         # training: loss = graph(images, targets), with autograd
+    step = compile_train_step(model, loss_fn, optimizer)    # a whole step: loss = step(images, targets)
+    report = check_graph_breaks(model, images)              # dynamo's view: graphs, breaks and their reasons
+
+Where the code lives: ``linvit.fast.compiler`` (torch.compile with linvit's inductor options, ``CompiledModel``,
+``LossGraph``) and ``linvit.fast.checks`` (the contract's checks). ``compile_train_step`` returns the engine's step
+runner, ``linvit.engine.step.TrainStep`` (backward, accumulation, loss scaling, the optimizer step), so it needs the
+``train`` extra; everything else here imports only torch and timm.
+
+Contract of the compiled code (what ``check_graph_breaks``, ``find_host_tensors`` and ``find_forward_side_effects``
+check, and what CUDA graphs need): one graph per call (``fullgraph=True``, zero graph breaks); no host-device
+syncs in forward (no ``.item()``, no Python branch on tensor values, no tensor created on the CPU for a CUDA
+input); no in-place writes to inputs, parameters or buffers and no RNG draws or attribute changes in an eval
+forward. With those, ``mode="reduce-overhead"`` captures CUDA graphs on CUDA inputs.
+
+Resolution policy (shapes of the image batch [B, C, H, W]):
+
+- ``dynamic=False`` (default): static shapes. Every new (B, H, W) compiles a specialised graph once, the first time
+  it is seen, and reuses it afterwards (recompilation is not automatic-dynamic: sizes stay static). The compiled
+  function's recompile limit is ``RECOMPILE_LIMIT`` shapes (dynamo's default is 8), cached side by side; one more
+  raises with fullgraph=True (runs eagerly with fullgraph=False). Best for a fixed set of sizes (benchmarks,
+  CUDA graphs, which need static shapes anyway).
+- ``dynamic=True``: H and W are marked dynamic (``torch._dynamo.mark_dynamic``) on every call, so one graph with
+  symbolic H and W serves every size, plus one for the model's construction grid if it is seen (timm returns
+  the position embedding unresampled there, a branch on the size); the batch size stays static until it
+  changes once (then dynamo makes it dynamic too). The model must take any size without specialising it: a timm
+  ViT built with ``dynamic_img_size=True, dynamic_img_pad=True`` (timm's PatchEmbed formats H and W into its
+  divisibility message when not padding, which makes them constants). Other models are rejected with a
+  ValueError rather than silently recompiled per size. Training caveat (torch 2.14): the backward of timm's
+  antialiased bicubic position-embedding resampling has no meta kernel for symbolic sizes, so a dynamic training
+  step of a ViT with a trainable learned position embedding cannot compile; ``compile_train_step`` rejects it up
+  front with a ValueError (train with static shapes, the default, or freeze the position embedding).
+
+Inductor options: unless a ``mode`` is given, every compile turns inductor's convolution-driven layout optimisation
+off (it made the attention features channels-last) and adds ``UnfuseCpuBiasAdd``, a post-grad pass that splits a
+linear layer's bias add off the CPU addmm into the pointwise kernel that follows it (see
+``linvit.fast.compiler._inductor_options``).
+
+Mixed precision: ``amp_dtype`` turns on ``torch.autocast(device_type=<the input's device type>, dtype=amp_dtype)``
+inside the compiled region; the linear-attention core disables autocast itself and runs in float32.
+"""
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.nn as nn
+
+from ..deprecation import module_getattr
+from ..layers import make_floor as _make_floor
+from .checks import GraphReport, check_graph_breaks, find_forward_side_effects, find_host_tensors
+from .compiler import RECOMPILE_LIMIT, CompiledModel, LossFn, LossGraph, UnfuseCpuBiasAdd, compile_model
+
+if TYPE_CHECKING:
+    from ..engine.step import TrainStep
+
+__all__ = ['RECOMPILE_LIMIT', 'CompiledModel', 'LossGraph', 'GraphReport', 'UnfuseCpuBiasAdd', 'compile_model',
+           'compile_train_step', 'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects']
+
+
+def compile_train_step(model: nn.Module, loss_fn: LossFn, optimizer: Optional[torch.optim.Optimizer] = None,
+                       **kwargs: Any) -> 'TrainStep':
+    """``linvit.engine.step.TrainStep(model, loss_fn, optimizer, compile=True, **kwargs)``: forward + loss compiled
+    as one graph (``LossGraph``), then backward and, with an optimizer, its step. ``step(images, targets) -> loss``."""
+    # imported here, not at the top: the step runner belongs to the engine (the train extra), and the engine builds
+    # on linvit.fast.compiler, never on this module, so there is no cycle
+    from ..engine.step import TrainStep
+    return TrainStep(model, loss_fn, optimizer, compile=True, **kwargs)
+
+
+def _train_step() -> type:
+    from ..engine.step import TrainStep
+    return TrainStep
+
+
+# moved for one release: the step runner to the engine, model surgery beside NoMixingAttention
+_RENAMED = {'TrainStep': ('linvit.engine.TrainStep', _train_step),
+            'make_floor': ('linvit.layers.make_floor', lambda: _make_floor)}
+
+
+def __getattr__(name: str) -> Any:
+    return module_getattr(__name__, _RENAMED, name)
