@@ -102,12 +102,19 @@ def test_timm_onnx_export_matches_the_model_in_onnxruntime(name, exporter, grad,
     _check_against_eager(model, path)
 
 
-@pytest.mark.parametrize('kind', linvit.list_attention_kinds())
+#: every kind of attention: plain linear attention with each feature map, and every other attention family
+ATTENTION_VARIANTS = {
+    **{name: dict(feature_map=name) for name in linvit.list_feature_maps()},
+    **{name: dict(attn_family=name) for name in linvit.list_attention_families() if name != 'linear'},
+}
+
+
+@pytest.mark.parametrize('kind', list(ATTENTION_VARIANTS))
 def test_every_attention_kind_exports_through_the_torchscript_exporter(kind, tmp_path):
     """Every attention kind through onnx_export.py's default exporter, on a 2-block dynamic-size model."""
     torch.manual_seed(0)
     model = timm.create_model(MODELS[1], num_classes=1000, in_chans=3, pretrained=False, exportable=True,
-                              img_size=IMG_SIZE, depth=2, attn_kernel=kind)
+                              img_size=IMG_SIZE, depth=2, **ATTENTION_VARIANTS[kind])
     _wake(model)
     path = tmp_path / f'{kind}.onnx'
     _export(model, path, dynamo=False)

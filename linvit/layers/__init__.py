@@ -1,24 +1,41 @@
-"""nn.Modules built on linvit.ops: drop-ins for timm's attention and their optional branches."""
+"""nn.Modules built on linvit.ops: drop-ins for timm's attention (one module per attention family, each declaring
+itself once: ``linvit.layers.family``) and their optional branches."""
+from typing import Any
+
+from ..deprecation import module_getattr
+from .families import _RENAMED as _FAMILIES_RENAMED
 from .families import (
-    ATTENTION_FAMILIES,
-    FAMILY_OPTIONS,
     AFTAttention,
     BidirectionalAttention,
     GatedLinearAttention,
-    LowRankAttention,
+    LinformerAttention,
     PerformerAttention,
     attention_layer,
-    list_attention_kinds,
     redraw_random_features,
-    resolve_attention_kind,
+)
+from .family import (
+    ATTENTION_FAMILIES,
+    FamilySpec,
+    list_attention_families,
+    register_family,
+    resolve_family,
+    unregister_family,
 )
 from .linear_attention import LinearAttention, attn_mask_to_key_mask, linear_attention_layer
 from .local_mix import LocalMix, resolve_token_grid
-from .no_mixing import NoMixingAttention
-from .weights import load_softmax_state_dict
+from .no_mixing import NoMixingAttention, make_floor
+from .weights import linear_only_parameter_names, load_softmax_state_dict
 
 __all__ = ['LinearAttention', 'linear_attention_layer', 'LocalMix', 'attn_mask_to_key_mask',
-           'resolve_token_grid', 'load_softmax_state_dict', 'NoMixingAttention', 'ATTENTION_FAMILIES',
-           'FAMILY_OPTIONS', 'PerformerAttention', 'LowRankAttention', 'GatedLinearAttention', 'AFTAttention',
-           'BidirectionalAttention',
-           'attention_layer', 'list_attention_kinds', 'redraw_random_features', 'resolve_attention_kind']
+           'resolve_token_grid', 'load_softmax_state_dict', 'linear_only_parameter_names', 'NoMixingAttention',
+           'ATTENTION_FAMILIES', 'FamilySpec', 'register_family', 'unregister_family', 'list_attention_families',
+           'resolve_family', 'PerformerAttention', 'LinformerAttention', 'GatedLinearAttention', 'AFTAttention',
+           'BidirectionalAttention', 'attention_layer', 'redraw_random_features', 'make_floor']
+
+# old public names (LowRankAttention, list_attention_kinds, resolve_attention_kind, FAMILY_OPTIONS): FutureWarning
+_RENAMED = {name: _FAMILIES_RENAMED[name] for name in
+            ('LowRankAttention', 'list_attention_kinds', 'resolve_attention_kind', 'FAMILY_OPTIONS')}
+
+
+def __getattr__(name: str) -> Any:
+    return module_getattr(__name__, _RENAMED, name)

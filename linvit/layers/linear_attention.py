@@ -18,6 +18,7 @@ from ..ops import (
     kernel_unsupported_reason,
     linear_attention_from_features,
 )
+from .family import FamilySpec, register_family
 from .local_mix import LocalMix
 
 
@@ -129,10 +130,14 @@ class LinearAttention(nn.Module):
     forward: x [B, N, dim] -> [B, N, dim_out]; attn_mask is an optional key-padding mask (see
     ``attn_mask_to_key_mask``); feat_size (H, W) is the patch grid for the local branch.
     step: x_t [B, dim] and the state after the previous tokens -> ([B, dim_out], state): the recurrent form.
+
+    The other attention families (``linvit.layers.families``) subclass it, replace ``mix`` and declare themselves
+    as this class does (``linvit.layers.family.FamilySpec``).
     """
 
-    #: whether this family has a causal form (forward with is_causal=True, step)
-    supports_causal = True
+    #: plain linear attention: a feature map, a causal form, no tensors beyond timm's Attention
+    family = FamilySpec('linear', feature_map=True, causal=True)
+    grid_size: Optional[Tuple[int, int]]
 
     def __init__(
             self,
@@ -172,7 +177,7 @@ class LinearAttention(nn.Module):
         if eps <= 0:
             raise ValueError(f"eps must be > 0, got {eps}")
         check_attn_backend(attn_backend)
-        if causal and not self.supports_causal:
+        if causal and not type(self).family.causal:
             raise ValueError(self._no_causal_form())
         if causal and local_mix:
             raise ValueError(_CAUSAL_LOCAL_MIX)
@@ -193,12 +198,17 @@ class LinearAttention(nn.Module):
         self.feature_map = get_feature_map(feature_map)
         # without autograd the map is written into the fresh qkv projection output rather than a new tensor
         self.feature_map_inplace = get_inplace_feature_map(feature_map) or self.feature_map
-        # with autograd, maps that have a registered derivative train through the fused Function (linvit.ops.fused)
-        self.fused_backward = has_fused_backward(feature_map)
+        # with autograd, maps that have a registered derivative train through the fused Function (linvit.ops.fused),
+        # which computes plain linear attention only: a family with its own mix never takes it
+        self.fused_backward = has_fused_backward(feature_map) and type(self).mix is LinearAttention.mix
         self.eps = eps
         self.causal = causal
         self.causal_chunk_size = causal_chunk_size
         self.attn_backend = attn_backend
+        # the token layout, for the families that read the patch grid (FamilySpec.token_grid): their fallback
+        # without feat_size; linvit models and convert_to_linear set both
+        self.num_prefix_tokens = num_prefix_tokens
+        self.grid_size = None if grid_size is None else (int(grid_size[0]), int(grid_size[1]))
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
@@ -211,12 +221,20 @@ class LinearAttention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def extra_repr(self) -> str:
-        # print(model) should say what each block computes: the map, eps and whether the local branch is on
+        # print(model) should say what each block computes: the family and its declared options, the map, eps and
+        # whether the local branch is on
+        spec = type(self).family
+        parts = [f"family={spec.name!r}", f"dim={self.dim}", f"num_heads={self.num_heads}", f"head_dim={self.head_dim}"]
+        parts += [f"{name}={getattr(self, name)!r}" for name in spec.options]
+        if spec.feature_map:
+            parts.append(f"feature_map={self.feature_map_name!r}")
         local = 'off' if self.local_mix is None else f"{self.local_mix.kernel_size}x{self.local_mix.kernel_size}"
-        causal = ', causal=True' if self.causal else ''
-        backend = '' if self.attn_backend == 'auto' else f", attn_backend={self.attn_backend!r}"
-        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"feature_map={self.feature_map_name!r}, eps={self.eps}, local_mix={local}{causal}{backend}")
+        parts += [f"eps={self.eps}", f"local_mix={local}"]
+        if self.causal:
+            parts.append('causal=True')
+        if self.attn_backend != 'auto':
+            parts.append(f"attn_backend={self.attn_backend!r}")
+        return ', '.join(parts)
 
     @torch.jit.unused
     def _mix_tokens_fused(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor],
@@ -307,11 +325,11 @@ class LinearAttention(nn.Module):
 
     def _no_causal_form(self) -> str:
         return (f"{type(self).__name__} has no causal form (causal=True / is_causal=True); causal attention is plain "
-                f"linear attention (a feature map as attn_kernel)")
+                f"linear attention (attn_family='linear', any feature map)")
 
     @torch.jit.unused
     def _check_causal_call(self, attn_mask: Optional[torch.Tensor]) -> None:
-        if not self.supports_causal:
+        if not type(self).family.causal:
             raise ValueError(self._no_causal_form())
         if self.local_mix is not None:
             raise ValueError(_CAUSAL_LOCAL_MIX)
@@ -367,8 +385,11 @@ _CAUSAL_LOCAL_MIX = ("causal attention needs local_mix=False: the local branch c
                      "later ones included")
 _CAUSAL_TRITON = ("attn_backend='triton': the Triton kernels compute non-causal attention; causal attention runs the "
                   "chunked scan of linvit.ops.causal (use attn_backend='auto')")
-_LINEAR_ONLY_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size',
-                        'causal', 'causal_chunk_size', 'attn_backend')
+#: LinearAttention's own options, which every family takes besides its declared ones (``attn_options``)
+LINEAR_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size', 'causal',
+                  'causal_chunk_size', 'attn_backend')
+
+register_family(LinearAttention)
 
 
 def linear_attention_layer(**options) -> Type[LinearAttention]:
@@ -378,9 +399,9 @@ def linear_attention_layer(**options) -> Type[LinearAttention]:
     ``VisionTransformer(attn_layer=linear_attention_layer(feature_map='relu', local_mix=True), ...)``.
     Options are validated here: unknown names and unknown feature maps raise ValueError.
     """
-    unknown = sorted(set(options) - set(_LINEAR_ONLY_OPTIONS))
+    unknown = sorted(set(options) - set(LINEAR_OPTIONS))
     if unknown:
-        raise ValueError(f"unknown LinearAttention options {unknown}; known: {list(_LINEAR_ONLY_OPTIONS)}")
+        raise ValueError(f"unknown LinearAttention options {unknown}; known: {list(LINEAR_OPTIONS)}")
     if 'feature_map' in options:
         get_feature_map(options['feature_map'])
     return configured_layer(LinearAttention, options)

@@ -50,6 +50,8 @@ class LocalMix(nn.Module):
     ``num_prefix_tokens`` leading tokens get zeros. ``add_to(out, v)`` adds that term to an attention output.
     """
     grid_size: Optional[Tuple[int, int]]
+    #: its state-dict entries, none of which softmax attention has (``linvit.layers.weights``)
+    linear_only_tensors = ('conv',)
 
     def __init__(self, channels: int, kernel_size: int = 3, num_prefix_tokens: int = 1,
                  grid_size: Optional[Tuple[int, int]] = None, device=None, dtype=None) -> None:

@@ -5,31 +5,30 @@ from typing import List, Mapping
 import torch
 import torch.nn as nn
 
+from .family import declared_state_keys
+from .linear_attention import LinearAttention
 from .local_mix import LocalMix
 
 _logger = logging.getLogger(__name__)
 
 
-def _family_only_keys(module: nn.Module) -> List[str]:
-    """State-dict keys (relative to ``module``) that its attention family adds to timm's Attention."""
+def _declared_linear_only_keys(module: nn.Module) -> List[str]:
+    """State-dict keys (relative to ``module``) that ``module`` itself declares as linear-attention-only: an
+    attention family's ``FamilySpec.tensors``, local mixing's ``LocalMix.linear_only_tensors``."""
+    if isinstance(module, LinearAttention):
+        return declared_state_keys(module, type(module).family.tensors)
     if isinstance(module, LocalMix):
-        return list(module.state_dict())
-    if getattr(module, 'key_gate', None) is not None:  # gated linear attention: key and output gates
-        return [f"{name}.{key}" for name in ('key_gate', 'gate') for key in getattr(module, name).state_dict()]
-    if getattr(module, 'scan_gate', None) is not None:  # bidirectional attention's data-dependent gate
-        return [f"scan_gate.{key}" for key in module.scan_gate.state_dict()]
-    if 'projection' in getattr(module, '_buffers', {}):  # Performer's random features
-        return ['projection']
+        return declared_state_keys(module, LocalMix.linear_only_tensors)
     return []
 
 
 def linear_only_parameter_names(model: nn.Module) -> List[str]:
     """State-dict keys of branches that only linear attention has (a softmax checkpoint cannot provide them):
-    local mixing, the gated family's gates, Performer's random features."""
+    local mixing and the tensors each attention family declares (gates, Performer's random features, ...)."""
     names = []
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        names.extend(prefix + key for key in _family_only_keys(module))
+        names.extend(prefix + key for key in _declared_linear_only_keys(module))
     return sorted(names)
 
 

@@ -17,7 +17,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr
 
-from ..layers import ATTENTION_FAMILIES, LinearAttention, LocalMix, attention_layer, resolve_attention_kind
+from ..deprecation import warn_renamed
+from ..layers import LinearAttention, LocalMix, attention_layer
+from ..layers.family import family_class, resolve_family_arguments
 from .linvit import resolve_softmax_blocks
 
 __all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites']
@@ -66,29 +68,33 @@ def linear_attention_from_softmax(
         local_mix_kernel: int = 3,
         num_prefix_tokens: int = 1,
         grid_size: Optional[Tuple[int, int]] = None,
-        family: str = 'linear',
-        family_options: Optional[Dict[str, Any]] = None,
+        attn_family: str = 'linear',
+        attn_options: Optional[Dict[str, Any]] = None,
+        **renamed: Any,
 ) -> LinearAttention:
-    """A LinearAttention (or a layer of another ``family`` of ``linvit.ATTENTION_FAMILIES``) that holds ``attn``'s
-    own submodules (same tensors, device, dtype, requires_grad).
+    """A LinearAttention (or a layer of another ``attn_family`` of ``linvit.ATTENTION_FAMILIES``, with its
+    ``attn_options``) that holds ``attn``'s own submodules (same tensors, device, dtype, requires_grad).
 
     ``attn`` must be exactly ``timm.layers.Attention`` with attention dropout 0. The optional local-mix branch is
     new: zero-initialised, on ``attn``'s device and dtype, with the given token layout (see ``LocalMix``); so are
-    the family's own tensors (the gated family's gates, Performer's random features), freshly initialised.
+    the tensors the family declares (``FamilySpec.tensors``: the gated family's gates, Performer's random
+    features), freshly initialised. ``family`` / ``family_options`` are the deprecated names of the last two.
     """
+    attn_family, attn_options = _renamed_family_arguments(attn_family, attn_options, renamed)
     if type(attn) is not Attention:
         raise ValueError(f"expected timm.layers.Attention, got {_qualified_name(attn)}")
     if attn.attn_drop.p > 0:
         raise ValueError(f"attention dropout p={attn.attn_drop.p}: linear attention forms no attention matrix to "
                          f"drop out; create the model with attn_drop_rate=0")
     weight = attn.qkv.weight
-    options = dict(family_options or {})
-    if family == 'linformer':
+    cls = family_class(attn_family)
+    options = dict(attn_options or {})
+    if cls.family.token_grid:
         options.update(num_prefix_tokens=num_prefix_tokens, grid_size=grid_size)
-    # plain linear attention has no tensors of its own: its shell is built on the meta device, and every tensor is
-    # then attn's own submodule; the other families build theirs where attn lives
-    placement = dict(device='meta') if family == 'linear' else dict(device=weight.device, dtype=weight.dtype)
-    linear = ATTENTION_FAMILIES[family](
+    # a family that declares no tensors of its own (plain linear attention, ...) gets its shell built on the meta
+    # device: every tensor is then attn's own submodule; the others build theirs where attn lives
+    placement = dict(device='meta') if not cls.family.tensors else dict(device=weight.device, dtype=weight.dtype)
+    linear = cls(
         attn.qkv.in_features,
         num_heads=attn.num_heads,
         attn_head_dim=attn.head_dim,
@@ -109,6 +115,22 @@ def linear_attention_from_softmax(
         linear.local_mix = LocalMix(linear.attn_dim, local_mix_kernel, num_prefix_tokens, grid_size,
                                     device=weight.device, dtype=weight.dtype)
     return linear.train(attn.training)
+
+
+def _renamed_family_arguments(attn_family: str, attn_options: Optional[Dict[str, Any]],
+                              renamed: Dict[str, Any]) -> Tuple[str, Optional[Dict[str, Any]]]:
+    """(attn_family, attn_options), taking the deprecated keywords ``family`` / ``family_options`` (which warn);
+    TypeError for any other unexpected keyword."""
+    unexpected = sorted(set(renamed) - {'family', 'family_options'})
+    if unexpected:
+        raise TypeError(f"linear_attention_from_softmax() got unexpected keyword arguments {unexpected}")
+    if 'family' in renamed:
+        warn_renamed('linear_attention_from_softmax(family=...)', 'attn_family=...')
+        attn_family = renamed['family']
+    if 'family_options' in renamed:
+        warn_renamed('linear_attention_from_softmax(family_options=...)', 'attn_options=...')
+        attn_options = renamed['family_options']
+    return attn_family, attn_options
 
 
 def _token_layout(model: nn.Module, needed_by: str = 'local_mix') -> Tuple[int, Tuple[int, int]]:
@@ -132,18 +154,20 @@ def convert_to_linear(
         local_mix: bool = False,
         local_mix_kernel: int = 3,
         softmax_blocks: Sequence[int] = (),
-        attn_kernel: Optional[str] = None,
+        attn_family: Optional[str] = None,
         attn_options: Optional[Dict[str, Any]] = None,
         attn_backend: str = 'auto',
+        attn_kernel: Optional[str] = None,
 ) -> nn.Module:
     """Replace the softmax attention of a timm model by linear attention, in place; returns ``model``.
 
     Args:
         model: a timm model whose attention is ``timm.layers.Attention`` (vit_*, deit_*, deit3_*, ...).
-        attn_kernel: a feature-map name (plain linear attention with it) or an attention family
-            (``linvit.list_attention_kinds()``: 'performer', 'linformer', 'gated', 'aft'); default plain linear.
+        attn_family: the attention family (``linvit.list_attention_families()``: 'linear', 'performer',
+            'linformer', 'gated', 'aft', 'bidirectional'); default 'linear'.
         feature_map: feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1') of the families that use one.
-        attn_options: the family's own options (``linvit.layers.FAMILY_OPTIONS``), e.g. {'low_rank_size': 8}.
+        attn_options: the family's own options (``ATTENTION_FAMILIES[attn_family].family.options``), e.g.
+            {'low_rank_size': 8}.
         attn_backend: 'auto', 'triton' or 'torch': who computes plain linear attention (``linvit.ops.ATTN_BACKENDS``).
         local_mix: add the zero-initialised depthwise-conv branch (see the module docstring for its grid). Off by
             default, unlike the ``linvit_*`` models: a converted model's forward does not pass the patch grid, so
@@ -151,12 +175,14 @@ def convert_to_linear(
         local_mix_kernel: its odd kernel size.
         softmax_blocks: indices of attention modules, counted in module order (the block index for
             VisionTransformer), that keep softmax attention. Out-of-range or repeated indices: ValueError.
+        attn_kernel: deprecated name of attn_family (a feature-map name there means attn_family='linear' with that
+            feature map); warns.
 
     Every existing tensor stays the same object; the converted model's state_dict has the original keys plus
     ``*.local_mix.conv.*`` when local_mix. Modules that are already LinearAttention are left as they are.
     Raises ValueError naming the module for models with other attention (or none at all).
     """
-    family, feature_map = resolve_attention_kind(attn_kernel, feature_map)
+    family, feature_map = resolve_family_arguments(attn_family, feature_map, attn_kernel)
     attn_options = {**dict(attn_options or {}), 'attn_backend': attn_backend}
     attention_layer(family, **attn_options)  # unknown options fail before anything changes
     if not isinstance(local_mix, bool):
@@ -166,7 +192,7 @@ def convert_to_linear(
         raise ValueError(f"convert_to_linear found no timm.layers.Attention in {_qualified_name(model)}: "
                          f"nothing to convert")
     keep_softmax = set(resolve_softmax_blocks(softmax_blocks, len(sites)))
-    needs_grid = local_mix or family == 'linformer'
+    needs_grid = local_mix or family_class(family).family.token_grid
     num_prefix_tokens, grid_size = _token_layout(model, 'local_mix' if local_mix else family) if needs_grid \
         else (0, None)
     # every replacement is built (and every error raised) before the first one is put in: a failed conversion

@@ -4,22 +4,25 @@ After ``import linvit``, ``timm.create_model(name, **kwargs)`` builds any of ``t
 Beyond VisionTransformer's arguments (img_size, dynamic_img_size, dynamic_img_pad, reg_tokens, class_token,
 qk_norm, init_values, ...), the attention is chosen by:
 
-    attn_kernel:      the attention: a feature-map name (plain linear attention with that map) or a family of
-                      ``linvit.ATTENTION_FAMILIES`` ('performer', 'linformer', 'gated', 'aft'); every name in
-                      ``linvit.list_attention_kinds()``. Default: plain linear attention with ``feature_map``.
+    attn_family:      the attention family of the linear blocks, a name in ``linvit.list_attention_families()``
+                      ('linear', 'performer', 'linformer', 'gated', 'aft', 'bidirectional'; default 'linear').
     feature_map:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1'), for the families that
-                      use one (plain and gated linear attention).
-    attn_options:     the family's own options (``linvit.layers.FAMILY_OPTIONS``), e.g. {'num_features': 128}
-                      (performer), {'low_rank_size': 8} (linformer).
+                      use one (``ATTENTION_FAMILIES[name].family.feature_map``).
+    attn_options:     the family's own options (``ATTENTION_FAMILIES[name].family.options``), e.g.
+                      {'num_features': 128} (performer), {'low_rank_size': 8} (linformer).
     local_mix:        add the zero-initialised depthwise-conv branch on V over the patch grid (default True, False for
                       causal models: unlike a drop-in layer or a converted model, these models know their patch grid).
     causal:           causal linear attention in every block (token i sees tokens 0..i in raster order, the class
                       token first): for autoregressive models; ``recurrent_init`` / ``recurrent_step`` then run the
                       model as an RNN, patch by patch. A causal checkpoint loads into a non-causal model unchanged.
     local_mix_kernel: its (odd) kernel size (default 3).
-    softmax_blocks:   indices of blocks that keep timm's softmax ``Attention`` (a hybrid); default none.
+    softmax_blocks:   indices of blocks that keep timm's softmax ``Attention`` (a hybrid; each block's type is
+                      'linear' or 'softmax', ``BLOCK_TYPES``); default none.
     attn_backend:     who computes plain linear attention (``linvit.ops.ATTN_BACKENDS``): 'auto' (default: the Triton
                       kernels on CUDA tensors they serve, the PyTorch path elsewhere), 'triton' or 'torch'.
+
+``attn_kernel`` (a feature-map or family name) is the deprecated name of ``attn_family`` and still works, with a
+FutureWarning.
 
 The model hands the patch grid (H, W) of the current image to every block, so local mixing works at any size,
 square or not, with ``dynamic_img_size=True``. Parameter names equal timm's ViT, so a softmax ViT checkpoint of the
@@ -40,14 +43,15 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
-from ..layers import BidirectionalAttention, LocalMix, LowRankAttention, attention_layer, resolve_attention_kind
+from ..deprecation import module_getattr
+from ..layers import LinearAttention, LocalMix, attention_layer, linear_only_parameter_names
+from ..layers.family import resolve_attn_kernel, resolve_family_arguments
 from ..layers.linear_attention import causal_call
-from ..layers.weights import linear_only_parameter_names
 from ..ops import CausalState
 
-__all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'ATTENTION_KINDS',
-           'RecurrentState', 'resolve_softmax_blocks', 'attention_kinds', 'patch_grid', 'check_image_size',
-           'checkpoint_filter_fn', 'resolve_attention_kind']
+__all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'BLOCK_TYPES', 'BlockType',
+           'RecurrentState', 'resolve_softmax_blocks', 'block_types', 'patch_grid', 'check_image_size',
+           'checkpoint_filter_fn']
 
 _logger = logging.getLogger(__name__)
 
@@ -160,15 +164,16 @@ class SoftmaxAttentionBlock(Block):
 
 
 @dataclass(frozen=True)
-class AttentionKind:
-    """A kind of token mixing a block can use: its block class, and its attention layer for given options."""
+class BlockType:
+    """A type of block (softmax or linear attention): its block class, and its attention layer for given options."""
     block: Type[Block]
     layer: Callable[[Dict[str, Any]], Type[nn.Module]]
 
 
-ATTENTION_KINDS: Dict[str, AttentionKind] = {
-    'linear': AttentionKind(LinearAttentionBlock, lambda options: attention_layer(**options)),
-    'softmax': AttentionKind(SoftmaxAttentionBlock, lambda options: Attention),
+#: block type -> how to build it: 'linear' (the model's attention family) or 'softmax' (timm's Attention)
+BLOCK_TYPES: Dict[str, BlockType] = {
+    'linear': BlockType(LinearAttentionBlock, lambda options: attention_layer(**options)),
+    'softmax': BlockType(SoftmaxAttentionBlock, lambda options: Attention),
 }
 
 
@@ -189,26 +194,31 @@ def resolve_softmax_blocks(softmax_blocks: Iterable[int], num_blocks: int) -> Tu
     return tuple(sorted(indices))
 
 
-def attention_kinds(num_blocks: int, softmax_blocks: Iterable[int] = ()) -> Tuple[str, ...]:
-    """Kind name (a key of ATTENTION_KINDS) of each block: 'softmax' for softmax_blocks, 'linear' for the rest."""
+def block_types(num_blocks: int, softmax_blocks: Iterable[int] = ()) -> Tuple[str, ...]:
+    """Block type (a key of BLOCK_TYPES) of each block: 'softmax' for softmax_blocks, 'linear' for the rest."""
     softmax = set(resolve_softmax_blocks(softmax_blocks, num_blocks))
     return tuple('softmax' if index in softmax else 'linear' for index in range(num_blocks))
 
 
 class BlockPlan:
-    """``block_fn`` for VisionTransformer: block ``depth`` is built as ``ATTENTION_KINDS[kinds[depth]]`` says.
+    """``block_fn`` for VisionTransformer: block ``depth`` is built as ``BLOCK_TYPES[types[depth]]`` says.
 
     VisionTransformer passes every block the same ``attn_layer``; the plan replaces it by the layer of that
-    block's kind, resolved once here from the linear-attention options.
+    block's type, resolved once here from the linear-attention options.
     """
 
-    def __init__(self, kinds: Sequence[str], linear_options: Dict[str, Any]) -> None:
-        self.kinds = tuple(kinds)
-        self.layers = {kind: ATTENTION_KINDS[kind].layer(linear_options) for kind in set(self.kinds)}
+    def __init__(self, types: Sequence[str], linear_options: Dict[str, Any]) -> None:
+        self.types = tuple(types)
+        self.layers = {name: BLOCK_TYPES[name].layer(linear_options) for name in set(self.types)}
 
     def __call__(self, *, depth: int, attn_layer: Any = None, **block_kwargs) -> Block:
-        kind = self.kinds[depth]
-        return ATTENTION_KINDS[kind].block(depth=depth, attn_layer=self.layers[kind], **block_kwargs)
+        name = self.types[depth]
+        return BLOCK_TYPES[name].block(depth=depth, attn_layer=self.layers[name], **block_kwargs)
+
+
+def _reads_token_grid(module: nn.Module) -> bool:
+    """Whether ``module`` reads the patch grid: local mixing, and attention families that declare ``token_grid``."""
+    return isinstance(module, LocalMix) or (isinstance(module, LinearAttention) and type(module).family.token_grid)
 
 
 @dataclass
@@ -233,16 +243,18 @@ class LinearVisionTransformer(VisionTransformer):
     grid of the image and pass it to each block, and reject image sizes the model cannot take with a ValueError.
 
     Args:
-        attn_kernel: a feature map name (plain linear attention with it) or an attention family name (see
-            ``linvit.list_attention_kinds()``); None: plain linear attention with ``feature_map``.
+        attn_family: the attention family of the linear blocks (``linvit.list_attention_families()``; None:
+            'linear').
         feature_map: feature map (a name in ``linvit.ops.FEATURE_MAPS``) of the families that use one.
-        attn_options: the family's own options (``linvit.layers.FAMILY_OPTIONS``).
+        attn_options: the family's own options (``ATTENTION_FAMILIES[attn_family].family.options``).
         local_mix: add the zero-initialised depthwise-conv branch on V over the patch grid (default: not causal).
         local_mix_kernel: odd kernel size of that branch.
         softmax_blocks: indices of blocks that keep timm's softmax Attention.
         causal: causal attention in every block (see the module docstring); forward_features(x, is_causal=True)
             does the same for one call.
         attn_backend: 'auto', 'triton' or 'torch' (``linvit.layers.LinearAttention``'s option of that name).
+        attn_kernel: deprecated name of attn_family (a feature-map name there means attn_family='linear' with that
+            feature map); warns.
         **kwargs: VisionTransformer's arguments, except block_fn and attn_layer (chosen by the above).
     """
 
@@ -252,13 +264,14 @@ class LinearVisionTransformer(VisionTransformer):
             local_mix: Optional[bool] = None,
             local_mix_kernel: int = 3,
             softmax_blocks: Sequence[int] = (),
-            attn_kernel: Optional[str] = None,
+            attn_family: Optional[str] = None,
             attn_options: Optional[Dict[str, Any]] = None,
             causal: bool = False,
             attn_backend: str = 'auto',
+            attn_kernel: Optional[str] = None,
             **kwargs,
     ) -> None:
-        family, feature_map = resolve_attention_kind(attn_kernel, feature_map)
+        family, feature_map = resolve_family_arguments(attn_family, feature_map, attn_kernel, stacklevel=5)
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be True or False, got {causal!r}")
         if causal and local_mix:
@@ -267,34 +280,37 @@ class LinearVisionTransformer(VisionTransformer):
         local_mix = not causal if local_mix is None else local_mix
         for name in ('block_fn', 'attn_layer'):
             if name in kwargs:
-                raise ValueError(f"{name}={kwargs[name]!r}: linvit chooses blocks and attention from attn_kernel, "
+                raise ValueError(f"{name}={kwargs[name]!r}: linvit chooses blocks and attention from attn_family, "
                                  f"feature_map, local_mix and softmax_blocks")
         if not isinstance(local_mix, bool):
             raise ValueError(f"local_mix must be True or False, got {local_mix!r}")
         if local_mix and kwargs.get('patch_drop_rate', 0.) > 0:
             raise ValueError(f"patch_drop_rate={kwargs['patch_drop_rate']} drops patches from the grid that "
                              f"local_mix convolves over; use local_mix=False with patch dropout")
-        kinds = attention_kinds(kwargs.get('depth', 12), softmax_blocks)
-        linear_options = dict(family=family, feature_map=feature_map, local_mix=local_mix,
+        types = block_types(kwargs.get('depth', 12), softmax_blocks)
+        linear_options = dict(attn_family=family, feature_map=feature_map, local_mix=local_mix,
                               local_mix_kernel=local_mix_kernel, attn_backend=attn_backend,
                               **dict(attn_options or {}))
         if causal:
             linear_options['causal'] = True
         attention_layer(**linear_options)  # unknown options fail here, naming them
-        super().__init__(block_fn=BlockPlan(kinds, linear_options), **kwargs)
-        self.attn_kernel = attn_kernel or feature_map
+        super().__init__(block_fn=BlockPlan(types, linear_options), **kwargs)
+        self.attn_family = family
         self.feature_map = feature_map
+        # deprecated (attn_family's old name, a feature-map name for the 'linear' family); a plain attribute, not a
+        # warning property: TorchScript and other tools read every attribute when they inspect the model
+        self.attn_kernel = feature_map if family == 'linear' else family
         self.local_mix = local_mix
         self.causal = causal
-        self.softmax_blocks = [index for index, kind in enumerate(kinds) if kind == 'softmax']
+        self.softmax_blocks = [index for index, name in enumerate(types) if name == 'softmax']
         self._set_token_layout()
 
     def _set_token_layout(self) -> None:
-        """Give each module that reads the patch grid (local mixing, low-rank attention) the prefix-token count and
-        the construction grid (its no-feat_size fallback)."""
+        """Give each module that reads the patch grid (local mixing, the families that declare ``token_grid``) the
+        prefix-token count and the construction grid (its no-feat_size fallback)."""
         grid_size = self.patch_embed.grid_size
         for module in self.modules():
-            if isinstance(module, (LocalMix, LowRankAttention, BidirectionalAttention)):
+            if _reads_token_grid(module):
                 module.num_prefix_tokens = self.num_prefix_tokens
                 module.grid_size = None if grid_size is None else (int(grid_size[0]), int(grid_size[1]))
 
@@ -588,3 +604,15 @@ def linvit_base_patch16_1024(pretrained: bool = False, **kwargs) -> LinearVision
     """linvit-Base/16 for large images: 1024 px default (64x64 grid), dynamic_img_size=True."""
     return _create_linvit('linvit_base_patch16_1024', pretrained,
                           **dict(_base(img_size=1024, dynamic_img_size=True), **kwargs))
+
+
+# old public names: each warns (FutureWarning) naming the new one
+_RENAMED = {
+    'ATTENTION_KINDS': ('BLOCK_TYPES', lambda: BLOCK_TYPES),
+    'attention_kinds': ('block_types', lambda: block_types),
+    'resolve_attention_kind': ('linvit.layers.resolve_family', lambda: resolve_attn_kernel),
+}
+
+
+def __getattr__(name: str) -> Any:
+    return module_getattr(__name__, _RENAMED, name)

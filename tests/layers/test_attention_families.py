@@ -13,7 +13,7 @@ from linvit.layers import (
     ATTENTION_FAMILIES,
     AFTAttention,
     GatedLinearAttention,
-    LowRankAttention,
+    LinformerAttention,
     PerformerAttention,
     attention_layer,
     load_softmax_state_dict,
@@ -57,7 +57,7 @@ def test_performer_layer_equals_its_reference():
 
 
 def test_low_rank_layer_equals_its_reference_on_the_given_grid():
-    layer = _random_layer(LowRankAttention, low_rank_size=2)
+    layer = _random_layer(LinformerAttention, low_rank_size=2)
     x = _tokens(n=1 + 3 * 4)
     q, k, v = _split(layer, x)
     expected = _project(layer, low_rank_ref(q, k, v, (3, 4), 1, 2))
@@ -85,7 +85,7 @@ def test_aft_layer_equals_its_reference():
 
 
 def _model(family, **kwargs):
-    options = dict(depth=2, img_size=32, patch_size=8, num_classes=5, attn_kernel=family, local_mix=True,
+    options = dict(depth=2, img_size=32, patch_size=8, num_classes=5, attn_family=family, local_mix=True,
                    softmax_blocks=(1,), dynamic_img_size=True)
     options.update(kwargs)
     return timm.create_model('linvit_tiny_patch16_224', **options)
@@ -144,7 +144,7 @@ def test_performer_num_features_option():
 @pytest.mark.parametrize('size', [(224, 224), (512, 512), (384, 640)])
 def test_low_rank_runs_at_any_size_with_one_set_of_weights(size):
     torch.manual_seed(0)
-    model = timm.create_model('linvit_tiny_patch16_224', depth=2, attn_kernel='linformer', dynamic_img_size=True,
+    model = timm.create_model('linvit_tiny_patch16_224', depth=2, attn_family='linformer', dynamic_img_size=True,
                               attn_options={'low_rank_size': 8}).eval()
     with torch.no_grad():
         out = model(torch.randn(1, 3, *size))
@@ -155,7 +155,7 @@ def test_low_rank_runs_at_any_size_with_one_set_of_weights(size):
 def test_convert_to_linear_keeps_the_weights_for_every_family(family):
     vit = timm.create_model('vit_tiny_patch16_224', depth=2, img_size=32, patch_size=8)
     softmax_state = {k: v.clone() for k, v in vit.state_dict().items()}
-    linvit.convert_to_linear(vit, attn_kernel=family)
+    linvit.convert_to_linear(vit, attn_family=family)
     assert isinstance(vit.blocks[0].attn, ATTENTION_FAMILIES[family])
     for key, value in softmax_state.items():
         assert torch.equal(vit.state_dict()[key], value), key
@@ -170,5 +170,5 @@ def test_families_are_listed_in_one_registry():
     kinds = linvit.list_attention_kinds()
     assert kinds[:3] == linvit.ops.list_feature_maps()
     assert set(kinds[3:]) == {'performer', 'linformer', 'gated', 'aft', 'bidirectional'}
-    with pytest.raises(ValueError, match="unknown attn_kernel 'softmax'"):
+    with pytest.raises(ValueError, match="unknown attn_family 'softmax'"):
         _model('softmax')

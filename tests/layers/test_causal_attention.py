@@ -146,7 +146,7 @@ def test_bidirectional_model_exports_with_a_symbolic_token_count(tmp_path):
 
     from linvit.export import export_onnx
     torch.manual_seed(0)
-    model = timm.create_model('linvit_tiny_patch16_224', attn_kernel='bidirectional', depth=1, img_size=32,
+    model = timm.create_model('linvit_tiny_patch16_224', attn_family='bidirectional', depth=1, img_size=32,
                               patch_size=8, num_classes=5, dynamic_img_size=True,
                               attn_options=dict(data_gate=True)).eval()
     report = export_onnx(model, tmp_path / 'bidirectional.onnx', img_size=32,

@@ -283,10 +283,14 @@ def test_model_forward_fx_torchscript(model_name, batch_size):
 
 SMALL = 'linvit_small_patch16_512'  # dynamic_img_size: a small non-square input keeps these fast
 SMALL_SIZE = (3, 48, 80)
+#: every kind of attention: plain linear attention with each feature map, and every other attention family
+ATTENTION_VARIANTS = [*linvit.list_feature_maps(),
+                      *[name for name in linvit.list_attention_families() if name != 'linear']]
 VARIANTS = {
-    **{kind: dict(attn_kernel=kind) for kind in linvit.list_attention_kinds()},
+    **{name: dict(feature_map=name) for name in linvit.list_feature_maps()},
+    **{name: dict(attn_family=name) for name in linvit.list_attention_families() if name != 'linear'},
     # RetNet decays and the data-dependent gate: every argument of the bidirectional op
-    'bidirectional': dict(attn_kernel='bidirectional', attn_options={'data_gate': True}),
+    'bidirectional': dict(attn_family='bidirectional', attn_options={'data_gate': True}),
     'hybrid-registers-qknorm': dict(softmax_blocks=(1,), reg_tokens=2, qk_norm=True),
 }
 
@@ -309,7 +313,7 @@ def _images(batch: int) -> torch.Tensor:
 
 
 def test_every_attention_kind_has_a_variant():
-    assert set(linvit.list_attention_kinds()) <= set(VARIANTS)
+    assert set(ATTENTION_VARIANTS) <= set(VARIANTS)
 
 
 def _outputs(graph: Callable) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,0 +1,209 @@
+"""The attention family as a declaration: what a family states once, and the one registry that names the families.
+
+An attention family is the token-mixing algorithm of a linear block (``linear``, ``performer``, ``linformer``,
+``gated``, ``aft``, ``bidirectional``, ...). Each is a ``LinearAttention`` subclass in its own module that declares
+itself in its class body and registers itself on import::
+
+    @register_family
+    class PerformerAttention(LinearAttention):
+        family = FamilySpec('performer', options={'num_features': None, 'orthogonal': True},
+                            tensors=('projection',))
+
+Everything that needs to know about a family reads that declaration and nothing else: option checking
+(``attention_layer``), the models' and ``convert_to_linear``'s ``attn_family`` / ``feature_map`` arguments
+(``resolve_family``), conversion, softmax-checkpoint loading (``linvit.layers.weights``) and ``print(model)``.
+"""
+import inspect
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+
+import torch
+import torch.nn as nn
+
+from ..deprecation import warn_renamed
+from ..ops import FEATURE_MAPS, list_feature_maps
+
+__all__ = ['FamilySpec', 'ATTENTION_FAMILIES', 'register_family', 'unregister_family', 'list_attention_families',
+           'family_class', 'resolve_family', 'resolve_family_arguments', 'declared_state_keys']
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What an attention family declares once, as the class attribute ``family`` of its layer.
+
+    name: its name in ``ATTENTION_FAMILIES`` (the value of ``attn_family``).
+    options: its own constructor options beyond LinearAttention's, name -> default (``attn_options``). The layer
+        keeps each as an attribute of the same name (``print(model)`` shows them from there), and its constructor
+        takes each as a keyword with exactly this default (``register_family`` checks both).
+    feature_map: whether its mixing uses a feature map (``feature_map`` applies to it).
+    causal: whether it has a causal form (``causal=True``, ``forward(..., is_causal=True)``, ``step``).
+    tensors: the state-dict entries it adds beyond timm's ``Attention``, as attribute names of the layer: a module
+        stands for all its entries (``'key_gate'`` -> ``key_gate.weight``, ``key_gate.bias``), a buffer or parameter
+        for its own key (``'projection'``). An attribute that is None adds nothing, so an optional branch (a gate
+        built only with some option) is declared like any other. A softmax checkpoint lacks these tensors: loading
+        one keeps their initial values.
+    token_grid: whether its mixing reads the patch grid; the layer then keeps ``num_prefix_tokens`` and
+        ``grid_size`` (its fallback without ``feat_size``), which linvit models and ``convert_to_linear`` fill in.
+    """
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    feature_map: bool = False
+    causal: bool = False
+    tensors: Tuple[str, ...] = ()
+    token_grid: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"an attention family's name must be an identifier, got {self.name!r}")
+        # read-only copies: a declaration cannot change after the class is defined
+        object.__setattr__(self, 'options', MappingProxyType(dict(self.options)))
+        object.__setattr__(self, 'tensors', tuple(self.tensors))
+
+
+#: attention family name -> layer class (a ``LinearAttention`` subclass declaring ``family = FamilySpec(...)``);
+#: filled by ``register_family`` when ``linvit.layers`` is imported
+ATTENTION_FAMILIES: Dict[str, Type[nn.Module]] = {}
+
+
+def _constructor_parameters(cls: type) -> Dict[str, inspect.Parameter]:
+    """The keyword parameters of ``cls(dim, ...)``, without dim and ``**kwargs``."""
+    parameters = list(inspect.signature(cls).parameters.values())[1:]
+    return {p.name: p for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _check_declared_options(cls: type, spec: FamilySpec) -> None:
+    """TypeError unless the constructor takes exactly the declared options, with the declared defaults (a family
+    whose constructor passes ``**kwargs`` on to LinearAttention; the plain family's own arguments are the base's).
+    A constructor that shows no named parameter (wrapped as ``(*args, **kwargs)``) cannot be read and is not
+    checked."""
+    parameters = _constructor_parameters(cls)
+    if not parameters:
+        return
+    for name, default in spec.options.items():
+        if name not in parameters or parameters[name].default != default:
+            found = 'no such keyword' if name not in parameters else f"default {parameters[name].default!r}"
+            raise TypeError(f"{cls.__name__} declares option {name}={default!r} in its FamilySpec, but its "
+                            f"constructor has {found}")
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
+    undeclared = sorted(set(parameters) - set(spec.options)) if takes_kwargs else []
+    if undeclared:
+        raise TypeError(f"{cls.__name__}'s constructor takes {undeclared}, which its FamilySpec does not declare "
+                        f"(add them to options)")
+
+
+def register_family(cls: type) -> type:
+    """Class decorator: put ``cls`` (which declares ``family = FamilySpec(...)`` in its own body) into
+    ``ATTENTION_FAMILIES`` under ``cls.family.name``; returns ``cls``. ValueError if another class has that name."""
+    spec = cls.__dict__.get('family')
+    if not isinstance(spec, FamilySpec):
+        raise TypeError(f"{cls.__name__} must declare its attention family in its class body: "
+                        f"family = FamilySpec(name, ...)")
+    registered = ATTENTION_FAMILIES.get(spec.name)
+    if registered is not None and registered is not cls:
+        raise ValueError(f"attention family {spec.name!r} is already registered by {registered.__qualname__}")
+    _check_declared_options(cls, spec)
+    ATTENTION_FAMILIES[spec.name] = cls
+    return cls
+
+
+def unregister_family(name: str) -> None:
+    """Remove family ``name`` from ``ATTENTION_FAMILIES`` (e.g. a family a test registered); KeyError if unknown."""
+    del ATTENTION_FAMILIES[name]
+
+
+def list_attention_families() -> List[str]:
+    """Every name ``attn_family`` accepts, in registration order ('linear' first)."""
+    return list(ATTENTION_FAMILIES)
+
+
+def _unknown_family(attn_family: Any) -> ValueError:
+    hint = ''
+    if attn_family in FEATURE_MAPS:
+        hint = f" ({attn_family!r} is a feature map: attn_family='linear', feature_map={attn_family!r})"
+    return ValueError(f"unknown attn_family {attn_family!r}; known: {list_attention_families()}{hint}")
+
+
+def family_class(attn_family: str) -> Type[nn.Module]:
+    """The layer class of ``attn_family``; ValueError naming the known families if there is none."""
+    if not isinstance(attn_family, str) or attn_family not in ATTENTION_FAMILIES:
+        raise _unknown_family(attn_family)
+    return ATTENTION_FAMILIES[attn_family]
+
+
+def _checked_feature_map(feature_map: Optional[str]) -> str:
+    name = feature_map or 'elu1'
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature map {name!r}; known: {list_feature_maps()}")
+    return name
+
+
+def resolve_family(attn_family: Optional[str], feature_map: Optional[str]) -> Tuple[str, Optional[str]]:
+    """(family, feature map or None) from the ``attn_family`` and ``feature_map`` arguments.
+
+    attn_family: a name in ``ATTENTION_FAMILIES`` (None: 'linear'). feature_map: for the families that declare
+    one (default 'elu1'); passing one to a family without raises ValueError, as do unknown names.
+    """
+    family = 'linear' if attn_family is None else attn_family
+    spec = family_class(family).family
+    if spec.feature_map:
+        return family, _checked_feature_map(feature_map)
+    if feature_map is not None:
+        raise ValueError(f"attn_family={family!r} uses no feature map; drop feature_map={feature_map!r}")
+    return family, None
+
+
+def attention_kinds_list() -> List[str]:
+    """What the deprecated ``list_attention_kinds()`` returned: the feature maps, then every family but 'linear'."""
+    return list_feature_maps() + [name for name in ATTENTION_FAMILIES if name != 'linear']
+
+
+def resolve_attn_kernel(attn_kernel: Optional[str], feature_map: Optional[str]) -> Tuple[str, Optional[str]]:
+    """(family, feature map or None) from the deprecated ``attn_kernel`` argument, with its old meaning: a
+    feature-map name is plain linear attention with that map, a family name that family, None plain linear
+    attention with ``feature_map``. (The deprecated ``resolve_attention_kind``.)"""
+    if attn_kernel is None or attn_kernel in FEATURE_MAPS:
+        if attn_kernel is not None and feature_map is not None and feature_map != attn_kernel:
+            raise ValueError(f"attn_kernel={attn_kernel!r} (a feature map) and feature_map={feature_map!r} disagree; "
+                             f"pass one of them")
+        return 'linear', _checked_feature_map(attn_kernel or feature_map)
+    if attn_kernel not in ATTENTION_FAMILIES:
+        raise ValueError(f"unknown attn_kernel {attn_kernel!r}; known: {attention_kinds_list()}")
+    if ATTENTION_FAMILIES[attn_kernel].family.feature_map:
+        return attn_kernel, _checked_feature_map(feature_map)
+    if feature_map is not None:
+        raise ValueError(f"attn_kernel={attn_kernel!r} uses no feature map; drop feature_map={feature_map!r}")
+    return attn_kernel, None
+
+
+def resolve_family_arguments(attn_family: Optional[str], feature_map: Optional[str],
+                             attn_kernel: Optional[str] = None, stacklevel: int = 4) -> Tuple[str, Optional[str]]:
+    """``resolve_family`` for a public function that still takes the deprecated ``attn_kernel``: it warns
+    (FutureWarning) and keeps its old meaning (``resolve_attn_kernel``); both at once is a ValueError."""
+    if attn_kernel is None:
+        return resolve_family(attn_family, feature_map)
+    if attn_family is not None:
+        raise ValueError(f"attn_kernel={attn_kernel!r} is the deprecated name of attn_family={attn_family!r}: pass "
+                         f"attn_family only")
+    warn_renamed('attn_kernel', "attn_family (a feature-map name: attn_family='linear' with feature_map)",
+                 stacklevel=stacklevel)
+    return resolve_attn_kernel(attn_kernel, feature_map)
+
+
+def declared_state_keys(module: nn.Module, names: Tuple[str, ...]) -> List[str]:
+    """State-dict keys (relative to ``module``) of the attributes ``names`` that ``module`` declares as its own:
+    all entries of a submodule, the key of a tensor, nothing for None (a branch that was not built)."""
+    keys: List[str] = []
+    for name in names:
+        if not hasattr(module, name):
+            raise AttributeError(f"{type(module).__name__} declares the tensor {name!r}, but has no attribute "
+                                 f"of that name")
+        value = getattr(module, name)
+        if isinstance(value, nn.Module):
+            keys.extend(f"{name}.{key}" for key in value.state_dict())
+        elif isinstance(value, torch.Tensor):
+            keys.append(name)
+        elif value is not None:
+            raise TypeError(f"{type(module).__name__}.{name} is declared as a tensor but is a "
+                            f"{type(value).__name__}")
+    return keys

@@ -1,0 +1,332 @@
+"""The attention family as the unit of change: each family declares itself once (``FamilySpec``) and everything reads
+that declaration. A toy family registered here, from the test, works through timm.create_model, convert_to_linear,
+a training config, ONNX export, print(model) and softmax-checkpoint loading without touching the library; the
+built-in declarations are complete (checked against state-dict diffs with timm's Attention); old names still work
+and warn."""
+import math
+import os
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from references import quadratic_attention_ref
+from timm.layers import Attention
+from tiny_run import TINY_RUN
+
+import linvit
+from linvit.layers import (
+    ATTENTION_FAMILIES,
+    FamilySpec,
+    LinearAttention,
+    LinformerAttention,
+    PerformerAttention,
+    attention_layer,
+    linear_only_parameter_names,
+    load_softmax_state_dict,
+    register_family,
+    unregister_family,
+)
+from linvit.models import BLOCK_TYPES, block_types
+from linvit.models.convert import linear_attention_from_softmax
+
+DIM, HEADS = 48, 3
+TINY = dict(depth=2, img_size=32, patch_size=8, embed_dim=DIM, num_heads=HEADS, local_mix=False)
+
+
+class ToyAttention(LinearAttention):
+    """A toy family: plain linear attention whose output [B, N, H * D] is scaled per channel by a learned vector
+    ``toy_scale`` [H * D] that starts at the option ``scale_init``."""
+
+    family = FamilySpec('toy', options={'scale_init': 1.0}, feature_map=True, tensors=('toy_scale',))
+
+    def __init__(self, dim: int, scale_init: float = 1.0, **kwargs) -> None:
+        super().__init__(dim, **kwargs)
+        self.scale_init = scale_init
+        weight = self.qkv.weight
+        self.toy_scale = nn.Parameter(torch.full((self.attn_dim,), float(scale_init), device=weight.device,
+                                                 dtype=weight.dtype))
+
+    def mix(self, qkv, key_mask, x, feat_size):
+        return super().mix(qkv, key_mask, x, feat_size) * self.toy_scale
+
+
+@pytest.fixture
+def toy():
+    """The toy family, registered for one test (nothing of the library knows it otherwise)."""
+    register_family(ToyAttention)
+    yield ToyAttention
+    unregister_family('toy')
+
+
+def _toy_reference(layer: ToyAttention, x: torch.Tensor) -> torch.Tensor:
+    """The toy layer written out in float64: qkv, normalised linear attention with the elu1 map (``references``),
+    times toy_scale, then the output projection. x [B, N, dim] -> [B, N, dim]."""
+    x = x.double()
+    b, n, _ = x.shape
+    qkv = x @ layer.qkv.weight.double().T
+    if layer.qkv.bias is not None:
+        qkv = qkv + layer.qkv.bias.double()
+    q, k, v = (t.reshape(b, n, HEADS, DIM // HEADS).transpose(1, 2) for t in qkv.split(DIM, dim=-1))
+    mixed = quadratic_attention_ref(q, k, v, 'elu1', layer.eps).transpose(1, 2).reshape(b, n, DIM)
+    mixed = mixed * layer.toy_scale.double()
+    return mixed @ layer.proj.weight.double().T + layer.proj.bias.double()
+
+
+def _randomise(module: nn.Module, seed: int = 0) -> nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return module
+
+
+def _tokens(n: int = 17, seed: int = 1) -> torch.Tensor:
+    return torch.randn(2, n, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_toy_family_builds_through_timm_create_model_and_prints_its_options(toy):
+    assert 'toy' in linvit.list_attention_families() and linvit.ATTENTION_FAMILIES['toy'] is toy
+    model = timm.create_model('linvit_tiny_patch16_224', attn_family='toy', attn_options={'scale_init': 0.5}, **TINY)
+    layer = model.blocks[0].attn
+    assert isinstance(layer, toy) and model.attn_family == 'toy' and layer.feature_map_name == 'elu1'
+    assert torch.equal(layer.toy_scale, torch.full((DIM,), 0.5))
+    text = repr(model)
+    assert "family='toy'" in text and 'scale_init=0.5' in text and "feature_map='elu1'" in text
+    _randomise(layer)
+    x = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), _toy_reference(layer, x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"unknown toy attention options \['low_rank_size'\]"):
+        timm.create_model('linvit_tiny_patch16_224', attn_family='toy', attn_options={'low_rank_size': 2}, **TINY)
+    with pytest.raises(ValueError, match='ToyAttention has no causal form'):
+        timm.create_model('linvit_tiny_patch16_224', attn_family='toy', causal=True, depth=1)
+
+
+def test_a_toy_family_converts_a_timm_vit_and_loads_a_softmax_checkpoint(toy):
+    vit = timm.create_model('vit_tiny_patch16_224', depth=2, img_size=32, patch_size=8, embed_dim=DIM,
+                            num_heads=HEADS)
+    softmax_state = {k: v.clone() for k, v in vit.state_dict().items()}
+    linvit.convert_to_linear(vit, attn_family='toy', attn_options={'scale_init': 2.0})
+    layer = vit.blocks[1].attn
+    assert isinstance(layer, toy) and torch.equal(layer.toy_scale, torch.full((DIM,), 2.0))
+    assert set(vit.state_dict()) == set(softmax_state) | {f'blocks.{i}.attn.toy_scale' for i in range(2)}
+    for key, value in softmax_state.items():
+        assert torch.equal(vit.state_dict()[key], value), key
+    x = _tokens(seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), _toy_reference(layer, x), rtol=1e-5, atol=1e-6)
+
+    fresh = timm.create_model('linvit_tiny_patch16_224', attn_family='toy', attn_options={'scale_init': 3.0},
+                              num_classes=1000, **TINY)
+    kept = load_softmax_state_dict(fresh, softmax_state)
+    assert kept == [f'blocks.{i}.attn.toy_scale' for i in range(2)]
+    assert torch.equal(fresh.blocks[0].attn.toy_scale, torch.full((DIM,), 3.0))
+    assert torch.equal(fresh.blocks[0].attn.qkv.weight, softmax_state['blocks.0.attn.qkv.weight'])
+
+
+def test_a_toy_family_is_selected_by_a_training_config(toy, tmp_path):
+    from safetensors.torch import load_file
+
+    from linvit.engine import load_config, train
+    path = tmp_path / 'toy.yaml'
+    path.write_text('model:\n  name: linvit_tiny_patch16_224\n  kwargs:\n    depth: 2\n    embed_dim: 48\n'
+                    '    num_heads: 3\n    patch_size: 8\n    attn_options:\n      scale_init: 0.5\n')
+    cfg = load_config(str(path), ['model.kwargs.attn_family=toy', *TINY_RUN, 'train.max_steps=2',
+                                  'data.synthetic.train_size=16', 'data.synthetic.val_size=8',
+                                  f'output_dir={tmp_path / "run"}'])
+    metrics = train(cfg)
+    assert math.isfinite(metrics['loss'])
+    with open(os.path.join(cfg.output_dir, 'config.yaml')) as f:
+        assert 'attn_family: toy' in f.read()
+    weights = load_file(os.path.join(cfg.output_dir, 'model.safetensors'))
+    scale = weights['blocks.0.attn.toy_scale']
+    assert scale.shape == (DIM,) and not torch.equal(scale, torch.full((DIM,), 0.5))  # trained from its option
+
+
+@pytest.mark.compiler
+def test_a_toy_family_exports_to_onnx(toy, tmp_path):
+    ort = pytest.importorskip('onnxruntime')
+    from linvit.export import export_onnx
+    torch.manual_seed(0)
+    model = timm.create_model('linvit_tiny_patch16_224', attn_family='toy', num_classes=5, dynamic_img_size=True,
+                              **TINY)
+    _randomise(model.blocks[0].attn, seed=3)
+    model.eval()
+    report = export_onnx(model, tmp_path / 'toy.onnx', img_size=32, check_sizes=[(32, 32)])
+    assert report.ok and len(report.checks) == 1
+    session = ort.InferenceSession(str(tmp_path / 'toy.onnx'), providers=['CPUExecutionProvider'])
+    images = torch.randn(2, 3, 48, 40, generator=torch.Generator().manual_seed(4))
+    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: images.numpy()})[0])
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(images), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the built-in declarations are complete
+
+#: options under which a family builds every tensor it may declare (its optional branches on)
+EVERY_TENSOR = {'bidirectional': {'data_gate': True}}
+
+
+@pytest.mark.parametrize('name', ['linear', 'performer', 'linformer', 'gated', 'aft', 'bidirectional'])
+def test_declared_tensors_are_exactly_what_the_family_adds_to_timm_attention(name):
+    cls = ATTENTION_FAMILIES[name]
+    timm_keys = set(Attention(DIM, num_heads=HEADS).state_dict())
+    for options in ({}, EVERY_TENSOR.get(name, {})):
+        layer = attention_layer(name, **options)(DIM, num_heads=HEADS)
+        added = set(layer.state_dict()) - timm_keys
+        assert sorted(added) == linear_only_parameter_names(layer), (name, options)
+        assert set(timm_keys) <= set(layer.state_dict())
+    for tensor in cls.family.tensors:  # no stale declaration: with every branch on, each one exists
+        assert getattr(layer, tensor) is not None, tensor
+    for option in cls.family.options:  # kept as attributes (print(model) reads them)
+        assert hasattr(layer, option), option
+    assert isinstance(cls.family, FamilySpec) and cls.family.name == name
+
+
+@pytest.mark.parametrize('name', ['linear', 'performer', 'linformer', 'gated', 'aft', 'bidirectional'])
+def test_declared_feature_map_and_causal_form_are_what_the_family_accepts(name):
+    spec = ATTENTION_FAMILIES[name].family
+    if spec.feature_map:
+        model = timm.create_model('linvit_tiny_patch16_224', attn_family=name, feature_map='relu', depth=1)
+        assert model.blocks[0].attn.feature_map_name == 'relu' and model.feature_map == 'relu'
+    else:
+        with pytest.raises(ValueError, match=f"attn_family='{name}' uses no feature map"):
+            timm.create_model('linvit_tiny_patch16_224', attn_family=name, feature_map='relu', depth=1)
+    if spec.causal:
+        assert ATTENTION_FAMILIES[name](DIM, num_heads=HEADS, causal=True).causal
+    else:
+        with pytest.raises(ValueError, match='has no causal form'):
+            ATTENTION_FAMILIES[name](DIM, num_heads=HEADS, causal=True)
+
+
+def test_unknown_families_name_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown attn_family 'nope'; known: \['linear', "):
+        timm.create_model('linvit_tiny_patch16_224', attn_family='nope', depth=1)
+    with pytest.raises(ValueError, match=r"'relu' is a feature map: attn_family='linear', feature_map='relu'"):
+        linvit.convert_to_linear(timm.create_model('vit_tiny_patch16_224', depth=1), attn_family='relu')
+    with pytest.raises(ValueError, match="unknown attn_family 'nope'"):
+        attention_layer('nope')
+
+
+def test_a_declaration_must_match_its_constructor():
+    class Undeclared(LinearAttention):
+        pass
+
+    with pytest.raises(TypeError, match='must declare its attention family'):
+        register_family(Undeclared)
+
+    class WrongDefault(LinearAttention):
+        family = FamilySpec('wrong_default', options={'width': 2})
+
+        def __init__(self, dim: int, width: int = 3, **kwargs) -> None:
+            super().__init__(dim, **kwargs)
+
+    with pytest.raises(TypeError, match='declares option width=2'):
+        register_family(WrongDefault)
+
+    class Unlisted(LinearAttention):
+        family = FamilySpec('unlisted')
+
+        def __init__(self, dim: int, width: int = 3, **kwargs) -> None:
+            super().__init__(dim, **kwargs)
+
+    with pytest.raises(TypeError, match=r"takes \['width'\], which its FamilySpec does not declare"):
+        register_family(Unlisted)
+
+    class Duplicate(LinearAttention):
+        family = FamilySpec('performer')
+
+    with pytest.raises(ValueError, match="'performer' is already registered by PerformerAttention"):
+        register_family(Duplicate)
+    assert set(linvit.list_attention_families()) == {'linear', 'performer', 'linformer', 'gated', 'aft',
+                                                     'bidirectional'}
+
+
+def test_a_declaration_is_read_only_and_names_real_tensors():
+    with pytest.raises(ValueError, match="must be an identifier, got 'two words'"):
+        FamilySpec('two words')
+    spec = FamilySpec('frozen', options={'width': 2}, tensors=['gate'])
+    assert spec.tensors == ('gate',)
+    with pytest.raises(TypeError):
+        spec.options['width'] = 3
+
+    class MissingTensor(LinearAttention):
+        family = FamilySpec('missing_tensor', tensors=('nothing',))
+
+    with pytest.raises(AttributeError, match="MissingTensor declares the tensor 'nothing', but has no attribute"):
+        linear_only_parameter_names(MissingTensor(DIM, num_heads=HEADS))
+
+    class NotATensor(LinearAttention):
+        family = FamilySpec('not_a_tensor', tensors=('num_heads',))
+
+    with pytest.raises(TypeError, match='NotATensor.num_heads is declared as a tensor but is a int'):
+        linear_only_parameter_names(NotATensor(DIM, num_heads=HEADS))
+    with pytest.raises(KeyError):
+        unregister_family('never_registered')
+
+
+def test_block_types():
+    assert set(BLOCK_TYPES) == {'linear', 'softmax'}
+    assert block_types(3, (1,)) == ('linear', 'softmax', 'linear')
+
+
+# ---------------------------------------------------------------- old names keep working, with a FutureWarning
+
+
+def test_attn_kernel_keeps_its_old_meaning_and_warns():
+    with pytest.warns(FutureWarning, match='attn_kernel is deprecated.*attn_family'):
+        model = timm.create_model('linvit_tiny_patch16_224', attn_kernel='relu', depth=1)
+    assert model.attn_family == 'linear' and model.blocks[0].attn.feature_map_name == 'relu'
+    assert model.attn_kernel == 'relu'  # the old attribute stays readable
+    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
+        model = timm.create_model('linvit_tiny_patch16_224', attn_kernel='performer', depth=1)
+    assert isinstance(model.blocks[0].attn, PerformerAttention) and model.attn_family == 'performer'
+    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
+        vit = linvit.convert_to_linear(timm.create_model('vit_tiny_patch16_224', depth=1), attn_kernel='gated')
+    assert type(vit.blocks[0].attn) is ATTENTION_FAMILIES['gated']
+    with pytest.raises(ValueError, match='pass attn_family only'):
+        timm.create_model('linvit_tiny_patch16_224', attn_kernel='relu', attn_family='linear', depth=1)
+
+
+def test_old_names_warn_and_keep_their_old_values():
+    import linvit.layers
+    import linvit.layers.families
+    import linvit.models
+    import linvit.models.linvit
+    with pytest.warns(FutureWarning, match='list_attention_kinds is deprecated.*list_attention_families'):
+        kinds = linvit.list_attention_kinds()
+    assert kinds == linvit.ops.list_feature_maps() + [n for n in linvit.list_attention_families() if n != 'linear']
+    with pytest.warns(FutureWarning, match='list_attention_kinds is deprecated'):
+        assert linvit.layers.list_attention_kinds() == kinds
+    with pytest.warns(FutureWarning, match='LowRankAttention is deprecated.*LinformerAttention'):
+        assert linvit.layers.LowRankAttention is LinformerAttention
+    with pytest.warns(FutureWarning, match='LowRankAttention is deprecated'):
+        from linvit.layers.families import LowRankAttention
+    assert LowRankAttention is LinformerAttention
+    with pytest.warns(FutureWarning, match='resolve_attention_kind is deprecated.*resolve_family'):
+        assert linvit.layers.resolve_attention_kind('relu', None) == ('linear', 'relu')
+    with pytest.warns(FutureWarning, match='resolve_attention_kind is deprecated'):
+        assert linvit.models.linvit.resolve_attention_kind('aft', None) == ('aft', None)
+    with pytest.warns(FutureWarning, match='FAMILY_OPTIONS is deprecated'):
+        assert linvit.layers.FAMILY_OPTIONS['performer'] == ('num_features', 'orthogonal')
+    with pytest.warns(FutureWarning, match='FAMILIES_WITH_FEATURE_MAP is deprecated'):
+        assert set(linvit.layers.families.FAMILIES_WITH_FEATURE_MAP) == {'linear', 'gated', 'bidirectional'}
+    for module in (linvit.models, linvit.models.linvit):
+        with pytest.warns(FutureWarning, match='ATTENTION_KINDS is deprecated.*BLOCK_TYPES'):
+            assert module.ATTENTION_KINDS is BLOCK_TYPES
+        with pytest.warns(FutureWarning, match='attention_kinds is deprecated.*block_types'):
+            assert module.attention_kinds(2, (0,)) == ('softmax', 'linear')
+    with pytest.warns(FutureWarning, match=r'attention_layer\(family=...\) is deprecated'):
+        assert attention_layer(family='gated').__mro__[1] is ATTENTION_FAMILIES['gated']
+    with pytest.warns(FutureWarning, match=r'family=...\) is deprecated'):
+        layer = linear_attention_from_softmax(Attention(DIM, num_heads=HEADS), family='aft')
+    assert type(layer) is ATTENTION_FAMILIES['aft']
+    with pytest.warns(FutureWarning, match=r'family_options=...\) is deprecated'):
+        layer = linear_attention_from_softmax(Attention(DIM, num_heads=HEADS), attn_family='performer',
+                                              family_options={'num_features': 5})
+    assert layer.projection.shape == (5, DIM // HEADS)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['famliy'\]"):
+        linear_attention_from_softmax(Attention(DIM, num_heads=HEADS), famliy='aft')
+    with pytest.raises(AttributeError):
+        linvit.layers.NoSuchName  # noqa: B018
