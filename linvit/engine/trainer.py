@@ -44,7 +44,7 @@ from .checkpoint import (
     save_checkpoint,
     save_model_safetensors,
 )
-from .config import config_to_yaml
+from .config import ConfigError, config_to_yaml
 from .distributed import DistInfo, all_reduce_max, all_reduce_mean, barrier, setup_distributed
 from .loading import load_weights, read_weights
 from .plots import plot_curves
@@ -136,6 +136,22 @@ def _check_amp(precision: str, device: torch.device) -> Optional[torch.dtype]:
     return None if precision == 'float32' else PRECISIONS[precision]
 
 
+def _build_model(task: Task, num_classes: int) -> nn.Module:
+    """The task's model; a ValueError of the model's own argument checks, or a keyword the model does not take, is
+    a ConfigError (train.py's one line): those come from the config's model.* / task keys, not from a bug."""
+    try:
+        return task.build_model(num_classes)
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(f"cannot build model.name={task.cfg.model.name!r} from the config: {error}") from error
+    except TypeError as error:
+        if 'unexpected keyword argument' not in str(error):
+            raise
+        raise ConfigError(f"model.name={task.cfg.model.name!r} does not take an argument of model.kwargs: "
+                          f"{error}") from error
+
+
 def _build_run(cfg: DictConfig, info: DistInfo) -> Run:
     """The task, its datasets and its model (seeded with cfg.seed, so every rank starts from the same weights)."""
     task = build_task(cfg)
@@ -148,7 +164,7 @@ def _build_run(cfg: DictConfig, info: DistInfo) -> Run:
         if bad:
             _logger.warning("%d unreadable image file(s) skipped (named in the warnings above)", bad)
     _seed_everything(cfg.seed)  # the same initial weights on every rank
-    model = task.build_model(len(class_names)).to(info.device)
+    model = _build_model(task, len(class_names)).to(info.device)
     return Run(cfg=cfg, info=info, task=task, model=model, class_names=class_names, train_set=train_set,
                val_set=val_set, mean=mean, std=std, amp_dtype=_check_amp(cfg.train.precision, info.device))
 
