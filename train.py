@@ -31,6 +31,7 @@ from linvit.engine import (
     NonFiniteLossError,
     config_from_yaml,
     evaluate,
+    linearize,
     load_config,
     train,
 )
@@ -106,7 +107,23 @@ def load_checkpoint_of_run(path: str) -> dict:
     return state
 
 
+def _linearization_config(run_dir: str) -> Optional[str]:
+    """The saved config of a linearization run directory (task: linearize, both stages), else None."""
+    path = os.path.join(run_dir, 'config.yaml')
+    if not (os.path.isdir(run_dir) and os.path.isfile(path)):
+        return None
+    with open(path, encoding='utf-8') as f:
+        text = f.read()
+    saved = config_from_yaml(text)
+    stage = (saved.get('linearize') or {}).get('stage', 'all')
+    return text if saved.get('task') == 'linearize' and stage == 'all' else None
+
+
 def run_resume(args: argparse.Namespace) -> dict:
+    saved = _linearization_config(args.resume)
+    if saved is not None:  # its stages keep their own last.pt: linearize() finds where it stopped
+        cfg = _config_of_weights(args.config, [f'output_dir={os.path.abspath(args.resume)}', *args.overrides], saved)
+        return linearize(cfg, resume=True)
     checkpoint_path = _resume_checkpoint(args.resume)
     state = load_checkpoint_of_run(checkpoint_path)
     run_dir = os.path.dirname(os.path.abspath(checkpoint_path))
@@ -138,7 +155,7 @@ def run_eval_only(args: argparse.Namespace) -> dict:
 def run_training(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, args.overrides)
     _check_task(cfg)
-    metrics = train(cfg)
+    metrics = linearize(cfg) if cfg.task == 'linearize' else train(cfg)
     logging.info("run directory %s: metrics.json, curves.png, pictures/, last.pt, best.pt, "
                  "model.safetensors, tb/ (tensorboard --logdir %s)", cfg.output_dir, cfg.output_dir)
     return metrics

@@ -32,7 +32,7 @@ from ..deprecation import warn_renamed
 from ..precision import PRECISION_ALIASES, PRECISIONS
 
 __all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'SegConfig',
-           'SegEvalConfig', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys',
+           'SegEvalConfig', 'LinearizeConfig', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys',
            'load_config', 'config_to_yaml', 'config_from_yaml', 'MISSING']
 
 _logger = logging.getLogger(__name__)
@@ -137,6 +137,31 @@ class SegConfig:
 
 
 @dataclass
+class LinearizeConfig:
+    """``task: linearize``: turn a trained softmax ViT (the teacher) into linear attention (the student) in two stages
+    (``linvit.engine.linearize``). model.* and seg.* describe the teacher's architecture; a teacher run directory
+    supplies them (and its task and training size) itself."""
+    teacher: Optional[str] = None  # a run directory of this toolkit, or a weights file (.pth / .pt / .safetensors)
+    task: str = 'classification'  # the teacher's task (a weights file); a run directory says its own
+    teacher_img_size: Optional[int] = None  # a weights file's training size (default data.img_size)
+    convert: Dict[str, Any] = field(default_factory=lambda: {'feature_map': 'hedgehog'})  # convert_to_linear keywords
+    # stage 1, attention transfer: attention-side tensors learn to imitate each frozen teacher layer
+    attention_epochs: int = 1  # 0 skips stage 1
+    attention_max_steps: Optional[int] = None  # stop stage 1 after this many steps
+    attention_lr: float = 1.0e-3
+    train_qk: bool = False  # also train the q and k projections in stage 1
+    attention_weights_loss: float = 0.0  # weight of the attention-distribution term (cross-entropy on a few queries)
+    attention_queries: int = 16  # queries (evenly spaced tokens) that term compares per layer
+    # stage 2, fine-tune: every tensor, the task loss plus distillation from the teacher (train.* as any run)
+    distill_weight: float = 0.5  # loss = (1 - w) task loss + w T^2 KL(teacher / T || student / T)
+    temperature: float = 2.0
+    speed: bool = True  # measure student and teacher img/s at the training size and at 4x the tokens for the report
+    # set by the engine for each stage's run (not for users): which stage a run is, and the student's start weights
+    stage: str = 'all'  # 'all', 'attention' or 'finetune'
+    student_weights: Optional[str] = None
+
+
+@dataclass
 class RunConfig:
     task: str = 'classification'  # a key of linvit.engine.TASKS: classification, segmentation, autoregressive
     output_dir: str = 'runs/default'  # with a config file: runs/<file stem> unless a layer sets it
@@ -146,6 +171,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     seg: SegConfig = field(default_factory=SegConfig)
+    linearize: LinearizeConfig = field(default_factory=LinearizeConfig)
 
 
 class ConfigError(ValueError):
@@ -246,6 +272,8 @@ CHOICES: Dict[str, Sequence[str]] = {
     'data.name': ('synthetic', 'folder'),
     'train.precision': tuple(PRECISIONS),
     'seg.eval.mode': ('whole', 'slide'),
+    'linearize.task': ('classification', 'segmentation'),
+    'linearize.stage': ('all', 'attention', 'finetune'),
 }
 #: the values train.amp (train.precision's old name) took
 _OLD_AMP_VALUES = ('none', 'bf16', 'fp16')

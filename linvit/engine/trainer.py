@@ -46,8 +46,8 @@ from .checkpoint import (
 )
 from .config import ConfigError, config_to_yaml
 from .distributed import DistInfo, all_reduce_max, all_reduce_mean, barrier, setup_distributed
-from .loading import load_weights, read_weights
 from .plots import plot_curves
+from .run_files import load_weights, read_weights
 from .sampler import ResumableSampler, ShardSampler
 from .step import TrainStep
 from .tasks import Task, build_task, normalization_of
@@ -583,10 +583,14 @@ def train(cfg: DictConfig, resume: Optional[Dict[str, Any]] = None) -> Dict[str,
     """Train and evaluate as ``cfg`` says; returns the final evaluation (what metrics.json holds).
 
     resume: the contents of a 'last' checkpoint of this run (``load_checkpoint``): training continues from its step
-    with its weights, optimizer, scheduler, scaler, EMA and RNG states. ``train.max_steps`` stops the run early
+    with its weights, optimizer, scheduler, scaler, EMA and RNG states. ``task: linearize`` runs both stages
+    (``linvit.engine.linearize``, which calls this function once per stage). ``train.max_steps`` stops the run early
     (resumably: a checkpoint is written, then the final evaluation runs). Raises NonFiniteLossError when the loss
     stops being finite, leaving the last good checkpoint in place.
     """
+    if cfg.task == 'linearize' and cfg.linearize.stage == 'all':
+        raise ConfigError("task=linearize runs two stages and a report: call linvit.engine.linearize(cfg) (train.py "
+                          "does), which runs each stage through train()")
     info = setup_distributed(cfg.device)
     handler = _prepare_run_dir(cfg, info)
     log = None

@@ -21,6 +21,7 @@ from .family import (
     resolve_family,
     unregister_family,
 )
+from .feature_map import HedgehogFeatureMap, LearnableFeatureMap
 from .linear_attention import LinearAttention, attn_mask_to_key_mask, linear_attention_layer
 from .local_mix import LocalMix, resolve_token_grid
 from .no_mixing import NoMixingAttention, make_floor
@@ -30,7 +31,8 @@ __all__ = ['LinearAttention', 'linear_attention_layer', 'LocalMix', 'attn_mask_t
            'resolve_token_grid', 'load_softmax_state_dict', 'linear_only_parameter_names', 'NoMixingAttention',
            'ATTENTION_FAMILIES', 'FamilySpec', 'register_family', 'unregister_family', 'list_attention_families',
            'resolve_family', 'PerformerAttention', 'LinformerAttention', 'GatedLinearAttention', 'AFTAttention',
-           'BidirectionalAttention', 'attention_layer', 'redraw_random_features', 'make_floor']
+           'BidirectionalAttention', 'attention_layer', 'redraw_random_features', 'make_floor', 'LearnableFeatureMap',
+           'HedgehogFeatureMap']
 
 # old public names (LowRankAttention, list_attention_kinds, resolve_attention_kind, FAMILY_OPTIONS): FutureWarning
 _RENAMED = {name: _FAMILIES_RENAMED[name] for name in

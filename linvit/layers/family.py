@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..deprecation import warn_renamed
-from ..ops import FEATURE_MAPS, list_feature_maps
+from ..ops import list_feature_maps
 
 __all__ = ['FamilySpec', 'ATTENTION_FAMILIES', 'register_family', 'unregister_family', 'list_attention_families',
            'family_class', 'resolve_family', 'resolve_family_arguments', 'declared_state_keys']
@@ -119,7 +119,7 @@ def list_attention_families() -> List[str]:
 
 def _unknown_family(attn_family: Any) -> ValueError:
     hint = ''
-    if attn_family in FEATURE_MAPS:
+    if attn_family in list_feature_maps():
         hint = f" ({attn_family!r} is a feature map: attn_family='linear', feature_map={attn_family!r})"
     return ValueError(f"unknown attn_family {attn_family!r}; known: {list_attention_families()}{hint}")
 
@@ -133,7 +133,7 @@ def family_class(attn_family: str) -> Type[nn.Module]:
 
 def _checked_feature_map(feature_map: Optional[str]) -> str:
     name = feature_map or 'elu1'
-    if name not in FEATURE_MAPS:
+    if name not in list_feature_maps():
         raise ValueError(f"unknown feature map {name!r}; known: {list_feature_maps()}")
     return name
 
@@ -162,7 +162,7 @@ def resolve_attn_kernel(attn_kernel: Optional[str], feature_map: Optional[str]) 
     """(family, feature map or None) from the deprecated ``attn_kernel`` argument, with its old meaning: a
     feature-map name is plain linear attention with that map, a family name that family, None plain linear
     attention with ``feature_map``. (The deprecated ``resolve_attention_kind``.)"""
-    if attn_kernel is None or attn_kernel in FEATURE_MAPS:
+    if attn_kernel is None or attn_kernel in list_feature_maps():
         if attn_kernel is not None and feature_map is not None and feature_map != attn_kernel:
             raise ValueError(f"attn_kernel={attn_kernel!r} (a feature map) and feature_map={feature_map!r} disagree; "
                              f"pass one of them")

@@ -5,20 +5,25 @@ import torch
 import torch.nn as nn
 
 from ..ops import (
+    LEARNABLE_FEATURE_MAPS,
     CausalState,
     causal_linear_attention,
     causal_linear_attention_step,
     check_attn_backend,
+    check_feature_map,
     compute_dtype,
     fused_linear_attention,
+    fused_linear_attention_from_features,
     fused_linear_attention_qkv,
     get_feature_map,
     get_inplace_feature_map,
     has_fused_backward,
+    is_learnable_feature_map,
     kernel_unsupported_reason,
     linear_attention_from_features,
 )
 from .family import FamilySpec, register_family
+from .feature_map import LearnableFeatureMap  # noqa: F401  (registers the learnable maps: 'hedgehog')
 from .local_mix import LocalMix
 
 
@@ -99,6 +104,7 @@ torch.fx.wrap('attn_mask_to_key_mask')
 torch.fx.wrap('linear_attention_from_features')
 torch.fx.wrap('fused_linear_attention')
 torch.fx.wrap('fused_linear_attention_qkv')
+torch.fx.wrap('fused_linear_attention_from_features')
 torch.fx.wrap('causal_linear_attention')
 
 
@@ -111,7 +117,9 @@ class LinearAttention(nn.Module):
     (see ``linvit.ops.linear_attention``). ``attn_drop`` must be 0: there is no attention matrix to drop out.
 
     Extra options:
-        feature_map: name in ``linvit.ops.FEATURE_MAPS``.
+        feature_map: a fixed map (``linvit.ops.FEATURE_MAPS``) or a learnable one
+            (``linvit.ops.LEARNABLE_FEATURE_MAPS``, e.g. 'hedgehog'; ``linvit.layers.feature_map``), which the layer
+            holds as its submodule ``feature_map`` (plain linear attention, non-causal).
         eps: added to the mean normaliser.
         local_mix: add a zero-initialised depthwise-conv branch on V over the 2D token grid
             (``local_mix_kernel`` x ``local_mix_kernel``). Its parameters ``local_mix.conv.*`` are the only ones a
@@ -177,6 +185,13 @@ class LinearAttention(nn.Module):
         if eps <= 0:
             raise ValueError(f"eps must be > 0, got {eps}")
         check_attn_backend(attn_backend)
+        check_feature_map(feature_map)
+        learnable = is_learnable_feature_map(feature_map)
+        if learnable and type(self).mix is not LinearAttention.mix:
+            raise ValueError(f"feature_map={feature_map!r} is learnable, which plain linear attention "
+                             f"(attn_family='linear') supports; {type(self).__name__} mixes tokens its own way")
+        if learnable and causal:
+            raise ValueError(_CAUSAL_LEARNABLE.format(feature_map))
         if causal and not type(self).family.causal:
             raise ValueError(self._no_causal_form())
         if causal and local_mix:
@@ -195,9 +210,14 @@ class LinearAttention(nn.Module):
         self.head_dim = head_dim
         self.attn_dim = num_heads * head_dim
         self.feature_map_name = feature_map
-        self.feature_map = get_feature_map(feature_map)
-        # without autograd the map is written into the fresh qkv projection output rather than a new tensor
-        self.feature_map_inplace = get_inplace_feature_map(feature_map) or self.feature_map
+        # a learnable map is a submodule holding its parameters (state-dict keys feature_map.*), called like a
+        # fixed map on [B, H, N, D]; its output width may differ from D (hedgehog: 2 D)
+        self.learnable_map = learnable
+        self.feature_map = LEARNABLE_FEATURE_MAPS[feature_map](num_heads, head_dim, **dd) if learnable \
+            else get_feature_map(feature_map)
+        # without autograd a fixed map is written into the fresh qkv projection output rather than a new tensor
+        self.feature_map_inplace = _no_inplace_form if learnable \
+            else get_inplace_feature_map(feature_map) or self.feature_map
         # with autograd, maps that have a registered derivative train through the fused Function (linvit.ops.fused),
         # which computes plain linear attention only: a family with its own mix never takes it
         self.fused_backward = has_fused_backward(feature_map) and type(self).mix is LinearAttention.mix
@@ -282,8 +302,8 @@ class LinearAttention(nn.Module):
         B, N = qkv.shape[0], qkv.shape[1]
         qkv = qkv.permute(2, 0, 3, 1, 4)
         v = qkv[2]
-        if torch.compiler.is_compiling() or not (isinstance(self.q_norm, nn.Identity)
-                                                  and isinstance(self.k_norm, nn.Identity)):
+        if self.learnable_map or torch.compiler.is_compiling() or not (isinstance(self.q_norm, nn.Identity)
+                                                                       and isinstance(self.k_norm, nn.Identity)):
             # compiled code maps q and k out of place, in two calls even without autograd: inductor fuses them
             # into one kernel that writes phi head-major into two buffers. Measured per layer at 16k tokens, the
             # in-place form (compiled to a copy-back) was 15% slower and one [2, B, H, N, D] buffer 9% slower:
@@ -297,8 +317,20 @@ class LinearAttention(nn.Module):
             # eager inference: nothing keeps q and k for a backward pass, so map them in place inside the qkv
             # output (v untouched), saving a large fresh allocation and its page faults
             phi_q, phi_k = self.feature_map_inplace(to_compute_dtype(qkv[:2])).unbind(0)
-        mixed = linear_attention_from_features(phi_q, phi_k, to_compute_dtype(v), self.eps, key_mask)
+        mixed = self._attend_features(phi_q, phi_k, to_compute_dtype(v), key_mask)
         return mixed.to(v.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
+
+    def _attend_features(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                         key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The float32 core on mapped features: phi_q [B, H, N, F], phi_k [B, H, N, F], v [B, H, N, D] ->
+        [B, H, N, D]. A learnable map trains the core through the fused Function (closed-form backward; the map's
+        own parameters through autograd up to its features); everything else through linear_attention_from_features."""
+        if torch.jit.is_scripting():
+            return linear_attention_from_features(phi_q, phi_k, v, self.eps, key_mask)
+        if self.learnable_map and torch.is_grad_enabled() and not exporting() \
+                and not (key_mask is not None and key_mask.requires_grad):
+            return fused_linear_attention_from_features(phi_q, phi_k, v, self.eps, key_mask)
+        return linear_attention_from_features(phi_q, phi_k, v, self.eps, key_mask)
 
     def mix(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], x: torch.Tensor,
             feat_size: Optional[List[int]]) -> torch.Tensor:
@@ -331,6 +363,8 @@ class LinearAttention(nn.Module):
     def _check_causal_call(self, attn_mask: Optional[torch.Tensor]) -> None:
         if not type(self).family.causal:
             raise ValueError(self._no_causal_form())
+        if self.learnable_map:
+            raise ValueError(_CAUSAL_LEARNABLE.format(self.feature_map_name))
         if self.local_mix is not None:
             raise ValueError(_CAUSAL_LOCAL_MIX)
         if self.attn_backend == 'triton':
@@ -383,6 +417,15 @@ class LinearAttention(nn.Module):
 
 _CAUSAL_LOCAL_MIX = ("causal attention needs local_mix=False: the local branch convolves over neighbouring patches, "
                      "later ones included")
+_CAUSAL_LEARNABLE = ("causal attention needs a fixed feature map (linvit.ops.FEATURE_MAPS); feature_map={!r} is "
+                     "learnable (non-causal linear attention only)")
+
+
+def _no_inplace_form(x: torch.Tensor) -> torch.Tensor:
+    """The in-place slot of a layer whose map is learnable: never called (such layers map out of place)."""
+    raise RuntimeError("a learnable feature map has no in-place form")
+
+
 _CAUSAL_TRITON = ("attn_backend='triton': the Triton kernels compute non-causal attention; causal attention runs the "
                   "chunked scan of linvit.ops.causal (use attn_backend='auto')")
 #: LinearAttention's own options, which every family takes besides its declared ones (``attn_options``)
@@ -403,7 +446,7 @@ def linear_attention_layer(**options) -> Type[LinearAttention]:
     if unknown:
         raise ValueError(f"unknown LinearAttention options {unknown}; known: {list(LINEAR_OPTIONS)}")
     if 'feature_map' in options:
-        get_feature_map(options['feature_map'])
+        check_feature_map(options['feature_map'])
     return configured_layer(LinearAttention, options)
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from .family import declared_state_keys
+from .feature_map import LearnableFeatureMap
 from .linear_attention import LinearAttention
 from .local_mix import LocalMix
 
@@ -14,11 +15,14 @@ _logger = logging.getLogger(__name__)
 
 def _declared_linear_only_keys(module: nn.Module) -> List[str]:
     """State-dict keys (relative to ``module``) that ``module`` itself declares as linear-attention-only: an
-    attention family's ``FamilySpec.tensors``, local mixing's ``LocalMix.linear_only_tensors``."""
+    attention family's ``FamilySpec.tensors``, local mixing's ``LocalMix.linear_only_tensors``, a learnable feature
+    map's ``linear_only_tensors``."""
     if isinstance(module, LinearAttention):
         return declared_state_keys(module, type(module).family.tensors)
     if isinstance(module, LocalMix):
         return declared_state_keys(module, LocalMix.linear_only_tensors)
+    if isinstance(module, LearnableFeatureMap):
+        return declared_state_keys(module, type(module).linear_only_tensors)
     return []
 
 

@@ -20,6 +20,7 @@ from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr
 from ..deprecation import warn_renamed
 from ..layers import LinearAttention, LocalMix, attention_layer
 from ..layers.family import family_class, resolve_family_arguments
+from ..ops import is_learnable_feature_map
 from .linvit import resolve_softmax_blocks
 
 __all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites']
@@ -93,7 +94,8 @@ def linear_attention_from_softmax(
         options.update(num_prefix_tokens=num_prefix_tokens, grid_size=grid_size)
     # a family that declares no tensors of its own (plain linear attention, ...) gets its shell built on the meta
     # device: every tensor is then attn's own submodule; the others build theirs where attn lives
-    placement = dict(device='meta') if not cls.family.tensors else dict(device=weight.device, dtype=weight.dtype)
+    own_tensors = cls.family.tensors or is_learnable_feature_map(feature_map or 'elu1')
+    placement = dict(device='meta') if not own_tensors else dict(device=weight.device, dtype=weight.dtype)
     linear = cls(
         attn.qkv.in_features,
         num_heads=attn.num_heads,

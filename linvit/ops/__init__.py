@@ -23,23 +23,35 @@ from .feature_maps import (
     FEATURE_MAP_VJPS,
     FEATURE_MAPS,
     INPLACE_FEATURE_MAPS,
+    LEARNABLE_FEATURE_MAPS,
     FeatureMap,
+    check_feature_map,
     elu1,
     focused,
     get_feature_map,
     get_feature_map_vjp,
     get_inplace_feature_map,
+    hedgehog,
+    is_learnable_feature_map,
     list_feature_maps,
     register_feature_map,
+    register_learnable_feature_map,
     relu,
 )
-from .fused import fused_linear_attention, fused_linear_attention_qkv, has_fused_backward
+from .fused import (
+    fused_linear_attention,
+    fused_linear_attention_from_features,
+    fused_linear_attention_qkv,
+    has_fused_backward,
+)
 from .linear_attention import check_attention_inputs, compute_dtype, linear_attention, linear_attention_from_features
 from .reference import quadratic_linear_attention
 
 __all__ = [
     'FEATURE_MAPS', 'FEATURE_MAP_VJPS', 'FEATURE_MAP_OUTPUT_DERIVATIVES', 'INPLACE_FEATURE_MAPS', 'FeatureMap',
-    'elu1', 'relu', 'focused', 'get_feature_map', 'get_feature_map_vjp', 'get_inplace_feature_map',
+    'elu1', 'relu', 'focused', 'hedgehog', 'LEARNABLE_FEATURE_MAPS', 'check_feature_map', 'is_learnable_feature_map',
+    'register_learnable_feature_map', 'fused_linear_attention_from_features',
+    'get_feature_map', 'get_feature_map_vjp', 'get_inplace_feature_map',
     'list_feature_maps', 'register_feature_map', 'check_attention_inputs', 'compute_dtype', 'linear_attention',
     'linear_attention_from_features', 'quadratic_linear_attention', 'fused_linear_attention',
     'fused_linear_attention_qkv', 'has_fused_backward', 'causal_linear_attention', 'causal_linear_attention_step',

@@ -8,7 +8,7 @@ one as an attribute. They are called by the attention core on float32 (or float6
 The fused attention Function (``linvit.ops.fused``) applies a map's derivative itself in backward: each map has a
 ``with_vjp(x) -> (phi(x), vjp)`` in ``FEATURE_MAP_VJPS``, where ``vjp(grad)`` is the gradient of x.
 """
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -163,27 +163,77 @@ INPLACE_FEATURE_MAPS: Dict[str, FeatureMap] = {
 }
 
 
+def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The learnable map of Hedgehog (Zhang et al. 2024): phi(x) = [softmax(z), softmax(-z)], z = x W_h + b_h.
+
+    A per-head linear projection of the feature, then softmax over the features of z and of -z: positive, each half
+    sums to 1, and the two signs let phi(q)^T phi(k) grow both with aligned and with opposed large entries, which is
+    how it learns the spiky, monotone weights of softmax attention. softmax subtracts the row maximum, so it cannot
+    overflow. Its derivative is softmax's (autograd's); the attention core then takes phi as features.
+
+    x: [..., H, N, D], weight: [H, D, F], bias: [H, F] -> [..., H, N, 2F], values in (0, 1).
+    """
+    z = torch.matmul(x, weight) + bias.unsqueeze(-2)
+    return torch.cat([z.softmax(dim=-1), (-z).softmax(dim=-1)], dim=-1)
+
+
+# learnable maps: name -> the nn.Module class that holds a map's parameters (registered by linvit.layers, which owns
+# parameters; ops stays pure). Built per layer as cls(num_heads, head_dim, device=, dtype=); called on
+# [B, H, N, D] in the compute dtype, it returns non-negative [B, H, N, F] (F may differ from D).
+LEARNABLE_FEATURE_MAPS: Dict[str, Any] = {}
+
+
 def list_feature_maps() -> List[str]:
-    """Names accepted wherever a feature map is chosen by name."""
-    return sorted(FEATURE_MAPS)
+    """Names accepted wherever a feature map is chosen by name: the fixed maps and the learnable ones."""
+    return sorted(set(FEATURE_MAPS) | set(LEARNABLE_FEATURE_MAPS))
+
+
+def is_learnable_feature_map(name: str) -> bool:
+    """Whether ``name`` is a learnable map (``LEARNABLE_FEATURE_MAPS``: it has parameters, layers build it)."""
+    return name in LEARNABLE_FEATURE_MAPS
+
+
+def check_feature_map(name: str) -> str:
+    """``name`` if it names a fixed or a learnable map; else ValueError listing the known ones."""
+    if name not in FEATURE_MAPS and name not in LEARNABLE_FEATURE_MAPS:
+        raise ValueError(f"unknown feature map {name!r}; known feature maps: {', '.join(list_feature_maps())}")
+    return name
 
 
 def get_feature_map(name: str) -> FeatureMap:
-    """Resolve a feature map name from ``FEATURE_MAPS``; unknown names raise ValueError listing the known ones."""
-    if name not in FEATURE_MAPS:
-        raise ValueError(f"unknown feature map {name!r}; known feature maps: {', '.join(list_feature_maps())}")
+    """Resolve a fixed feature map name from ``FEATURE_MAPS``; unknown names raise ValueError listing the known ones,
+    learnable ones (which have parameters) a ValueError saying where they are used."""
+    check_feature_map(name)
+    if name in LEARNABLE_FEATURE_MAPS:
+        raise ValueError(f"feature map {name!r} is learnable: it has parameters, which a layer holds "
+                         f"(LinearAttention(feature_map={name!r}), a linvit model or convert_to_linear); the ops take "
+                         f"its output as features (linvit.ops.linear_attention_from_features)")
     return FEATURE_MAPS[name]
+
+
+def register_learnable_feature_map(name: str, cls: Any = None) -> Any:
+    """Add a learnable map under ``name``: ``cls(num_heads, head_dim, device=None, dtype=None)`` is an nn.Module
+    mapping [B, H, N, head_dim] to non-negative [B, H, N, F]; returns ``cls``. Without ``cls``, a class decorator:
+    ``@register_learnable_feature_map('name')``."""
+    if name in FEATURE_MAPS or name in LEARNABLE_FEATURE_MAPS:
+        raise ValueError(f"feature map {name!r} is already registered")
+    if cls is None:
+        return lambda decorated: register_learnable_feature_map(name, decorated)
+    LEARNABLE_FEATURE_MAPS[name] = cls
+    return cls
 
 
 def get_inplace_feature_map(name: str) -> Optional[FeatureMap]:
     """The in-place form of feature map ``name`` (see ``INPLACE_FEATURE_MAPS``), or None if it has none."""
-    get_feature_map(name)
+    check_feature_map(name)
     return INPLACE_FEATURE_MAPS.get(name)
 
 
 def get_feature_map_vjp(name: str) -> Optional[FeatureMapWithVJP]:
-    """Feature map ``name`` with its vector-Jacobian product (see ``FEATURE_MAP_VJPS``), or None if it has none."""
-    get_feature_map(name)
+    """Feature map ``name`` with its vector-Jacobian product (see ``FEATURE_MAP_VJPS``), or None if it has none
+    (learnable maps have none: their parameters train through autograd, the core through the fused Function on
+    their features, ``linvit.ops.fused_linear_attention_from_features``)."""
+    check_feature_map(name)
     return FEATURE_MAP_VJPS.get(name)
 
 
@@ -194,7 +244,7 @@ def register_feature_map(name: str, fn: FeatureMap, with_vjp: Optional[FeatureMa
     ``grad`` (x, grad [..., D]; vjp may overwrite grad); with it, layers train through the fused attention Function
     (``linvit.ops.fused``), without it through plain autograd of ``fn``.
     """
-    if name in FEATURE_MAPS:
+    if name in FEATURE_MAPS or name in LEARNABLE_FEATURE_MAPS:
         raise ValueError(f"feature map {name!r} is already registered")
     FEATURE_MAPS[name] = fn
     if with_vjp is not None:

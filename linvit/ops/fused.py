@@ -32,7 +32,8 @@ import torch
 from .feature_maps import FEATURE_MAP_OUTPUT_DERIVATIVES, get_feature_map_vjp
 from .linear_attention import _key_weights, _kv_and_key_sum, autocast_off, check_attention_inputs, compute_dtype
 
-__all__ = ['fused_linear_attention', 'fused_linear_attention_qkv', 'has_fused_backward', 'LinearAttentionFunction',
+__all__ = ['fused_linear_attention', 'fused_linear_attention_from_features',
+           'fused_linear_attention_qkv', 'has_fused_backward', 'LinearAttentionFunction',
            'PackedLinearAttentionFunction']
 
 
@@ -74,8 +75,11 @@ def _divide_token_major(num: torch.Tensor, den: torch.Tensor, dtype: torch.dtype
     return out.copy_(num / den)
 
 
-def _map(feature_map: str, x: torch.Tensor) -> torch.Tensor:
-    """phi(x) as a fresh contiguous tensor (x [..., D] may be a strided view)."""
+def _map(feature_map: Optional[str], x: torch.Tensor) -> torch.Tensor:
+    """phi(x) as a fresh contiguous tensor (x [..., D] may be a strided view); feature_map None: x holds features
+    already (the identity map)."""
+    if feature_map is None:
+        return x.contiguous()
     return get_feature_map_vjp(feature_map)(x)[0]
 
 
@@ -93,7 +97,10 @@ def _attend(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: floa
 
 def _features_for_backward(feature_map: str, x: torch.Tensor,
                            phi: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """(phi(x), vjp): from the kept phi when the forward kept it (the derivative read off phi), else recomputed."""
+    """(phi(x), vjp): from the kept phi when the forward kept it (the derivative read off phi), else recomputed;
+    feature_map None: x is phi (the identity map, whose vjp is the gradient itself)."""
+    if feature_map is None:
+        return x, lambda grad: grad
     if phi is None:
         return get_feature_map_vjp(feature_map)(x)
     derivative = FEATURE_MAP_OUTPUT_DERIVATIVES[feature_map]
@@ -131,9 +138,9 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return dq, dk, torch.where(keep, grad_v, 0.0)
 
 
-def _keeps_features(feature_map: str, dtype: torch.dtype) -> bool:
+def _keeps_features(feature_map: Optional[str], dtype: torch.dtype) -> bool:
     """Whether the forward keeps phi(q), phi(k) (same bytes as q and k: only when they already hold the compute
-    dtype) rather than q and k."""
+    dtype) rather than q and k (for the identity map, None, those are the features)."""
     return feature_map in FEATURE_MAP_OUTPUT_DERIVATIVES and dtype == compute_dtype(dtype)
 
 
@@ -144,8 +151,9 @@ def _check_differentiable_mask(key_mask: Optional[torch.Tensor]) -> None:
 
 
 class LinearAttentionFunction(torch.autograd.Function):
-    """apply(q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], feature_map name, eps, key_mask or None)
-    -> [B, H, Nq, Dv] in v's dtype (token-major memory). Gradients flow to q, k and v."""
+    """apply(q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], feature_map name or None, eps, key_mask or None)
+    -> [B, H, Nq, Dv] in v's dtype (token-major memory). Gradients flow to q, k and v. feature_map None: q and k
+    are features already (a learnable map's output, which trains through autograd before this Function)."""
 
     @staticmethod
     def forward(ctx, q, k, v, feature_map, eps, key_mask):
@@ -233,6 +241,19 @@ def fused_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fe
     _check_differentiable_mask(key_mask)
     with autocast_off(v.device.type):
         return LinearAttentionFunction.apply(q, k, v, feature_map, eps, key_mask)
+
+
+def fused_linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                                         eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``linvit.ops.linear_attention_from_features`` with the closed-form backward: the core on features that a
+    map already produced (a learnable map, whose own parameters train through autograd up to here).
+
+    phi_q [B, H, Nq, F], phi_k [B, H, N, F] (non-negative), v [B, H, N, Dv], key_mask [B, N] or [B, H, N]
+    -> [B, H, Nq, Dv] in v's dtype; computed in float32 (float64 for float64 inputs), gradients to all three."""
+    check_attention_inputs(phi_q, phi_k, v, key_mask)
+    _check_differentiable_mask(key_mask)
+    with autocast_off(v.device.type):
+        return LinearAttentionFunction.apply(phi_q, phi_k, v, None, eps, key_mask)
 
 
 def fused_linear_attention_qkv(qkv: torch.Tensor, feature_map: str = 'elu1', eps: float = 1e-6,

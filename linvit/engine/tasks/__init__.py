@@ -8,8 +8,8 @@ Each task is one module here (``base.Task`` subclass decorated with ``@register_
 ``TASKS`` holds every built-in task once ``linvit.engine`` is imported. Adding a task: one module that registers its
 class, plus one import line here.
 """
-from . import autoregressive, classification, segmentation
+from . import autoregressive, classification, linearize, segmentation
 from .base import TASKS, Task, build_task, create_model_from_config, normalization_of, register_task
 
 __all__ = ['Task', 'TASKS', 'register_task', 'build_task', 'create_model_from_config', 'normalization_of',
-           'classification', 'segmentation', 'autoregressive']
+           'classification', 'segmentation', 'autoregressive', 'linearize']

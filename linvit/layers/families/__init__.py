@@ -24,7 +24,7 @@ Adding a family is one module here (a ``LinearAttention`` subclass with ``family
 from typing import Any, Dict, Tuple, Type
 
 from ...deprecation import module_getattr, warn_renamed
-from ...ops import FEATURE_MAPS, list_feature_maps
+from ...ops import list_feature_maps
 from ..family import ATTENTION_FAMILIES, attention_kinds_list, family_class, resolve_attn_kernel
 from ..linear_attention import LINEAR_OPTIONS, LinearAttention, configured_layer
 from .aft import AFTAttention
@@ -49,7 +49,7 @@ def attention_layer(attn_family: str = 'linear', **options: Any) -> Type[LinearA
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"unknown {attn_family} attention options {unknown}; known: {list(allowed)}")
-    if options.get('feature_map') is not None and options['feature_map'] not in FEATURE_MAPS:
+    if options.get('feature_map') is not None and options['feature_map'] not in list_feature_maps():
         raise ValueError(f"unknown feature map {options['feature_map']!r}; known: {list_feature_maps()}")
     defaults = {k: v for k, v in options.items() if not (k == 'feature_map' and v is None)}
     return configured_layer(cls, defaults)
