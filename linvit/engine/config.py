@@ -156,9 +156,11 @@ class LinearizeConfig:
     distill_weight: float = 0.5  # loss = (1 - w) task loss + w T^2 KL(teacher / T || student / T)
     temperature: float = 2.0
     speed: bool = True  # measure student and teacher img/s at the training size and at 4x the tokens for the report
-    # set by the engine for each stage's run (not for users): which stage a run is, and the student's start weights
-    stage: str = 'all'  # 'all', 'attention' or 'finetune'
+    # start the student from these weights (a linearized run's model.safetensors) instead of the teacher's: continue
+    # a linearization at another data.img_size (with attention_epochs=0); the engine sets it for stage 2
     student_weights: Optional[str] = None
+    # which stage a run is: 'all' (both, and the report), or the engine's run of one stage ('attention', 'finetune')
+    stage: str = 'all'
 
 
 @dataclass

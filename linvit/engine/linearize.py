@@ -29,17 +29,15 @@ import time
 from typing import Any, Dict, Optional
 
 import torch
-import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from ..bench.timing import time_interleaved
-from ..models.convert import convert_to_linear
 from .checkpoint import atomic_write, load_checkpoint
 from .config import ConfigError, RunConfig, config_from_yaml, config_to_yaml, load_config
 from .distributed import barrier, setup_distributed
 from .run_files import find_run_files, load_safetensors, saved_config_text
 from .tasks import TASKS, build_task
-from .tasks.linearize import ResizedInput, student_of, vit_of
+from .tasks.linearize import ResizedInput, student_of, teacher_weights_path
 from .trainer import _build_run, _evaluate, train
 
 __all__ = ['linearize', 'resolve_teacher', 'teacher_training_steps', 'SPEED_BATCH',
@@ -60,6 +58,7 @@ _TEACHER_SEG_KEYS = ('head', 'neck_dim', 'head_dim', 'feature_blocks')
 def _teacher_config_text(teacher: str) -> Optional[str]:
     """The config a teacher was trained with (YAML), when it says: a run directory's, a train.py checkpoint's, or
     the config.yaml beside a .safetensors file; None for a bare weights file."""
+    teacher_weights_path(teacher)  # FileNotFoundError for a path that holds no weights
     if os.path.isdir(teacher):
         return find_run_files(teacher).config_text
     if teacher.endswith('.safetensors'):
@@ -131,12 +130,12 @@ def _run_stage(stage_cfg: DictConfig, resume: bool, state: Dict[str, Any], key: 
         return state[key]
     checkpoint_path = os.path.join(run_dir, 'last.pt')
     checkpoint = load_checkpoint(checkpoint_path) if resume and os.path.isfile(checkpoint_path) else None
-    wall = state.get(key + '_partial_wall_s', 0.0) if checkpoint is not None else 0.0
     start = time.perf_counter()
     metrics = train(stage_cfg, resume=checkpoint)
     last = load_checkpoint(checkpoint_path)
-    state[key] = {'metrics': metrics, 'steps': int(last['progress']['step']),
-                  'wall_s': wall + time.perf_counter() - start}
+    # the wall time of the call that finished the stage (an interrupted attempt records nothing)
+    state[key] = {'metrics': metrics, 'steps': int(last['progress']['step']), 'wall_s': time.perf_counter() - start,
+                  'resumed_from_step': int(checkpoint['progress']['step']) if checkpoint is not None else 0}
     return state[key]
 
 
@@ -161,7 +160,7 @@ def _speed(cfg: DictConfig, num_classes: int) -> Dict[str, float]:
     task = build_task(OmegaConf.merge(cfg, {'linearize': {'stage': 'finetune'}}))
     speed: Dict[str, float] = {}
     for size in (cfg.data.img_size, 2 * cfg.data.img_size):
-        models = {'student': _student_architecture(task, num_classes, size).to(device).eval(),
+        models = {'student': task.build_student(num_classes, size, with_weights=False).to(device).eval(),
                   'teacher': task._base_model(num_classes, size).to(device).eval()}
         images = torch.randn(SPEED_BATCH, 3, size, size, device=device)
         with torch.no_grad():
@@ -171,15 +170,6 @@ def _speed(cfg: DictConfig, num_classes: int) -> Dict[str, float]:
             speed[f"{name}_img_per_s@{size}px"] = SPEED_BATCH * 1e3 / value
         speed[f"student_over_teacher@{size}px"] = ms['teacher'] / ms['student']
     return speed
-
-
-def _student_architecture(task: Any, num_classes: int, size: int) -> nn.Module:
-    """The student's architecture at ``size`` (the teacher's converted as linearize.convert says; weights do not
-    matter for speed)."""
-    model = task._base_model(num_classes, size)
-    options = OmegaConf.to_container(task.cfg.linearize.convert)
-    convert_to_linear(vit_of(model), **options)
-    return model
 
 
 # ---------------------------------------------------------------------------------------------------- the report

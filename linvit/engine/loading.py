@@ -16,6 +16,7 @@ weights (``timm.layers.resample_abs_pos_embed``, bicubic); any other difference 
 one line names the first differing key.
 """
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -114,14 +115,18 @@ def load_trained(path: str, dynamic_img_size: bool = False, overrides: Sequence[
     except ConfigError as error:
         raise ConfigError(f"the config saved with {path} does not load: {error}") from error
     weights = _weights(files)
+    # a linearization (task: linearize) predicts as the task it linearized; its stages keep the checkpoints
+    task = cfg.linearize.task if cfg.task == 'linearize' else cfg.task
     names = _class_names(files)
+    if names is None and cfg.task == 'linearize':
+        names = _class_names(find_run_files(os.path.join(os.path.dirname(files.weights_path), 'stage2')))
     if names is None:
-        count = _classes_in_weights(weights, cfg.task, files.weights_path)
+        count = _classes_in_weights(weights, task, files.weights_path)
         _logger.warning("%s: no checkpoint with class names next to the weights; classes are numbered 0..%d",
                         path, count - 1)
         names = [str(i) for i in range(count)]
     model = build_task(cfg).build_model(len(names))
     load_weights(model, weights, f"{files.weights_path} ({cfg.model.name}, {len(names)} classes)")
     mean, std = normalization_of(cfg.model.name)
-    return TrainedModel(model=model.to(device).eval(), cfg=cfg, task=cfg.task,
+    return TrainedModel(model=model.to(device).eval(), cfg=cfg, task=task,
                         class_names=names, mean=mean, std=std, weights_path=files.weights_path)

@@ -285,13 +285,13 @@ class LinearizeTask(Task):
             parameter.requires_grad_(False)
         return teacher.eval()
 
-    def build_student(self, num_classes: int) -> nn.Module:
-        """The teacher's architecture at data.img_size with the teacher's weights (position embeddings resampled),
-        converted with ``linearize.convert``; with ``linearize.student_weights`` (stage 2 after stage 1) those
-        weights instead."""
+    def build_student(self, num_classes: int, img_size: Optional[int] = None, with_weights: bool = True) -> nn.Module:
+        """The teacher's architecture at ``img_size`` (default data.img_size) with the teacher's weights (position
+        embeddings resampled), converted with ``linearize.convert``; with ``linearize.student_weights`` (stage 2
+        after stage 1) those weights instead; ``with_weights=False``: the converted architecture only."""
         lin = self.cfg.linearize
-        student = self._base_model(num_classes, self.cfg.data.img_size)
-        if lin.student_weights is None:
+        student = self._base_model(num_classes, img_size or self.cfg.data.img_size)
+        if with_weights and lin.student_weights is None:
             weights, _ = read_weights(self._teacher_path())
             load_weights(student, weights, f"teacher {lin.teacher} (into the student)")
         options = OmegaConf.to_container(lin.convert) if isinstance(lin.convert, DictConfig) else dict(lin.convert)
@@ -299,7 +299,7 @@ class LinearizeTask(Task):
             convert_to_linear(vit_of(student), **options)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"linearize.convert={options}: {error}") from error
-        if lin.student_weights is not None:
+        if with_weights and lin.student_weights is not None:
             weights, _ = read_weights(lin.student_weights)
             load_weights(student, weights, lin.student_weights)
         return student
@@ -308,8 +308,11 @@ class LinearizeTask(Task):
         return teacher_weights_path(self.cfg.linearize.teacher)
 
     def build_model(self, num_classes: int) -> nn.Module:
-        """Stage 'attention': the AttentionTransfer wrapper around the student; otherwise the student itself
-        ('all' builds the final student, to evaluate a linearization's weights)."""
+        """Stage 'attention': the AttentionTransfer wrapper around the student; 'finetune': the student itself;
+        'all' (a finished linearization's saved config): the student's architecture only, for its trained weights
+        (evaluation, prediction, export: the teacher is not needed)."""
+        if self.cfg.linearize.stage == 'all':
+            return self.build_student(num_classes, with_weights=False)
         self.teacher = self.build_teacher(num_classes)
         student = self.build_student(num_classes)
         if self.cfg.linearize.stage != 'attention':
