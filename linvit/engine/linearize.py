@@ -244,11 +244,11 @@ def linearize(cfg: DictConfig, resume: bool = False) -> Dict[str, Any]:
     state_path = os.path.join(out_dir, 'linearize.json')
     state = _load_state(state_path, resume)
     with_stage1 = cfg.linearize.attention_epochs > 0
-    first = _stage_config(cfg, 'attention' if with_stage1 else 'finetune', None)
+    student_weights = cfg.linearize.student_weights  # None: the teacher's, converted
+    first = _stage_config(cfg, 'attention' if with_stage1 else 'finetune', student_weights)
     if 'before' not in state:
         state['before'] = _evaluate_before_training(first)
         _save_state(state_path, state, info.is_main)
-    student_weights = None
     if with_stage1:
         _run_stage(first, resume, state, 'stage1')
         _save_state(state_path, state, info.is_main)

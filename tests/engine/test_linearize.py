@@ -262,3 +262,57 @@ def test_a_linear_teacher_or_a_missing_one_is_a_clear_error(teacher_dir, tmp_pat
     task = LinearizeTask(resolve_teacher(lin_config(str(linear_teacher), tmp_path / 'y')))
     with pytest.raises(ValueError, match='already uses linear attention'):
         task.build_teacher(4)
+
+
+def test_a_larger_student_size_feeds_the_teacher_at_its_own_size(teacher_dir, tmp_path):
+    """Stage 2 at 48 px for a 32 px teacher: the teacher sees the images resized to 32 px (its report accuracy is
+    that, counted here by hand), the student's position embedding is resampled, and both stages run at 48 px."""
+    cfg = lin_config(teacher_dir, tmp_path / 'lin', 'data.img_size=48', 'linearize.attention_epochs=0',
+                     'linearize.speed=true')
+    report = linearize(cfg)
+    assert report['teacher_input'] == 'resized to 32 px (its training size)'
+    assert report['img_size'] == 48 and report['teacher_img_size'] == 32 and report['stage1_steps'] == 0
+    assert report['stage1_top1'] is None and not (tmp_path / 'lin' / STAGE_DIRS['attention']).exists()
+    teacher, _ = _teacher_and_student(teacher_dir)
+    from linvit.data import build_classification_datasets
+    from linvit.engine.tasks import normalization_of
+    _, val, _ = build_classification_datasets(cfg.data, *normalization_of('vit_tiny_patch16_224'))
+    with torch.no_grad():
+        hits = sum(int(teacher(F.interpolate(val[(i, 0)][0][None], size=(32, 32), mode='bilinear',
+                                             antialias=True)).argmax(-1).item() == val[(i, 0)][1])
+                   for i in range(len(val)))
+    assert report['teacher_top1'] == pytest.approx(hits / len(val))
+    weights = load_file(tmp_path / 'lin' / 'model.safetensors')
+    assert weights['pos_embed'].shape[1] == 1 + 6 * 6
+    assert set(report['speed']) >= {'student_img_per_s@48px', 'teacher_img_per_s@96px'}
+
+
+def test_attention_weights_of_both_layers_match_their_n_by_n_matrices():
+    """The weights stage 1 compares: softmax's rows of softmax(q k^T / sqrt(d)) from timm's Attention (checked
+    against the layer's own output: weights @ v then proj), and linear attention's normalised phi(q) phi(k)^T."""
+    from timm.layers import Attention
+
+    from linvit.engine.tasks.linearize import (
+        attention_transfer_loss,
+        linear_attention_weights,
+        softmax_attention_weights,
+    )
+    torch.manual_seed(0)
+    attn = Attention(24, num_heads=3).eval()
+    x = torch.randn(2, 7, 24)
+    queries = torch.tensor([0, 3, 6])
+    weights = softmax_attention_weights(attn, x, queries)
+    v = attn.qkv(x).reshape(2, 7, 3, 3, 8).permute(2, 0, 3, 1, 4)[2]
+    mixed = (weights @ v).transpose(1, 2).reshape(2, 3, 24)
+    torch.testing.assert_close(attn.proj(mixed), attn(x)[:, queries], rtol=1e-5, atol=1e-6)
+    linear = linvit.layers.LinearAttention(24, num_heads=3, feature_map='hedgehog').eval()
+    w_lin = linear_attention_weights(linear, x, queries)
+    v_lin = linear.qkv(x).reshape(2, 7, 3, 3, 8).permute(2, 0, 3, 1, 4)[2]
+    out = linear.proj((w_lin @ v_lin).transpose(1, 2).reshape(2, 3, 24))
+    torch.testing.assert_close(out, linear(x)[:, queries], rtol=1e-5, atol=1e-6)
+    # the loss: relative squared error per layer, plus the weighted cross-entropy of the weights
+    student, teacher = torch.randn(2, 1, 7, 24), torch.randn(2, 1, 7, 24)
+    ce = -(weights * w_lin.clamp_min(1e-12).log()).sum(-1).mean()
+    relative = (student - teacher).pow(2).mean() / teacher.pow(2).mean()
+    got = attention_transfer_loss(0.5)((student, w_lin[:, None]), (teacher, weights[:, None]))
+    assert got.item() == pytest.approx((relative + 0.5 * ce).item(), rel=1e-5)
