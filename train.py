@@ -155,7 +155,12 @@ def run_eval_only(args: argparse.Namespace) -> dict:
 def run_training(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, args.overrides)
     _check_task(cfg)
-    metrics = linearize(cfg) if cfg.task == 'linearize' else train(cfg)
+    if cfg.task == 'linearize':
+        metrics = linearize(cfg)
+        logging.info("run directory %s: metrics.json and metrics.csv (the report), model.safetensors (the student), "
+                     "stage1/ and stage2/ (each a run directory: checkpoints, curves, pictures, tb/)", cfg.output_dir)
+        return metrics
+    metrics = train(cfg)
     logging.info("run directory %s: metrics.json, curves.png, pictures/, last.pt, best.pt, "
                  "model.safetensors, tb/ (tensorboard --logdir %s)", cfg.output_dir, cfg.output_dir)
     return metrics

@@ -444,7 +444,8 @@ class TrainingLoop:
             self._save_last(also_best=improved)
         if self.state.evaluated_step != progress.step and self._evaluate_and_record():
             self._save_last(also_best=True)
-        if progress.step < self.training.total_steps and self.run.info.is_main:
+        # (a stage of a linearization stops at its own step budget: linvit.engine.linearize continues the run)
+        if progress.step < self.training.total_steps and self.run.info.is_main and cfg.linearize.stage == 'all':
             _logger.info("stopped at train.max_steps=%d of %d steps; continue with --resume %s", progress.step,
                          self.training.total_steps, cfg.output_dir)
         return self._finish()

@@ -192,6 +192,10 @@ class LinearAttention(nn.Module):
                              f"(attn_family='linear') supports; {type(self).__name__} mixes tokens its own way")
         if learnable and causal:
             raise ValueError(_CAUSAL_LEARNABLE.format(feature_map))
+        if learnable and attn_backend == 'triton':
+            raise ValueError(f"attn_backend='triton': the Triton kernels apply a fixed feature map (elu1, relu); "
+                             f"feature_map={feature_map!r} is learnable and runs on the PyTorch path "
+                             f"(attn_backend='auto' or 'torch')")
         if causal and not type(self).family.causal:
             raise ValueError(self._no_causal_form())
         if causal and local_mix:

@@ -169,6 +169,8 @@ def test_where_a_learnable_map_does_not_apply_the_error_says_why():
     with pytest.raises(ValueError, match='learnable'):
         timm.create_model('linvit_tiny_patch16_224', img_size=32, depth=1, attn_family='gated',
                           feature_map='hedgehog')
+    with pytest.raises(ValueError, match="attn_backend='triton'"):
+        LinearAttention(16, num_heads=2, feature_map='hedgehog', attn_backend='triton')
 
 
 def test_unknown_map_names_list_the_learnable_one():
