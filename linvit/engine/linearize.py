@@ -161,7 +161,7 @@ def _speed(cfg: DictConfig, num_classes: int) -> Dict[str, float]:
     speed: Dict[str, float] = {}
     for size in (cfg.data.img_size, 2 * cfg.data.img_size):
         models = {'student': task.build_student(num_classes, size, with_weights=False).to(device).eval(),
-                  'teacher': task._base_model(num_classes, size).to(device).eval()}
+                  'teacher': task.base_model(num_classes, size).to(device).eval()}
         images = torch.randn(SPEED_BATCH, 3, size, size, device=device)
         with torch.no_grad():
             ms = time_interleaved({name: functools.partial(model, images) for name, model in models.items()},

@@ -62,6 +62,10 @@ class HedgehogFeatureMap(LearnableFeatureMap):
         """x [..., H, N, D] -> [..., H, N, 2 D] in x's dtype."""
         if torch.jit.is_scripting():
             return hedgehog(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            # fx records the ops themselves (TorchScript then compiles the traced graph); a graph run under AMP
+            # computes the map at autocast's precision
+            return hedgehog(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
         return self._map_without_autocast(x)
 
     @torch.jit.unused

@@ -329,7 +329,14 @@ class LinearAttention(nn.Module):
         """The float32 core on mapped features: phi_q [B, H, N, F], phi_k [B, H, N, F], v [B, H, N, D] ->
         [B, H, N, D]. A learnable map trains the core through the fused Function (closed-form backward; the map's
         own parameters through autograd up to its features); everything else through linear_attention_from_features."""
-        if torch.jit.is_scripting():
+        if torch.jit.is_scripting():  # TorchScript cannot compile an autograd.Function
+            return linear_attention_from_features(phi_q, phi_k, v, self.eps, key_mask)
+        return self._attend_features_eager(phi_q, phi_k, v, key_mask)
+
+    @torch.jit.unused
+    def _attend_features_eager(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                               key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():  # fx keeps the core as its leaf (plain autograd)
             return linear_attention_from_features(phi_q, phi_k, v, self.eps, key_mask)
         if self.learnable_map and torch.is_grad_enabled() and not exporting() \
                 and not (key_mask is not None and key_mask.requires_grad):

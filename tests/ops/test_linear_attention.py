@@ -251,7 +251,7 @@ def test_bad_shapes_raise_value_error_naming_them(bad, match):
 
 def test_unknown_feature_map_raises():
     q, k, v = _qkv((1, 1, 2, 2, 4, 4))
-    with pytest.raises(ValueError, match='known feature maps: elu1, focused, relu'):
+    with pytest.raises(ValueError, match='known feature maps: elu1, focused, hedgehog, relu'):
         linear_attention(q, k, v, feature_map='cosine')
 
 

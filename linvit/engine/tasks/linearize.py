@@ -262,7 +262,7 @@ class LinearizeTask(Task):
             return None  # segmentation backbones are built with dynamic_img_size
         return self.cfg.linearize.teacher_img_size or self.cfg.data.img_size
 
-    def _base_model(self, num_classes: int, img_size: int) -> nn.Module:
+    def base_model(self, num_classes: int, img_size: int) -> nn.Module:
         """The underlying task's model (the teacher's architecture) for ``img_size`` px images, without weights."""
         with_size = OmegaConf.merge(self.cfg, {'data': {'img_size': img_size}, 'model': {'pretrained_file': None}})
         builder = type(self.base)(with_size)
@@ -274,7 +274,7 @@ class LinearizeTask(Task):
     def build_teacher(self, num_classes: int) -> nn.Module:
         """The frozen teacher in eval mode, its weights loaded from ``linearize.teacher``."""
         lin = self.cfg.linearize
-        teacher = self._base_model(num_classes, lin.teacher_img_size or self.cfg.data.img_size)
+        teacher = self.base_model(num_classes, lin.teacher_img_size or self.cfg.data.img_size)
         path = teacher_weights_path(lin.teacher)
         weights, _ = read_weights(path)
         load_weights(teacher, weights, f"teacher {path}")
@@ -290,7 +290,7 @@ class LinearizeTask(Task):
         embeddings resampled), converted with ``linearize.convert``; with ``linearize.student_weights`` (stage 2
         after stage 1) those weights instead; ``with_weights=False``: the converted architecture only."""
         lin = self.cfg.linearize
-        student = self._base_model(num_classes, img_size or self.cfg.data.img_size)
+        student = self.base_model(num_classes, img_size or self.cfg.data.img_size)
         if with_weights and lin.student_weights is None:
             weights, _ = read_weights(self._teacher_path())
             load_weights(student, weights, f"teacher {lin.teacher} (into the student)")
