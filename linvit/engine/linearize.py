@@ -35,9 +35,9 @@ from ..bench.timing import time_interleaved
 from .checkpoint import atomic_write, load_checkpoint
 from .config import ConfigError, RunConfig, config_from_yaml, config_to_yaml, load_config
 from .distributed import barrier, setup_distributed
-from .run_files import find_run_files, load_safetensors, saved_config_text
+from .run_files import find_run_files, saved_config_text
 from .tasks import TASKS, build_task
-from .tasks.linearize import ResizedInput, student_of, teacher_weights_path
+from .tasks.linearize import NO_TEACHER, ResizedInput, student_of, teacher_weights_path
 from .trainer import _build_run, _evaluate, train
 
 __all__ = ['linearize', 'resolve_teacher', 'teacher_training_steps', 'SPEED_BATCH',
@@ -84,8 +84,7 @@ def resolve_teacher(cfg: DictConfig) -> DictConfig:
     (its data.img_size, unless set). A bare weights file keeps the config's model.* and linearize.task."""
     lin = cfg.linearize
     if not lin.teacher:
-        raise ConfigError("task=linearize needs linearize.teacher: a run directory of train.py or a weights file "
-                          "(.pth / .pt / .safetensors) of a softmax timm ViT")
+        raise ConfigError(NO_TEACHER)
     text = _teacher_config_text(lin.teacher)
     if text is None:
         return cfg
@@ -149,6 +148,7 @@ def _evaluate_before_training(stage_cfg: DictConfig) -> Dict[str, Any]:
     teacher = task.teacher.to(run.info.device)
     fed = teacher if size is None or size == stage_cfg.data.img_size else ResizedInput(teacher, size)
     return {'teacher': _evaluate(run, fed), 'converted': _evaluate(run, student_of(run.model)),
+            'num_classes': len(run.class_names),
             'teacher_input': (f"resized to {size} px (its training size)" if fed is not teacher
                               else "the student's images as they are")}
 
@@ -256,8 +256,7 @@ def linearize(cfg: DictConfig, resume: bool = False) -> Dict[str, Any]:
     _run_stage(_stage_config(cfg, 'finetune', student_weights), resume, state, 'stage2')
     base = TASKS[cfg.linearize.task]
     if info.is_main and cfg.linearize.speed and 'speed' not in state:
-        num_classes = _num_classes(out_dir)
-        state['speed'] = _speed(cfg, num_classes)
+        state['speed'] = _speed(cfg, state['before']['num_classes'])
     barrier()
     report = _report(cfg, state, base.main_metric)
     if info.is_main:
@@ -267,15 +266,6 @@ def linearize(cfg: DictConfig, resume: bool = False) -> Dict[str, Any]:
         _write_report(out_dir, report, base.main_metric, tuple(base.metric_columns) + ('loss', 'img_per_s'))
         _log_report(report, base.main_metric)
     return report
-
-
-def _num_classes(out_dir: str) -> int:
-    """The class count of the final student, read from its classifier in stage 2's weights."""
-    weights = load_safetensors(os.path.join(out_dir, STAGE_DIRS['finetune'], 'model.safetensors'))
-    for key in ('head.weight', 'head.classifier.weight'):
-        if key in weights:
-            return int(weights[key].shape[0])
-    raise ConfigError(f"cannot find the classifier in {out_dir}/{STAGE_DIRS['finetune']}/model.safetensors")
 
 
 def _log_report(report: Dict[str, Any], main: str) -> None:

@@ -15,7 +15,7 @@ from timm.layers import resample_abs_pos_embed
 
 from .checkpoint import CheckpointError, load_checkpoint, load_safetensors
 
-__all__ = ['load_safetensors', 'RUN_WEIGHTS', 'RunFiles', 'find_run_files', 'saved_config_text', 'read_weights',
+__all__ = ['RUN_WEIGHTS', 'RunFiles', 'find_run_files', 'saved_config_text', 'read_weights',
            'evaluated_weights',
            'load_weights', 'resample_position_embeddings', 'WeightsMismatchError']
 

@@ -40,6 +40,11 @@ __all__ = ['LinearizeTask', 'teacher_weights_path', 'AttentionTransfer', 'Distil
            'softmax_attention_weights']
 
 
+#: the error of a linearization without a teacher
+NO_TEACHER = ("task=linearize needs linearize.teacher: a run directory of train.py or a weights file (.pth / .pt / "
+              ".safetensors) of a softmax timm ViT")
+
+
 def teacher_weights_path(teacher: str) -> str:
     """The weights file of ``linearize.teacher``: a run directory's evaluated weights (model.safetensors, best.pt or
     last.pt), or the file itself. FileNotFoundError when there is none."""
@@ -176,7 +181,7 @@ class DistillationLoss(nn.Module):
         t = self.temperature
         log_student = F.log_softmax(outputs.float() / t, dim=1)
         log_teacher = F.log_softmax(teacher.float() / t, dim=1)
-        kl = (log_teacher.exp() * (log_teacher - log_student)).sum(dim=1)  # [B] or [B, H, W]
+        kl = F.kl_div(log_student, log_teacher, reduction='none', log_target=True).sum(dim=1)  # [B] or [B, H, W]
         if self.ignore_index is not None:
             valid = (labels != self.ignore_index).to(kl.dtype)
             kl = (kl * valid).sum() / valid.sum().clamp_min(1.0)
@@ -242,13 +247,13 @@ class LinearizeTask(Task):
         super().__init__(cfg)
         lin = cfg.linearize
         if not lin.teacher:
-            raise ConfigError("task=linearize needs linearize.teacher: a run directory of train.py or a weights file "
-                              "(.pth / .pt / .safetensors) of a softmax timm ViT")
+            raise ConfigError(NO_TEACHER)
         self.base = TASKS[lin.task](cfg)
         self.main_metric = self.base.main_metric
         self.metric_columns = self.base.metric_columns
         self.teacher: Optional[nn.Module] = None
         self.paths: List[str] = []
+        self._teacher_state: Optional[Dict[str, torch.Tensor]] = None
 
     # ---------------------------------------------------------------- data and models
 
@@ -275,9 +280,7 @@ class LinearizeTask(Task):
         """The frozen teacher in eval mode, its weights loaded from ``linearize.teacher``."""
         lin = self.cfg.linearize
         teacher = self.base_model(num_classes, lin.teacher_img_size or self.cfg.data.img_size)
-        path = teacher_weights_path(lin.teacher)
-        weights, _ = read_weights(path)
-        load_weights(teacher, weights, f"teacher {path}")
+        load_weights(teacher, self._teacher_weights(), f"teacher {teacher_weights_path(lin.teacher)}")
         if any(isinstance(module, LinearAttention) for module in teacher.modules()):
             raise ConfigError(f"linearize.teacher {lin.teacher} already uses linear attention; the teacher must be a "
                               f"softmax ViT")
@@ -292,8 +295,7 @@ class LinearizeTask(Task):
         lin = self.cfg.linearize
         student = self.base_model(num_classes, img_size or self.cfg.data.img_size)
         if with_weights and lin.student_weights is None:
-            weights, _ = read_weights(self._teacher_path())
-            load_weights(student, weights, f"teacher {lin.teacher} (into the student)")
+            load_weights(student, self._teacher_weights(), f"teacher {lin.teacher} (into the student)")
         options = OmegaConf.to_container(lin.convert) if isinstance(lin.convert, DictConfig) else dict(lin.convert)
         try:
             convert_to_linear(vit_of(student), **options)
@@ -304,8 +306,11 @@ class LinearizeTask(Task):
             load_weights(student, weights, lin.student_weights)
         return student
 
-    def _teacher_path(self) -> str:
-        return teacher_weights_path(self.cfg.linearize.teacher)
+    def _teacher_weights(self) -> Dict[str, torch.Tensor]:
+        """The teacher's weights, read from its file once (the teacher and the student both start from them)."""
+        if self._teacher_state is None:
+            self._teacher_state, _ = read_weights(teacher_weights_path(self.cfg.linearize.teacher))
+        return self._teacher_state
 
     def build_model(self, num_classes: int) -> nn.Module:
         """Stage 'attention': the AttentionTransfer wrapper around the student; 'finetune': the student itself;
@@ -315,6 +320,7 @@ class LinearizeTask(Task):
             return self.build_student(num_classes, with_weights=False)
         self.teacher = self.build_teacher(num_classes)
         student = self.build_student(num_classes)
+        self._teacher_state = None  # both models hold their copies now
         if self.cfg.linearize.stage != 'attention':
             return student
         self.paths = transfer_pairs(self.teacher, student)
