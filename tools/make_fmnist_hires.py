@@ -3,6 +3,8 @@
 --task classification (default): each image is one Fashion-MNIST item, upscaled 2x-6x and placed at random on a
 --size px canvas (default 512), among fragments of other items (clutter) on a smooth random background. The class is
 the whole item's, so the model has to find one object in a large image and not be fooled by pieces of others.
+--fragments sets the number of clutter pieces (default 12 per 512 x 512 px, at least 3); --fragments 0 leaves only
+the item on the background.
 
 --task segmentation: each image is a --size px canvas (default 1024) with --items-per-image items (3-8), each
 upscaled 2x-6x and dropped at random on a smooth background, overlaps allowed (a later item covers an earlier one).
@@ -55,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--val-images', type=int, default=200, help='segmentation: val images')
     p.add_argument('--items-per-image', type=int, nargs=2, default=[3, 8], metavar=('MIN', 'MAX'),
                    help='segmentation: items on each image, drawn uniformly from MIN..MAX')
+    p.add_argument('--fragments', type=int, default=None,
+                   help='classification: pieces of other items cluttering each image (default: 12 per 512 x 512 px, '
+                        'at least 3; 0 gives a clean background)')
     p.add_argument('--seed', type=int, default=0, help='fixes the choice of items and every image (>= 0)')
     p.add_argument('--workers', type=int, default=min(8, os.cpu_count() or 1),
                    help='processes rendering and saving PNGs (the output does not depend on it)')
@@ -66,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 def spec_of(args: argparse.Namespace) -> FmnistHiresSpec:
     return FmnistHiresSpec(out=args.out, task=args.task, size=args.size, train_per_class=args.train_per_class,
                            val_per_class=args.val_per_class, train_images=args.train_images,
-                           val_images=args.val_images, items_per_image=tuple(args.items_per_image), seed=args.seed,
+                           val_images=args.val_images, items_per_image=tuple(args.items_per_image),
+                           fragments=args.fragments, seed=args.seed,
                            workers=args.workers, idx_dir=args.idx_dir)
 
 

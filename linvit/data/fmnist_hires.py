@@ -5,7 +5,8 @@
 
 task 'classification': each image is one Fashion-MNIST item, upscaled 2x-6x and placed at random on a ``size`` px
 canvas (default 512), among fragments of other items (clutter) on a smooth random background. The class is the whole
-item's, so a model has to find one object in a large image and not be fooled by pieces of others.
+item's, so a model has to find one object in a large image and not be fooled by pieces of others. ``fragments`` sets the
+clutter per image (default ``fragment_count(size)``: 12 at 512 px, as many per area elsewhere, at least 3; 0: none).
 
 task 'segmentation': each image is a ``size`` px canvas (default 1024) with ``items_per_image`` items (3-8), each
 upscaled 2x-6x and dropped at random on a smooth background, overlaps allowed (a later item covers an earlier one).
@@ -38,7 +39,7 @@ from ..deprecation import warn_renamed
 
 __all__ = ['FmnistHiresSpec', 'write_dataset', 'TASKS', 'resolve_task', 'DEFAULT_SIZES', 'DEFAULT_IDX_DIR',
            'CLASS_NAMES', 'BACKGROUND', 'IDX_STEMS', 'find_idx_file', 'read_idx', 'load_split', 'Placement',
-           'render_canvas', 'render_seg_canvas', 'MIN_SIZE', 'SEG_PAINT_THRESHOLD']
+           'render_canvas', 'render_seg_canvas', 'fragment_count', 'MIN_SIZE', 'SEG_PAINT_THRESHOLD']
 
 DEFAULT_IDX_DIR = Path('/usr/share/datasets/fashion-mnist')
 # Fashion-MNIST's labels 0-9, spelled as folder names ('T-shirt/top' has a slash)
@@ -86,6 +87,7 @@ class FmnistHiresSpec:
     train_images: int = 2000
     val_images: int = 200
     items_per_image: Tuple[int, int] = (3, 8)
+    fragments: Optional[int] = None     # classification: clutter pieces per image (None: fragment_count(size))
     seed: int = 0                       # fixes the choice of items and every image
     workers: int = 1                    # processes rendering and saving PNGs (the output does not depend on it)
     idx_dir: Path = DEFAULT_IDX_DIR
@@ -102,6 +104,8 @@ class FmnistHiresSpec:
             raise ValueError(f'size must be >= {MIN_SIZE}, got {self.canvas_size}')
         if self.seed < 0:
             raise ValueError(f'seed must be >= 0, got {self.seed}')
+        if self.fragments is not None and self.fragments < 0:
+            raise ValueError(f'fragments must be >= 0 (or None for the size\'s default), got {self.fragments}')
         if self.train_per_class < 1 or self.val_per_class < 1:
             raise ValueError('train_per_class and val_per_class must be >= 1')
         if self.train_images < 1 or self.val_images < 1:
@@ -207,11 +211,17 @@ def smooth_background(rng: np.random.Generator, size: int) -> np.ndarray:
     return np.array(Image.fromarray(grid).resize((size, size), Image.Resampling.BILINEAR))
 
 
-def add_fragments(canvas: np.ndarray, rng: np.random.Generator, pool: np.ndarray) -> None:
-    """Clutter: small crops of random other items, upscaled like items are, pasted anywhere."""
+def fragment_count(size: int) -> int:
+    """The default clutter of a ``size`` px canvas: 12 pieces at 512 px, as many per area elsewhere, at least 3."""
+    return max(3, round(12 * (size / 512) ** 2))
+
+
+def add_fragments(canvas: np.ndarray, rng: np.random.Generator, pool: np.ndarray, count: Optional[int] = None) -> None:
+    """Clutter: ``count`` (default ``fragment_count``) small crops of random other items, upscaled like items are,
+    pasted anywhere."""
     size = canvas.shape[0]
     low, high = scale_range(size)
-    for _ in range(max(3, round(12 * (size / 512) ** 2))):
+    for _ in range(fragment_count(size) if count is None else count):
         crop = int(rng.integers(6, 13))
         y, x = rng.integers(2, ITEM_SIDE - crop - 1, size=2)
         fragment = pool[rng.integers(len(pool))][y:y + crop, x:x + crop]
@@ -220,12 +230,13 @@ def add_fragments(canvas: np.ndarray, rng: np.random.Generator, pool: np.ndarray
         paste(canvas, upscale(fragment, side), int(top), int(left))
 
 
-def render_canvas(item: np.ndarray, pool: np.ndarray, size: int, rng: np.random.Generator
-                  ) -> Tuple[np.ndarray, Placement]:
-    """One classification image uint8 [size, size]: ``item`` [28, 28] upscaled at a random place over clutter from
-    ``pool`` [N, 28, 28]. The item is pasted last, so all of its non-zero pixels are on the canvas unchanged."""
+def render_canvas(item: np.ndarray, pool: np.ndarray, size: int, rng: np.random.Generator,
+                  fragments: Optional[int] = None) -> Tuple[np.ndarray, Placement]:
+    """One classification image uint8 [size, size]: ``item`` [28, 28] upscaled at a random place over ``fragments``
+    pieces of clutter from ``pool`` [N, 28, 28] (default ``fragment_count(size)``). The item is pasted last, so all
+    of its non-zero pixels are on the canvas unchanged."""
     canvas = smooth_background(rng, size)
-    add_fragments(canvas, rng, pool)
+    add_fragments(canvas, rng, pool, fragments)
     side = round(ITEM_SIDE * rng.uniform(*scale_range(size)))
     top, left = (int(v) for v in rng.integers(0, size - side + 1, size=2))
     paste(canvas, upscale(item, side), top, left)
@@ -253,11 +264,11 @@ def render_seg_canvas(items: np.ndarray, labels: np.ndarray, size: int, rng: np.
 # ---------------------------------------------------------------- writing
 
 def write_item(out: Path, split: str, images: np.ndarray, labels: np.ndarray, index: int, size: int,
-               seed: int) -> dict:
+               seed: int, fragments: Optional[int] = None) -> dict:
     """Render and save classification item ``index`` of ``images``; returns its manifest row."""
     # one stream per item: an image depends on (seed, split, item) only, not on order or worker
     rng = np.random.default_rng([seed, SPLIT_IDS[split], 1, index])
-    canvas, at = render_canvas(images[index], images, size, rng)
+    canvas, at = render_canvas(images[index], images, size, rng, fragments)
     name = CLASS_NAMES[labels[index]]
     path = Path(split) / name / f'{split}-{index:05d}.png'
     Image.fromarray(canvas).save(out / path)
@@ -266,11 +277,11 @@ def write_item(out: Path, split: str, images: np.ndarray, labels: np.ndarray, in
 
 
 def write_split(out: Path, split: str, images: np.ndarray, labels: np.ndarray, chosen: np.ndarray, size: int,
-                seed: int, workers: int = 1) -> List[dict]:
+                seed: int, workers: int = 1, fragments: Optional[int] = None) -> List[dict]:
     """Render and save the items ``chosen`` (indices into ``images``) of one split; returns its manifest rows."""
     for name in CLASS_NAMES:
         (out / split / name).mkdir(parents=True, exist_ok=True)
-    job = functools.partial(write_item, out, split, images, labels, size=size, seed=seed)
+    job = functools.partial(write_item, out, split, images, labels, size=size, seed=seed, fragments=fragments)
     return map_jobs(job, [int(i) for i in chosen], workers)
 
 
@@ -344,7 +355,7 @@ def make_classification(spec: FmnistHiresSpec, splits: Splits, log: Log) -> Tupl
     for split, (images, labels) in splits.items():
         start = time.perf_counter()
         rows += write_split(spec.out, split, images, labels, chosen[split], spec.canvas_size, spec.seed,
-                            spec.workers)
+                            spec.workers, spec.fragments)
         log(f"{split}: {len(chosen[split])} images of {spec.canvas_size} px in {time.perf_counter() - start:.1f} s "
             f"-> {spec.out / split}")
     return rows, (f"wrote {len(rows)} images and {spec.out / 'manifest.csv'}; train with data.name=folder "

@@ -116,12 +116,35 @@ def test_asking_for_more_items_than_exist_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize('bad', [dict(size=32), dict(seed=-1), dict(train_per_class=0), dict(val_images=0),
-                                 dict(items_per_image=(0, 3)), dict(items_per_image=(5, 3)), dict(task='seg')])
+                                 dict(items_per_image=(0, 3)), dict(items_per_image=(5, 3)), dict(task='seg'),
+                                 dict(fragments=-1)])
 def test_a_bad_spec_is_an_error_before_anything_is_read(tmp_path, bad):
     spec = FmnistHiresSpec(**{'out': tmp_path / 'out', 'idx_dir': tmp_path / 'none', **bad})
     with pytest.raises(ValueError):
         write_dataset(spec)
     assert not (tmp_path / 'out').exists()
+
+
+def clutter_outside_the_item(fragments, seeds=range(20)) -> int:
+    """Pixels of the item's grey outside the item's own box, over 64 px canvases of a solid-square item: only
+    clutter (crops of other squares) puts them there; the smooth background is below 70."""
+    item = np.zeros((28, 28), np.uint8)
+    item[ITEM_ROWS, ITEM_ROWS] = ITEM_VALUE
+    pool = np.stack([item] * 4)
+    count = 0
+    for seed in seeds:
+        canvas, at = hires.render_canvas(item, pool, 64, np.random.default_rng(seed), fragments)
+        outside = np.ones(canvas.shape, bool)
+        outside[at.top:at.top + at.side, at.left:at.left + at.side] = False
+        count += int(np.sum(canvas[outside] == ITEM_VALUE))
+    return count
+
+
+def test_fragments_set_the_clutter_and_zero_gives_a_clean_background():
+    assert hires.fragment_count(64) == 3 and hires.fragment_count(512) == 12 and hires.fragment_count(1024) == 48
+    assert clutter_outside_the_item(0) == 0
+    default, many = clutter_outside_the_item(None), clutter_outside_the_item(12)
+    assert 0 < default < many
 
 
 def test_task_names_and_their_old_aliases():

@@ -245,6 +245,23 @@ def test_segmentation_teacher_is_linearized(tmp_path):
     assert any(key.startswith('backbone.blocks.0.attn.feature_map') for key in student)
 
 
+def test_a_pooled_teacher_without_class_token_is_linearized_as_it_was_built(tmp_path):
+    """A timm layout without a class token (average pooling, as "Better plain ViT baselines" trains): the student
+    keeps it (its weights load into a hand-made conversion of that layout, with the report's accuracy)."""
+    pooled = ['model.kwargs.global_pool=avg', 'model.kwargs.class_token=false']
+    teacher_dir = tmp_path / 'teacher'
+    train(load_config(None, [*TEACHER_MODEL, *pooled, *TINY_RUN, 'train.epochs=1', f'output_dir={teacher_dir}']))
+    cfg = lin_config(str(teacher_dir), tmp_path / 'lin')
+    report = linearize(cfg)
+    student = timm.create_model('vit_tiny_patch16_224', img_size=32, depth=2, embed_dim=48, num_heads=3,
+                                patch_size=8, num_classes=4, global_pool='avg', class_token=False)
+    linvit.convert_to_linear(student, feature_map='hedgehog')
+    weights = load_file(tmp_path / 'lin' / 'model.safetensors')
+    assert 'cls_token' not in weights and weights['pos_embed'].shape[1] == 4 * 4
+    student.load_state_dict(weights)
+    assert _hand_top1(student.eval(), cfg) == pytest.approx(report['top1'])
+
+
 def test_a_linear_teacher_or_a_missing_one_is_a_clear_error(teacher_dir, tmp_path):
     missing = subprocess.run([sys.executable, 'train.py', '--config', 'configs/linearize_cls_fmnist.yaml',
                               f'output_dir={tmp_path / "x"}', 'linearize.teacher=null'], cwd=REPO,

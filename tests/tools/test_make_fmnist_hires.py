@@ -51,8 +51,10 @@ def test_defaults_per_task_and_argument_checks(tool):
     assert tool.parse_args(['--out', 'x']).size == 512
     args = tool.parse_args(['--out', 'x', '--task', 'segmentation'])
     assert (args.train_images, args.val_images, args.items_per_image) == (2000, 200, [3, 8])
+    assert tool.spec_of(tool.parse_args(['--out', 'x'])).fragments is None
+    assert tool.spec_of(tool.parse_args(['--out', 'x', '--fragments', '0'])).fragments == 0
     for bad in (['--items-per-image', '0', '3'], ['--items-per-image', '5', '3'], ['--train-images', '0'],
-                ['--size', '32'], ['--seed', '-1'], ['--task', 'detection']):
+                ['--size', '32'], ['--seed', '-1'], ['--task', 'detection'], ['--fragments', '-1']):
         with pytest.raises(SystemExit):
             tool.parse_args(['--out', 'x', '--task', 'segmentation', *bad])
 
