@@ -51,7 +51,7 @@ STAGE_DIRS = {'attention': 'stage1', 'finetune': 'stage2'}
 SPEED_BATCH = 4
 #: untimed and timed interleaved rounds of that measurement: 5 timed rounds at batch 4 left the reported img/s
 #: moving by up to 2x between runs on a 2-core machine; 15 keep each model's median within about 15%
-SPEED_ROUNDS = (3, 15)
+SPEED_WARMUP, SPEED_REPEATS = 3, 15
 #: the teacher's architecture keys its saved config supplies (with the task and the training size)
 _TEACHER_SEG_KEYS = ('head', 'neck_dim', 'head_dim', 'feature_blocks')
 
@@ -168,8 +168,7 @@ def _speed(cfg: DictConfig, num_classes: int) -> Dict[str, float]:
         images = torch.randn(SPEED_BATCH, 3, size, size, device=device)
         with torch.no_grad():
             ms = time_interleaved({name: functools.partial(model, images) for name, model in models.items()},
-                                  warmup=SPEED_ROUNDS[0], repeats=SPEED_ROUNDS[1],
-                                  device=str(device))
+                                  warmup=SPEED_WARMUP, repeats=SPEED_REPEATS, device=str(device))
         for name, value in ms.items():
             speed[f"{name}_img_per_s@{size}px"] = SPEED_BATCH * 1e3 / value
         speed[f"student_over_teacher@{size}px"] = ms['teacher'] / ms['student']
