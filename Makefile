@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test (one per core of a 2-core machine; each gets its share of torch's threads,
+# tests/conftest.py); TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
 MUTATION_WORKERS ?= 2
 
 .PHONY: setup demo demo-cls test lint bench gpu-check gpu-prep mutation clean
@@ -47,7 +50,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check linvit tests tools train.py
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py
