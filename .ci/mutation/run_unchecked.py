@@ -23,9 +23,14 @@ from typing import Dict, List
 
 os.environ.setdefault('OMP_NUM_THREADS', '1')  # one thread per forked run: WORKERS runs share the cores
 sys.path.insert(0, os.getcwd())
+import torch  # noqa: E402
+
+# as tests/conftest.py does, but before timm imports Triton here (Triton reads it when it is first imported, and the
+# forked runs inherit this parent's Triton): without a GPU the kernel tests run under Triton's interpreter
+if not torch.cuda.is_available():
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 import pytest  # noqa: E402
 import timm  # noqa: E402,F401  (imported once here, not in every forked run)
-import torch  # noqa: E402,F401
 
 SELECTION = ['-x', '-q', '-p', 'no:cacheprovider', '-m', 'not compiler', '-k',
              'not (base_patch16 and (forward_backward or features_only))']

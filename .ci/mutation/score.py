@@ -1,31 +1,35 @@
 #!/usr/bin/env python
 """The mutation score of a finished ``mutmut run``, and the survivors nobody has explained.
 
-    python .ci/mutation/score.py build/mutation/mutants .ci/mutation/equivalent_mutants.md
+    python .ci/mutation/score.py build/mutation/mutants .ci/mutation/equivalent_mutants.md [PATTERN ...]
 
 Reads mutmut's per-file results (``mutants/**/*.py.meta``: mutant name -> exit code of its test run) and the list of
 accepted equivalent mutants (every `backquoted` mutmut name in the markdown file). Prints the counts, the score
 killed / (checked - equivalent), the timeouts, and every survivor or uncovered mutant that is not on the list; exits
-1 if there is one, or if a mutant was not checked.
+1 if there is one, or if a mutant was not checked. With PATTERNs (fnmatch over mutant names, e.g.
+'linvit.layers.families.*'), only the matching mutants count: the score of a run restricted to those modules
+(`mutmut run PATTERN ...`).
 """
+import fnmatch
 import json
 import re
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Dict, Set
+from typing import Dict, Sequence, Set
 
 # mutmut's exit-code meanings (mutmut.stats.status_by_exit_code)
 STATUS = {1: 'killed', 3: 'killed', 0: 'survived', 5: 'no tests', 33: 'no tests', 34: 'skipped', 36: 'timeout',
           24: 'timeout', -24: 'timeout', 152: 'timeout', 255: 'timeout', None: 'not checked'}
 
 
-def results(mutants_dir: Path) -> Dict[str, str]:
-    """mutant name -> status, over every mutated file."""
+def results(mutants_dir: Path, patterns: Sequence[str] = ()) -> Dict[str, str]:
+    """mutant name -> status, over every mutated file (or the mutants matching one of ``patterns``)."""
     out = {}
     for meta in sorted(mutants_dir.rglob('*.py.meta')):
         for name, code in json.loads(meta.read_text())['exit_code_by_key'].items():
-            out[name] = STATUS.get(code, 'suspicious')
+            if not patterns or any(fnmatch.fnmatch(name, pattern) for pattern in patterns):
+                out[name] = STATUS.get(code, 'suspicious')
     return out
 
 
@@ -33,8 +37,8 @@ def equivalent_names(path: Path) -> Set[str]:
     return set(re.findall(r'`([\w.ǁ]+__mutmut_\d+)`', path.read_text(encoding='utf-8')))
 
 
-def main(mutants_dir: str, equivalents_file: str) -> int:
-    status = results(Path(mutants_dir))
+def main(mutants_dir: str, equivalents_file: str, patterns: Sequence[str] = ()) -> int:
+    status = results(Path(mutants_dir), patterns)
     equivalent = equivalent_names(Path(equivalents_file))
     counts = Counter(status.values())
     checked = len(status) - counts['not checked']
@@ -61,6 +65,6 @@ def main(mutants_dir: str, equivalents_file: str) -> int:
 
 
 if __name__ == '__main__':
-    if len(sys.argv) != 3:
+    if len(sys.argv) < 3:
         sys.exit(__doc__)
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))

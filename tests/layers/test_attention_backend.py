@@ -78,6 +78,7 @@ def test_auto_on_cpu_keeps_the_pytorch_path_and_triton_takes_the_op():
     assert not layer._calls_op(qkv, None)
 
 
+@pytest.mark.compiler
 @needs_kernels
 def test_kernel_layer_compiles_as_one_graph_equal_to_eager():
     torch.manual_seed(2)
@@ -95,6 +96,7 @@ def test_kernel_layer_compiles_as_one_graph_equal_to_eager():
     torch.testing.assert_close(grad, eager[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.compiler
 def test_fx_traced_model_scripts_and_matches_eager():
     """timm's contract: a traced linvit model (training mode, grad on: the fused path's graph) scripts."""
     torch.manual_seed(3)

@@ -1,6 +1,8 @@
 """The attention families as layers and inside models: each layer against its float64 reference, and for every
 family a linvit model that builds (hybrid, local mixing), trains a step, compiles as one graph and exports to ONNX;
 Performer's features as state; the low-rank family at several resolutions; conversion of timm ViTs."""
+import re
+
 import pytest
 import timm
 import torch
@@ -12,6 +14,7 @@ from linvit import fast
 from linvit.layers import (
     ATTENTION_FAMILIES,
     AFTAttention,
+    BidirectionalAttention,
     GatedLinearAttention,
     LinformerAttention,
     PerformerAttention,
@@ -173,3 +176,168 @@ def test_families_are_listed_in_one_registry():
     assert set(kinds[len(maps):]) == {'performer', 'linformer', 'gated', 'aft', 'bidirectional'}
     with pytest.raises(ValueError, match="unknown attn_family 'softmax'"):
         _model('softmax')
+
+
+# ---- each family layer's own contract: key masks against the float64 references over the kept keys (or the error
+# that says why a family cannot apply one), its patch grid without feat_size, its options as print(model) shows
+# them, and the dtype and device of every tensor it adds
+
+HEAD_DIM = DIM // HEADS
+GRID = (3, 4)
+N = 1 + GRID[0] * GRID[1]
+# keys each batch element drops: a different set per element, the class token among them in the second
+DROPPED = ([3, 7, 8], [0, 12])
+
+def _key_mask():
+    """bool [2, N], True attends, False at DROPPED."""
+    mask = torch.ones(2, N, dtype=torch.bool)
+    for b, dropped in enumerate(DROPPED):
+        mask[b, dropped] = False
+    return mask
+
+
+def _merge_heads(out):
+    """[B, H, N, D] -> [B, N, H * D]."""
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+def _per_element(layer, x, mixed_over_kept):
+    """The layer's output [B, N, dim] from float64 references: for each batch element b, mixed_over_kept(q, k, v,
+    x, kept) mixes all of its queries over its kept keys only; then the layer's output projection."""
+    mask = _key_mask()
+    q, k, v = _split(layer, x)
+    rows = []
+    for b in range(x.shape[0]):
+        kept = mask[b].nonzero().flatten()
+        rows.append(mixed_over_kept(q[b:b + 1], k[b:b + 1], v[b:b + 1], x[b:b + 1], kept))
+    return torch.cat(rows) @ layer.proj.weight.T + layer.proj.bias
+
+
+def test_performer_applies_a_key_mask_as_if_the_masked_keys_were_absent():
+    layer = _random_layer(PerformerAttention, num_features=16, eps=1e-30)
+
+    def mixed(q, k, v, x, kept):
+        return _merge_heads(performer_ref(q, k[:, :, kept], v[:, :, kept], layer.projection, eps=0.0))
+
+    expected = _per_element(layer, _tokens(), mixed)
+    assert torch.allclose(layer(_tokens(), attn_mask=_key_mask()), expected, rtol=1e-9, atol=1e-12)
+
+
+def test_gated_attention_applies_a_key_mask_as_if_the_masked_keys_were_absent():
+    layer = _random_layer(GatedLinearAttention, feature_map='relu', eps=1e-30)
+
+    def mixed(q, k, v, x, kept):
+        key_gate = torch.sigmoid(x @ layer.key_gate.weight.T + layer.key_gate.bias)
+        key_gate = key_gate.reshape(1, N, HEADS, HEAD_DIM).transpose(1, 2)
+        out = _merge_heads(gated_ref(q, k[:, :, kept], v[:, :, kept], key_gate[:, :, kept], 'relu', eps=0.0))
+        return out * torch.sigmoid(x @ layer.gate.weight.T + layer.gate.bias)
+
+    expected = _per_element(layer, _tokens(), mixed)
+    assert torch.allclose(layer(_tokens(), attn_mask=_key_mask()), expected, rtol=1e-9, atol=1e-12)
+
+
+def test_aft_applies_a_per_token_key_mask_and_refuses_one_per_head():
+    layer = _random_layer(AFTAttention)
+
+    def mixed(q, k, v, x, kept):
+        q, k, v = (_merge_heads(t) for t in (q, k, v))
+        return aft_simple_ref(q, k[:, kept], v[:, kept])
+
+    expected = _per_element(layer, _tokens(), mixed)
+    assert torch.allclose(layer(_tokens(), attn_mask=_key_mask()), expected, rtol=1e-10, atol=1e-12)
+    per_head = _key_mask()[:, None, None, :].expand(2, HEADS, 1, N)
+    with pytest.raises(ValueError, match=re.escape("aft attention takes a key mask per token [B, N], not per head")):
+        layer(_tokens(), attn_mask=per_head)
+
+
+@pytest.mark.parametrize('cls, message', [
+    (LinformerAttention, "linformer attention pools keys over the patch grid and cannot apply a key mask"),
+    (BidirectionalAttention, "bidirectional attention scans the patch grid and cannot apply a key mask"),
+])
+def test_families_that_mix_over_the_grid_refuse_a_key_mask_and_say_why(cls, message):
+    layer = cls(DIM, num_heads=HEADS, grid_size=GRID)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        layer(_tokens().float(), attn_mask=_key_mask())
+
+
+@pytest.mark.parametrize('cls', [LinformerAttention, BidirectionalAttention])
+def test_a_layer_without_feat_size_mixes_over_its_own_non_square_grid(cls):
+    layer = _random_layer(cls, grid_size=GRID)
+    x = _tokens()
+    given = layer(x, feat_size=list(GRID))
+    assert torch.equal(layer(x), given)
+    assert not torch.allclose(layer(x, feat_size=[GRID[1], GRID[0]]), given)
+
+
+def test_linformer_on_its_own_grid_equals_its_reference():
+    layer = _random_layer(LinformerAttention, grid_size=GRID, low_rank_size=2)
+    x = _tokens()
+    q, k, v = _split(layer, x)
+    expected = _merge_heads(low_rank_ref(q, k, v, GRID, 1, 2)) @ layer.proj.weight.T + layer.proj.bias
+    assert torch.allclose(layer(x), expected, rtol=1e-10, atol=1e-12)
+
+
+
+def test_bidirectional_checks_its_decays_and_chunk_size():
+    assert BidirectionalAttention(DIM, num_heads=HEADS, decay=1.0).decays == (1.0,) * HEADS
+    for decay in (0.0, 1.5, [0.5] * (HEADS - 1)):
+        with pytest.raises(ValueError, match=re.escape("decay must hold one value in (0, 1]")):
+            BidirectionalAttention(DIM, num_heads=HEADS, decay=decay)
+    assert BidirectionalAttention(DIM, num_heads=HEADS, scan_chunk_size=1).scan_chunk_size == 1
+    for size in (0, -2, 1.5, True, '4'):
+        message = f"scan_chunk_size must be an int >= 1 or None, got {size!r}"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            BidirectionalAttention(DIM, num_heads=HEADS, scan_chunk_size=size)
+
+
+@pytest.mark.parametrize('cls, options, shown', [
+    (BidirectionalAttention, dict(decay=0.5, data_gate=True, scan_orders='raster', scan_chunk_size=4),
+     "family='bidirectional', dim=32, num_heads=4, head_dim=8, decay=0.5, data_gate=True, scan_orders='raster', "
+     "scan_chunk_size=4, feature_map='elu1'"),
+    (BidirectionalAttention, dict(data_gate=1),
+     "decay='retnet', data_gate=True, scan_orders='raster+column', scan_chunk_size=None"),
+    (PerformerAttention, dict(),
+     "family='performer', dim=32, num_heads=4, head_dim=8, num_features=8, orthogonal=True"),
+    (PerformerAttention, dict(num_features=12, orthogonal=False), "num_features=12, orthogonal=False"),
+    (LinformerAttention, dict(), "family='linformer', dim=32, num_heads=4, head_dim=8, low_rank_size=16"),
+])
+def test_print_shows_each_declared_option_with_its_value_or_default(cls, options, shown):
+    assert shown in repr(cls(DIM, num_heads=HEADS, **options))
+
+
+def test_linformer_refuses_a_low_rank_size_below_one():
+    assert LinformerAttention(DIM, num_heads=HEADS, low_rank_size=1).low_rank_size == 1
+    with pytest.raises(ValueError, match="^low_rank_size must be >= 1, got 0$"):
+        LinformerAttention(DIM, num_heads=HEADS, low_rank_size=0)
+
+
+def test_performer_features_are_orthogonal_by_default_and_iid_on_request():
+    torch.manual_seed(0)
+    orthogonal = PerformerAttention(DIM, num_heads=HEADS).projection.double()       # [8, 8]: one block
+    gram = orthogonal @ orthogonal.T
+    assert torch.allclose(gram - torch.diag(gram.diagonal()), torch.zeros_like(gram), atol=1e-5)
+    iid = PerformerAttention(DIM, num_heads=HEADS, orthogonal=False).projection.double()
+    gram = iid @ iid.T
+    assert (gram - torch.diag(gram.diagonal())).abs().max() > 0.5
+
+
+# every tensor a family adds beyond timm's Attention, built with the options that create it
+OWN_TENSOR_OPTIONS = {'bidirectional': dict(data_gate=True)}
+
+
+@pytest.mark.parametrize('family', [name for name in ATTENTION_FAMILIES if name != 'linear'])
+def test_every_family_tensor_takes_the_requested_dtype_and_device(family):
+    cls = ATTENTION_FAMILIES[family]
+    options = {**OWN_TENSOR_OPTIONS.get(family, {}), 'grid_size': GRID}
+    for name, param in cls(DIM, num_heads=HEADS, dtype=torch.float64, **options).named_parameters():
+        assert param.dtype == torch.float64, name
+    meta = cls(DIM, num_heads=HEADS, device='meta', **options)
+    for name, tensor in [*meta.named_parameters(), *meta.named_buffers()]:
+        assert tensor.device.type == 'meta', name
+    for name in cls.family.tensors:
+        assert any(key.startswith(name) for key in meta.state_dict()), f"{family} declares {name} but has none"
+
+
+def test_a_new_bidirectional_gate_starts_at_weight_zero_and_bias_four():
+    gate = BidirectionalAttention(DIM, num_heads=HEADS, data_gate=True).scan_gate
+    assert torch.equal(gate.weight, torch.zeros(DIM, DIM)) and torch.equal(gate.bias, torch.full((DIM,), 4.0))

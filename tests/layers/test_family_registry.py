@@ -5,6 +5,7 @@ built-in declarations are complete (checked against state-dict diffs with timm's
 and warn."""
 import math
 import os
+import re
 
 import pytest
 import timm
@@ -15,14 +16,18 @@ from timm.layers import Attention
 from tiny_run import TINY_RUN
 
 import linvit
+import linvit.layers.families as families_module
 from linvit.layers import (
     ATTENTION_FAMILIES,
+    AFTAttention,
     FamilySpec,
+    GatedLinearAttention,
     LinearAttention,
     LinformerAttention,
     PerformerAttention,
     attention_layer,
     linear_only_parameter_names,
+    list_attention_families,
     load_softmax_state_dict,
     register_family,
     unregister_family,
@@ -330,3 +335,82 @@ def test_old_names_warn_and_keep_their_old_values():
         linear_attention_from_softmax(Attention(DIM, num_heads=HEADS), famliy='aft')
     with pytest.raises(AttributeError):
         linvit.layers.NoSuchName  # noqa: B018
+
+
+# ---- the registry's errors and old names ----
+
+
+def test_an_unknown_family_lists_the_known_ones_and_a_feature_map_name_gets_a_hint():
+    known = list_attention_families()
+    message = f"unknown attn_family 'nonesuch'; known: {known}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        attention_layer('nonesuch')
+    hint = "('relu' is a feature map: attn_family='linear', feature_map='relu')"
+    with pytest.raises(ValueError, match=f"known: {re.escape(str(known))} {re.escape(hint)}$"):
+        attention_layer('relu')
+
+
+def test_the_old_attn_kernel_word_keeps_a_family_s_feature_map():
+    message = ("attn_kernel is deprecated and will be removed in the next release; use attn_family (a feature-map "
+               "name: attn_family='linear' with feature_map)")
+    with pytest.warns(FutureWarning, match=f"^{re.escape(message)}$"):
+        model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, attn_kernel='gated',
+                                  feature_map='relu')
+    assert isinstance(model.blocks[0].attn, GatedLinearAttention)
+    assert model.blocks[0].attn.feature_map_name == 'relu'
+
+
+def test_the_families_module_names_itself_for_old_and_unknown_names():
+    with pytest.warns(FutureWarning, match=re.escape('linvit.layers.families.LowRankAttention is deprecated')):
+        assert families_module.LowRankAttention is LinformerAttention
+    missing = "module 'linvit.layers.families' has no attribute 'nonesuch'"
+    with pytest.raises(AttributeError, match=re.escape(missing)):
+        families_module.nonesuch  # noqa: B018
+
+
+def test_a_declaration_error_says_what_the_constructor_has_instead():
+    class MissingOption(LinearAttention):
+        family = FamilySpec('missing_option', options={'width': 2, 'scale': 1.0})
+
+        def __init__(self, dim: int, scale: float = 1.0, **kwargs) -> None:
+            super().__init__(dim, **kwargs)
+
+    class WrongDefault(LinearAttention):
+        family = FamilySpec('wrong_default', options={'width': 2})
+
+        def __init__(self, dim: int, width: int = 3, **kwargs) -> None:
+            super().__init__(dim, **kwargs)
+
+    for cls, found in ((MissingOption, 'no such keyword'), (WrongDefault, 'default 3')):
+        message = f"{cls.__name__} declares option width=2 in its FamilySpec, but its constructor has {found}"
+        with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+            register_family(cls)
+
+
+def test_a_constructor_without_kwargs_keeps_its_own_arguments_undeclared():
+    # like the plain 'linear' family: arguments it does not pass on to a base are not family options
+    class Explicit(LinearAttention):
+        family = FamilySpec('explicit')
+
+        def __init__(self, dim: int, num_heads: int = 8) -> None:
+            super().__init__(dim, num_heads=num_heads)
+
+    try:
+        assert register_family(Explicit) is Explicit and ATTENTION_FAMILIES['explicit'] is Explicit
+    finally:
+        unregister_family('explicit')
+
+
+def test_the_old_family_keyword_of_attention_layer_warns_with_the_new_one():
+    message = ("attention_layer(family=...) is deprecated and will be removed in the next release; use "
+               "attention_layer(attn_family=...)")
+    with pytest.warns(FutureWarning, match=f"^{re.escape(message)}$"):
+        layer_class = attention_layer(family='aft')
+    assert issubclass(layer_class, AFTAttention)
+
+
+def test_attention_layer_refuses_an_unknown_feature_map_before_any_layer_is_built():
+    message = f"unknown feature map 'nonesuch'; known: {linvit.list_feature_maps()}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        attention_layer('gated', feature_map='nonesuch')
+    assert attention_layer('gated', feature_map=None)(DIM, num_heads=HEADS).feature_map_name == 'elu1'

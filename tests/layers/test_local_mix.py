@@ -91,6 +91,7 @@ class _AddsLocalTerm(torch.nn.Module):
         return self.mix.add_to(out * 2.0, v, [3, 5])
 
 
+@pytest.mark.compiler
 def test_an_fx_graph_traced_without_autograd_keeps_the_local_term():
     """Traced under no_grad, the graph takes the out-of-place sum: the in-place add into a slice of out has a value
     nothing reads, which dead-code elimination (torchvision's and timm's feature extraction run it) removed along

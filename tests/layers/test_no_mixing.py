@@ -136,7 +136,12 @@ def test_floor_of_a_hybrid_linvit_drops_all_mixing():
     assert not any(isinstance(m, (LocalMix, LinearAttention)) for m in floor.modules())
     x = images()
     torch.testing.assert_close(floor(x), reference(x))
-    assert_one_graph(fast.check_graph_breaks(floor, x))
+
+
+@pytest.mark.compiler
+def test_floor_of_a_hybrid_linvit_compiles_as_one_graph():
+    floor = make_floor(tiny_linvit(local_mix=True, softmax_blocks=(1,)).eval())
+    assert_one_graph(fast.check_graph_breaks(floor, images()))
 
 
 def test_floor_keeps_training_mode_and_rejects_models_without_attention():
@@ -144,3 +149,13 @@ def test_floor_keeps_training_mode_and_rejects_models_without_attention():
     assert all(blk.attn.training for blk in model.blocks)
     with pytest.raises(ValueError, match='no timm Attention'):
         make_floor(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_make_floor_names_a_model_without_attention_and_refuses_a_bare_attention_layer():
+    with pytest.raises(ValueError, match=r"^make_floor found no timm Attention or linvit LinearAttention in "
+                                         r"Sequential$"):
+        make_floor(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    for layer in (Attention(DIM, num_heads=HEADS), LinearAttention(DIM, num_heads=HEADS)):
+        with pytest.raises(ValueError, match="^make_floor replaces attention layers inside a model; got an "
+                                             "attention layer itself$"):
+            make_floor(layer)

@@ -258,6 +258,7 @@ def test_backend_choice_and_reasons(monkeypatch):
         linear_attention_qkv_op(q)
 
 
+@pytest.mark.compiler
 @pytest.mark.parametrize('backend', ['auto', pytest.param('triton', marks=needs_kernels)])
 def test_op_compiles_as_one_graph(backend):
     """torch.compile(fullgraph=True) keeps the op as one node, forward and backward, equal to eager."""

@@ -255,6 +255,7 @@ def test_half_precision_at_16k_tokens():
     assert (got.float() - ref).abs().max() / ref.abs().max() <= 2e-2
 
 
+@pytest.mark.compiler
 def test_chunked_function_compiles_as_one_graph():
     q, k, v = _qkv(1, 2, 100, 8, 8, dtype=torch.float32)
     log_gate = torch.nn.functional.logsigmoid(torch.randn(1, 2, 100, 8))
