@@ -10,6 +10,8 @@ PYTEST_ARGS ?=
 # tests/conftest.py); TEST_WORKERS=0 runs the suite in one process
 TEST_WORKERS ?= 2
 MUTATION_WORKERS ?= 2
+# mutant name patterns for make mutation (empty: every module of the target), e.g. 'linvit.layers.families.*'
+MUTANTS ?=
 
 .PHONY: setup demo demo-cls test lint bench gpu-check gpu-prep mutation clean
 
@@ -92,8 +94,8 @@ mutation: $(STAMP)
 	rm -rf $(MUTATION_DIR) && mkdir -p $(MUTATION_DIR)
 	git ls-files -z | tar --null -T - -cf - | tar -xf - -C $(MUTATION_DIR)
 	cp .ci/mutation/setup.cfg $(MUTATION_DIR)/setup.cfg
-	cd $(MUTATION_DIR) && ../../$(VENV)/bin/mutmut run --max-children $(MUTATION_WORKERS)
-	$(PY) .ci/mutation/score.py $(MUTATION_DIR)/mutants .ci/mutation/equivalent_mutants.md
+	cd $(MUTATION_DIR) && ../../$(VENV)/bin/mutmut run --max-children $(MUTATION_WORKERS) $(MUTANTS)
+	$(PY) .ci/mutation/score.py $(MUTATION_DIR)/mutants .ci/mutation/equivalent_mutants.md $(MUTANTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

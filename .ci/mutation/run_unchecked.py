@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Finish a `mutmut run` faster: run its unchecked mutants (or named ones) and write the verdicts into its results.
 
-    cd build/mutation/mutants && ../../../.venv/bin/python ../../../.ci/mutation/run_unchecked.py [NAME ...]
+    cd build/mutation/mutants && ../../../.venv/bin/python ../../../.ci/mutation/run_unchecked.py [--unchecked] [NAME]
 
 mutmut generates the mutants and records a verdict per mutant in ``mutants/**/*.py.meta``; `score.py` and
 `mutmut results` read them. Its runner picks each mutant's tests by coverage and, here, spends 17-50 s on each of the
 mutants it leaves for last (the ones every model test covers). This script runs one pytest per mutant, forked from a
 parent that has already imported torch and timm, over the mutated package's own tests first and then the other two
-packages' (``pytest -x``, the same deselections as setup.cfg): 2-15 s per mutant on 2 cores. Without names it runs
-every mutant that has no verdict; with names (or fnmatch patterns) it re-runs those, e.g. survivors after new tests
-(copy the tests into mutants/tests first). Verdicts: pytest's exit code (1 killed, 0 survived, 5 no tests), a run past
-TIMEOUT_S is a timeout.
+packages' (``pytest -x``, the same deselections as setup.cfg): 2-15 s for a killed mutant on 2 cores, the whole
+selection (about 70 s) for a survivor. Without names it runs every mutant that has no verdict; with names (or fnmatch
+patterns) it re-runs those, e.g. survivors after new tests (copy the tests into mutants/tests first); with
+``--unchecked`` and patterns, only the matching ones without a verdict (finishing a ``make mutation MUTANTS=...``
+run). Verdicts: pytest's exit code (1 killed, 0 survived, 5 no tests), a run past TIMEOUT_S is a timeout.
 """
 import fnmatch
 import json
@@ -47,12 +48,14 @@ def load_results() -> Dict[Path, dict]:
     return {meta: json.loads(meta.read_text()) for meta in sorted(Path('linvit').rglob('*.py.meta'))}
 
 
-def select(results: Dict[Path, dict], patterns: List[str]) -> List[str]:
-    """Names of the mutants without a verdict, or of those matching ``patterns`` (names or fnmatch patterns)."""
+def select(results: Dict[Path, dict], patterns: List[str], unchecked_only: bool = False) -> List[str]:
+    """Names of the mutants without a verdict, or of those matching ``patterns`` (names or fnmatch patterns), of
+    these only the ones without a verdict if ``unchecked_only``."""
     codes = {name: code for data in results.values() for name, code in data['exit_code_by_key'].items()}
     if not patterns:
         return [name for name, code in codes.items() if code is None]
-    return [name for name in codes if any(fnmatch.fnmatch(name, p) for p in patterns)]
+    return [name for name, code in codes.items() if any(fnmatch.fnmatch(name, p) for p in patterns)
+            and (code is None or not unchecked_only)]
 
 
 def run_one(name: str) -> None:
@@ -87,11 +90,11 @@ def record(results: Dict[Path, dict], name: str, code: int) -> None:
             return
 
 
-def main(patterns: List[str]) -> None:
+def main(patterns: List[str], unchecked_only: bool = False) -> None:
     results = load_results()
     if not results:
         sys.exit("no mutmut results here: run this in the mutants/ directory of a `mutmut run` copy")
-    queue = select(results, patterns)
+    queue = select(results, patterns, unchecked_only)
     # as mutmut does: the tests must pass with no mutant switched on, or every mutant would count as killed
     if run_clean() != 0:
         sys.exit("the tests fail without a mutant (run them in this directory to see why); no verdicts written")
@@ -116,4 +119,5 @@ def main(patterns: List[str]) -> None:
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    main([a for a in args if a != '--unchecked'], '--unchecked' in args)

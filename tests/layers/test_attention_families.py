@@ -246,7 +246,8 @@ def test_aft_applies_a_per_token_key_mask_and_refuses_one_per_head():
     expected = _per_element(layer, _tokens(), mixed)
     assert torch.allclose(layer(_tokens(), attn_mask=_key_mask()), expected, rtol=1e-10, atol=1e-12)
     per_head = _key_mask()[:, None, None, :].expand(2, HEADS, 1, N)
-    with pytest.raises(ValueError, match=re.escape("aft attention takes a key mask per token [B, N], not per head")):
+    message = "aft attention takes a key mask per token [B, N], not per head"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         layer(_tokens(), attn_mask=per_head)
 
 

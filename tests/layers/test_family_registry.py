@@ -414,3 +414,8 @@ def test_attention_layer_refuses_an_unknown_feature_map_before_any_layer_is_buil
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         attention_layer('gated', feature_map='nonesuch')
     assert attention_layer('gated', feature_map=None)(DIM, num_heads=HEADS).feature_map_name == 'elu1'
+
+
+def test_attention_layer_defaults_to_plain_linear_attention():
+    layer = attention_layer(feature_map='relu')(DIM, num_heads=HEADS)
+    assert type(layer).family.name == 'linear' and layer.feature_map_name == 'relu'
