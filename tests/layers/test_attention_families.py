@@ -1,6 +1,7 @@
 """The attention families as layers and inside models: each layer against its float64 reference, and for every
 family a linvit model that builds (hybrid, local mixing), trains a step, compiles as one graph and exports to ONNX;
-Performer's features as state; the low-rank family at several resolutions; conversion of timm ViTs."""
+Performer's features as state; the low-rank family at several resolutions; conversion of timm ViTs; and each layer's
+own contract: key masks, its patch grid without feat_size, its option checks and defaults, dtype and meta device."""
 import re
 
 import pytest
@@ -187,6 +188,7 @@ GRID = (3, 4)
 N = 1 + GRID[0] * GRID[1]
 # keys each batch element drops: a different set per element, the class token among them in the second
 DROPPED = ([3, 7, 8], [0, 12])
+
 
 def _key_mask():
     """bool [2, N], True attends, False at DROPPED."""
