@@ -1,7 +1,7 @@
 """The attention families as layers and inside models: each layer against its float64 reference, and for every
 family a linvit model that builds (hybrid, local mixing), trains a step, compiles as one graph and exports to ONNX;
 Performer's features as state; the low-rank family at several resolutions; conversion of timm ViTs; and each layer's
-own contract: key masks, its patch grid without feat_size, its option checks and defaults, dtype and meta device."""
+own contract: key masks, its patch grid without feat_size, its option checks and defaults."""
 import re
 
 import pytest
@@ -180,8 +180,7 @@ def test_families_are_listed_in_one_registry():
 
 
 # ---- each family layer's own contract: key masks against the float64 references over the kept keys (or the error
-# that says why a family cannot apply one), its patch grid without feat_size, its options as print(model) shows
-# them, and the dtype and device of every tensor it adds
+# that says why a family cannot apply one), its patch grid without feat_size, its options as print(model) shows them
 
 HEAD_DIM = DIM // HEADS
 GRID = (3, 4)
@@ -280,6 +279,8 @@ def test_linformer_on_its_own_grid_equals_its_reference():
     assert torch.allclose(layer(x), expected, rtol=1e-10, atol=1e-12)
 
 
+# each family's options: their checks, and their values or defaults as print(model) shows them
+
 
 def test_bidirectional_checks_its_decays_and_chunk_size():
     assert BidirectionalAttention(DIM, num_heads=HEADS, decay=1.0).decays == (1.0,) * HEADS
@@ -322,23 +323,6 @@ def test_performer_features_are_orthogonal_by_default_and_iid_on_request():
     iid = PerformerAttention(DIM, num_heads=HEADS, orthogonal=False).projection.double()
     gram = iid @ iid.T
     assert (gram - torch.diag(gram.diagonal())).abs().max() > 0.5
-
-
-# every tensor a family adds beyond timm's Attention, built with the options that create it
-OWN_TENSOR_OPTIONS = {'bidirectional': dict(data_gate=True)}
-
-
-@pytest.mark.parametrize('family', [name for name in ATTENTION_FAMILIES if name != 'linear'])
-def test_every_family_tensor_takes_the_requested_dtype_and_device(family):
-    cls = ATTENTION_FAMILIES[family]
-    options = {**OWN_TENSOR_OPTIONS.get(family, {}), 'grid_size': GRID}
-    for name, param in cls(DIM, num_heads=HEADS, dtype=torch.float64, **options).named_parameters():
-        assert param.dtype == torch.float64, name
-    meta = cls(DIM, num_heads=HEADS, device='meta', **options)
-    for name, tensor in [*meta.named_parameters(), *meta.named_buffers()]:
-        assert tensor.device.type == 'meta', name
-    for name in cls.family.tensors:
-        assert any(key.startswith(name) for key in meta.state_dict()), f"{family} declares {name} but has none"
 
 
 def test_a_new_bidirectional_gate_starts_at_weight_zero_and_bias_four():

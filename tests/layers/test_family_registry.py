@@ -189,6 +189,16 @@ def test_declared_tensors_are_exactly_what_the_family_adds_to_timm_attention(nam
     assert isinstance(cls.family, FamilySpec) and cls.family.name == name
 
 
+@pytest.mark.parametrize('name', ['performer', 'linformer', 'gated', 'aft', 'bidirectional'])
+def test_every_family_tensor_takes_the_requested_dtype_and_device(name):
+    cls, options = ATTENTION_FAMILIES[name], EVERY_TENSOR.get(name, {})
+    for key, param in cls(DIM, num_heads=HEADS, dtype=torch.float64, **options).named_parameters():
+        assert param.dtype == torch.float64, key
+    meta = cls(DIM, num_heads=HEADS, device='meta', **options)
+    for key, tensor in [*meta.named_parameters(), *meta.named_buffers()]:
+        assert tensor.device.type == 'meta', key
+
+
 @pytest.mark.parametrize('name', ['linear', 'performer', 'linformer', 'gated', 'aft', 'bidirectional'])
 def test_declared_feature_map_and_causal_form_are_what_the_family_accepts(name):
     spec = ATTENTION_FAMILIES[name].family

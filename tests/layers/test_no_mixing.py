@@ -154,7 +154,7 @@ def test_floor_keeps_training_mode_and_rejects_models_without_attention():
 def test_make_floor_names_a_model_without_attention_and_refuses_a_bare_attention_layer():
     with pytest.raises(ValueError, match=r"^make_floor found no timm Attention or linvit LinearAttention in "
                                          r"Sequential$"):
-        make_floor(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        make_floor(nn.Sequential(nn.Linear(4, 4)))
     for layer in (Attention(DIM, num_heads=HEADS), LinearAttention(DIM, num_heads=HEADS)):
         with pytest.raises(ValueError, match="^make_floor replaces attention layers inside a model; got an "
                                              "attention layer itself$"):
