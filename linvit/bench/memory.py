@@ -6,6 +6,8 @@ from typing import Dict, Optional
 
 import torch
 
+from ..fast.allocator import retaining_freed_memory
+
 __all__ = ['MemoryWatch', 'RETAIN_FREED_MEMORY_ENV', 'allocator_setting', 'lifetime_peak_rss_mib', 'reset_peak_rss']
 
 # glibc returns large freed blocks to the system and faults fresh pages in when they are allocated again; these
@@ -14,10 +16,14 @@ RETAIN_FREED_MEMORY_ENV = {'MALLOC_MMAP_THRESHOLD_': str(2 ** 34), 'MALLOC_TRIM_
 
 
 def allocator_setting() -> str:
-    """'retain' under ``RETAIN_FREED_MEMORY_ENV``, 'system' without those variables, 'custom' for other values."""
+    """'retain' under ``RETAIN_FREED_MEMORY_ENV`` or once linvit's fast path made glibc retain freed memory
+    (``linvit.fast.allocator``: compiled models and training steps on CPU), 'custom' for other values of those
+    variables, else 'system'."""
     if all(os.environ.get(k) == v for k, v in RETAIN_FREED_MEMORY_ENV.items()):
         return 'retain'
-    return 'custom' if any(k in os.environ for k in RETAIN_FREED_MEMORY_ENV) else 'system'
+    if any(k in os.environ for k in RETAIN_FREED_MEMORY_ENV):
+        return 'custom'
+    return 'retain' if retaining_freed_memory() else 'system'
 
 
 def _proc_status_mib(key: str) -> Optional[float]:

@@ -39,18 +39,18 @@ class TrainStep:
         before clipping, and the optimizer stepped through it.
     accum_steps: micro-batches per optimizer step in ``accumulate``: each adds grad(loss / accum_steps).
     clip_grad: clip the gradients' global norm to this before each ``optimizer_step`` (None / 0: off).
-    mode, dynamic, fullgraph, backend: as for ``linvit.fast.compile_model``.
+    mode, dynamic, fullgraph, backend, retain_freed_memory: as for ``linvit.fast.compile_model``.
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: Optional[torch.optim.Optimizer] = None, *,
                  compile: bool = False, amp_dtype: Optional[torch.dtype] = None,
                  grad_scaler: Optional[torch.amp.GradScaler] = None, accum_steps: int = 1,
                  clip_grad: Optional[float] = None, mode: Optional[str] = None, dynamic: bool = False,
-                 fullgraph: bool = True, backend: Any = 'inductor') -> None:
+                 fullgraph: bool = True, backend: Any = 'inductor', retain_freed_memory: bool = True) -> None:
         if accum_steps < 1:
             raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
         self.graph = LossGraph(model, loss_fn, compile=compile, amp_dtype=amp_dtype, mode=mode, dynamic=dynamic,
-                               fullgraph=fullgraph, backend=backend)
+                               fullgraph=fullgraph, backend=backend, retain_freed_memory=retain_freed_memory)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer

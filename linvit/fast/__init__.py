@@ -42,6 +42,11 @@ off (it made the attention features channels-last) and adds ``UnfuseCpuBiasAdd``
 linear layer's bias add off the CPU addmm into the pointwise kernel that follows it (see
 ``linvit.fast.compiler._inductor_options``).
 
+Allocator (CPU): ``compile_model`` (on its first CPU call) and training steps (``LossGraph``, ``TrainStep``, eager or
+compiled, on CPU) make glibc keep freed memory in the process (``retain_freed_memory``; ``linvit.fast.allocator``
+says why and what it costs). Pass ``retain_freed_memory=False`` to leave the allocator as it is; thresholds set in the
+environment (``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_``) are never overridden.
+
 Mixed precision: ``amp_dtype`` turns on ``torch.autocast(device_type=<the input's device type>, dtype=amp_dtype)``
 inside the compiled region; the linear-attention core disables autocast itself and runs in float32.
 """
@@ -52,6 +57,7 @@ import torch.nn as nn
 
 from ..deprecation import module_getattr
 from ..layers import make_floor as _make_floor
+from .allocator import retain_freed_memory
 from .checks import GraphReport, check_graph_breaks, find_forward_side_effects, find_host_tensors
 from .compiler import RECOMPILE_LIMIT, CompiledModel, LossFn, LossGraph, UnfuseCpuBiasAdd, compile_model
 
@@ -59,7 +65,8 @@ if TYPE_CHECKING:
     from ..engine.step import TrainStep
 
 __all__ = ['RECOMPILE_LIMIT', 'CompiledModel', 'LossGraph', 'GraphReport', 'UnfuseCpuBiasAdd', 'compile_model',
-           'compile_train_step', 'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects']
+           'compile_train_step', 'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects',
+           'retain_freed_memory']
 
 
 def compile_train_step(model: nn.Module, loss_fn: LossFn, optimizer: Optional[torch.optim.Optimizer] = None,

@@ -15,6 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import is_pointwise_use
 
 from ..models.linvit import check_image_size
+from .allocator import retain_freed_memory as _retain_freed_memory
 
 __all__ = ['RECOMPILE_LIMIT', 'LossFn', 'UnfuseCpuBiasAdd', 'CompiledModel', 'compile_model', 'LossGraph']
 
@@ -152,22 +153,27 @@ class CompiledModel(nn.Module):
     forward(images [B, C, H, W], *args, **kwargs) -> whatever ``module`` returns (e.g. logits [B, num_classes]),
     computed by the compiled graph. Grad mode is the caller's: wrap inference in ``torch.inference_mode()``.
     With a CUDA-graph mode on CUDA, an output is overwritten by the next call: clone it to keep it.
+    retain_freed_memory: on the first call with CPU images, make glibc keep freed memory in the process
+    (``linvit.fast.allocator``), so calls do not refault their buffers.
     """
 
     def __init__(self, model: nn.Module, mode: Optional[str] = None, dynamic: bool = False, fullgraph: bool = True,
-                 backend: Any = 'inductor') -> None:
+                 backend: Any = 'inductor', retain_freed_memory: bool = True) -> None:
         super().__init__()
         if dynamic:
             _check_dynamic_hw(model)
         self.module = model
         self.mode = mode
         self.dynamic = dynamic
+        self.retain_freed_memory = retain_freed_memory
         # held outside the module tree (object.__setattr__), so parameters() and state_dict() list the model once
         object.__setattr__(self, 'compiled', _compile(model, mode, dynamic, fullgraph, backend))
 
     def forward(self, images: torch.Tensor, *args, **kwargs) -> Any:
         # sizes the model rejects raise its own ValueError here; inside the graph dynamo would bury it
         check_image_size(self.module, images)
+        if self.retain_freed_memory and images.device.type == 'cpu':
+            _retain_freed_memory()
         if self.dynamic:
             _mark_hw_dynamic(images)
         if _uses_cudagraphs(self.mode):
@@ -177,7 +183,7 @@ class CompiledModel(nn.Module):
 
 
 def compile_model(model: nn.Module, mode: Optional[str] = None, dynamic: bool = False, fullgraph: bool = True,
-                  backend: Any = 'inductor') -> CompiledModel:
+                  backend: Any = 'inductor', retain_freed_memory: bool = True) -> CompiledModel:
     """Compile ``model``'s forward for inference (or any forward-only use): images [B, C, H, W] -> model output.
 
     mode: torch.compile's mode (None, 'reduce-overhead' for CUDA graphs on CUDA, 'max-autotune', ...). With None
@@ -186,9 +192,13 @@ def compile_model(model: nn.Module, mode: Optional[str] = None, dynamic: bool = 
     dynamic: False = one static graph per (B, H, W); True = H and W symbolic (see ``linvit.fast``'s resolution policy).
     fullgraph: True makes any graph break an error instead of a silent split.
     backend: torch.compile's backend ('inductor'; 'eager' / 'aot_eager' to debug tracing only).
+    retain_freed_memory: True makes glibc keep freed memory in the process once CPU images arrive
+        (``linvit.fast.allocator.retain_freed_memory``, process-wide): without it the same compiled ViT-S at
+        1024 px refaulted 0 to 61k pages per call, depending on the heap's history. False leaves the allocator alone.
     Compilation is lazy: it happens on the first call with each new shape.
     """
-    return CompiledModel(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
+    return CompiledModel(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend,
+                         retain_freed_memory=retain_freed_memory)
 
 
 class LossGraph:
@@ -201,12 +211,13 @@ class LossGraph:
 
     compile: False runs the same code eagerly (the reference); True compiles ``forward_loss`` with ``fullgraph``.
     amp_dtype: None (no autocast) or torch.bfloat16 / torch.float16 (autocast on the images' device type).
-    mode, dynamic, fullgraph, backend: as for ``compile_model``.
+    mode, dynamic, fullgraph, backend, retain_freed_memory: as for ``compile_model`` (the allocator setting holds
+        for eager steps too: eager training refaults its activations and their gradients just the same).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, compile: bool = False,
                  amp_dtype: Optional[torch.dtype] = None, mode: Optional[str] = None, dynamic: bool = False,
-                 fullgraph: bool = True, backend: Any = 'inductor') -> None:
+                 fullgraph: bool = True, backend: Any = 'inductor', retain_freed_memory: bool = True) -> None:
         if compile and dynamic:
             _check_dynamic_hw(model)
             _check_dynamic_training(model)
@@ -216,6 +227,7 @@ class LossGraph:
         self.compiled = compile
         self.mode = mode
         self.dynamic = dynamic
+        self.retain_freed_memory = retain_freed_memory
         self._forward_loss = _compile(self.forward_loss, mode, dynamic, fullgraph, backend) if compile \
             else self.forward_loss
 
@@ -226,6 +238,8 @@ class LossGraph:
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         check_image_size(self.model, images)
+        if self.retain_freed_memory and images.device.type == 'cpu':
+            _retain_freed_memory()
         if self.compiled and self.dynamic:
             _mark_hw_dynamic(images)
         if self.compiled and _uses_cudagraphs(self.mode):

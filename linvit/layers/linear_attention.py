@@ -21,6 +21,7 @@ from ..ops import (
     is_learnable_feature_map,
     kernel_unsupported_reason,
     linear_attention_from_features,
+    projected_linear_attention_from_features,
 )
 from .family import FamilySpec, register_family
 from .feature_map import LearnableFeatureMap  # noqa: F401  (registers the learnable maps: 'hedgehog')
@@ -304,8 +305,13 @@ class LinearAttention(nn.Module):
         """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] by the float32 core on mapped features (inference,
         TorchScript, maps without a registered derivative)."""
         B, N = qkv.shape[0], qkv.shape[1]
+        phi_q, phi_k, v = self._features(qkv)
+        mixed = self._attend_features(phi_q, phi_k, v, key_mask)
+        return mixed.to(qkv.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
+
+    def _features(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [B, N, 3, H, D] -> (phi(q) [B, H, N, F], phi(k) [B, H, N, F], v [B, H, N, D]) in the compute dtype."""
         qkv = qkv.permute(2, 0, 3, 1, 4)
-        v = qkv[2]
         if self.learnable_map or torch.compiler.is_compiling() or not (isinstance(self.q_norm, nn.Identity)
                                                                        and isinstance(self.k_norm, nn.Identity)):
             # compiled code maps q and k out of place, in two calls even without autograd: inductor fuses them
@@ -321,8 +327,33 @@ class LinearAttention(nn.Module):
             # eager inference: nothing keeps q and k for a backward pass, so map them in place inside the qkv
             # output (v untouched), saving a large fresh allocation and its page faults
             phi_q, phi_k = self.feature_map_inplace(to_compute_dtype(qkv[:2])).unbind(0)
-        mixed = self._attend_features(phi_q, phi_k, to_compute_dtype(v), key_mask)
-        return mixed.to(v.dtype).transpose(1, 2).reshape(B, N, self.attn_dim)
+        return phi_q, phi_k, to_compute_dtype(qkv[2])
+
+    @torch.jit.unused
+    def _projects_in_core(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
+        """Whether this call folds the output projection into the attention core
+        (``linvit.ops.projected_linear_attention_from_features``: no query-side matmul). Inference (no autograd)
+        of plain linear attention whose output goes straight into ``proj`` (no local branch, output norm or gate),
+        on the PyTorch path, with qkv already in the core's dtype and autocast off, so the projection keeps its
+        precision; fx tracing and export keep the unfolded graph."""
+        if torch.is_grad_enabled() or type(self).mix is not LinearAttention.mix:
+            return False
+        if self.local_mix is not None or self.gate is not None or not isinstance(self.norm, nn.Identity):
+            return False
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing() or exporting():
+            return False
+        if qkv.dtype != compute_dtype(qkv.dtype) or self.proj.weight.dtype != qkv.dtype:
+            return False
+        if qkv.device.type != 'meta' and torch.is_autocast_enabled(qkv.device.type):
+            return False
+        return not self._calls_op(qkv, key_mask)
+
+    @torch.jit.unused
+    def _mix_and_project(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """qkv [B, N, 3, H, D] -> proj(attention output) [B, N, dim_out], the projection folded into the core."""
+        phi_q, phi_k, v = self._features(qkv)
+        return projected_linear_attention_from_features(phi_q, phi_k, v, self.proj.weight, self.proj.bias, self.eps,
+                                                        key_mask)
 
     def _attend_features(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                          key_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -404,6 +435,8 @@ class LinearAttention(nn.Module):
             self._check_causal_call(attn_mask)
             return self._finish(self.mix_causal(qkv), x)
         key_mask = attn_mask_to_key_mask(attn_mask, B, N)
+        if not torch.jit.is_scripting() and self._projects_in_core(qkv, key_mask):
+            return self.proj_drop(self._mix_and_project(qkv, key_mask))
         out = self.mix(qkv, key_mask, x, feat_size)
         v = qkv[:, :, 2].transpose(1, 2)
         if self.local_mix is not None:

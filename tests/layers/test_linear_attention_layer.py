@@ -498,3 +498,59 @@ def test_scripted_layer_applies_key_masks_and_eps():
     with torch.no_grad():
         err = rel_err(scripted(x, attn_mask=keep), _reference(layer, x, eps=0.5, key_mask=keep))
     assert err <= LAYER_TOL, f"scripted masked rel err {err:.2e}"
+
+
+def _spy_on_projected_core(monkeypatch) -> list:
+    """Record each call of the folded core (``projected_linear_attention_from_features``) the layer makes."""
+    import linvit.layers.linear_attention as layer_module
+    calls = []
+    real = layer_module.projected_linear_attention_from_features
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layer_module, 'projected_linear_attention_from_features', spy)
+    return calls
+
+
+@pytest.mark.parametrize('masked', [False, True], ids=['nomask', 'mask'])
+@pytest.mark.parametrize('options', ['plain', 'qk-norm'])
+def test_inference_folds_the_projection_into_the_core(monkeypatch, options, masked):
+    """Without autograd a plain layer whose output goes straight into proj computes proj(attention) as one matmul
+    with the projection folded into the key-side state: the float64 reference, and the folded core ran once."""
+    calls = _spy_on_projected_core(monkeypatch)
+    layer = _option_layer('elu1', OPTION_SETS[options], seed=8)
+    x = _tokens(n=PREFIX + GRID[0] * GRID[1], seed=8)
+    keep = torch.rand(2, x.shape[1], generator=torch.Generator().manual_seed(9)) > 0.3 if masked else None
+    ref = _reference(layer, x, feature_map='elu1', key_mask=keep, grid=GRID, num_prefix_tokens=PREFIX)
+    with torch.no_grad():
+        assert rel_err(layer(x, attn_mask=keep), ref) <= LAYER_TOL
+    assert len(calls) == 1
+    layer(x, attn_mask=keep)  # with autograd: the fused Function, unfolded
+    assert len(calls) == 1
+
+
+def _bf16_layer() -> LinearAttention:
+    return LinearAttention(DIM, HEADS).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize('make_layer, context', [
+    (lambda: LinearAttention(DIM, HEADS, local_mix=True, grid_size=GRID, num_prefix_tokens=PREFIX), None),
+    (lambda: LinearAttention(DIM, HEADS, gated=True), None),
+    (lambda: LinearAttention(DIM, HEADS, scale_norm=True, norm_layer=nn.LayerNorm), None),
+    (lambda: LinearAttention(DIM, HEADS), 'autocast'),
+    (_bf16_layer, None),
+    (lambda: __import__('linvit').layers.attention_layer('gated')(DIM, num_heads=HEADS), None),
+    (lambda: LinearAttention(DIM, HEADS), 'jit-trace'),
+], ids=['local-mix', 'timm-gate', 'scale-norm', 'autocast', 'bfloat16', 'family-with-its-own-mix', 'exporting'])
+def test_inference_keeps_the_projection_apart_where_it_cannot_fold(monkeypatch, make_layer, context):
+    """A local branch, an output norm or gate sit between the attention and proj; under autocast or in bfloat16 the
+    projection runs in lower precision than the core; other families mix tokens their own way; exporters and
+    tracers get the graph every runtime knows."""
+    calls = _spy_on_projected_core(monkeypatch)
+    layer = _randomise(make_layer())
+    x = _tokens(n=PREFIX + GRID[0] * GRID[1]).to(layer.qkv.weight.dtype)
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=context == 'autocast'):
+        out = torch.jit.trace(layer, x, check_trace=False)(x) if context == 'jit-trace' else layer(x, feat_size=GRID)
+    assert calls == [] and torch.isfinite(out).all()

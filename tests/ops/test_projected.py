@@ -1,0 +1,123 @@
+"""projected_linear_attention_from_features against the float64 quadratic formula followed by the projection.
+
+Features go in already mapped (non-negative), so the reference runs them through the relu reference, the identity
+on them; the projection is written as x W^T + b in float64.
+"""
+import pytest
+import torch
+from references import quadratic_attention_ref, rel_err
+
+from linvit.ops import projected_linear_attention_from_features
+
+# (B, H, Nq, N, F, Dv, C): one token, cross attention (Nq != N), Dv != F (a learnable map's width), odd sizes
+SHAPES = [
+    (1, 1, 1, 1, 8, 8, 5),
+    (2, 3, 17, 17, 16, 16, 48),
+    (2, 2, 9, 33, 24, 8, 7),
+    (1, 4, 64, 129, 32, 12, 40),
+]
+
+
+def _inputs(shape, dtype=torch.float64, seed=0):
+    b, h, nq, n, f, dv, c = shape
+    g = torch.Generator().manual_seed(seed)
+    phi_q = torch.rand(b, h, nq, f, generator=g, dtype=torch.float64)
+    phi_k = torch.rand(b, h, n, f, generator=g, dtype=torch.float64)
+    phi_k[..., ::3, : f // 2] = 0.0  # some features exactly 0, as relu maps give
+    v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64)
+    weight = torch.randn(c, h * dv, generator=g, dtype=torch.float64) / (h * dv) ** 0.5
+    bias = torch.randn(c, generator=g, dtype=torch.float64)
+    return [t.to(dtype) for t in (phi_q, phi_k, v, weight, bias)]
+
+
+def _reference(phi_q, phi_k, v, weight, bias, eps, key_mask=None) -> torch.Tensor:
+    """[B, Nq, C] float64: the quadratic attention of the features, heads concatenated, then x W^T + b."""
+    b, h, nq, _ = phi_q.shape
+    out = quadratic_attention_ref(phi_q, phi_k, v, 'relu', eps, key_mask)  # relu: the identity on features
+    out = out.transpose(1, 2).reshape(b, nq, h * v.shape[-1])
+    out = out @ weight.double().t()
+    return out if bias is None else out + bias.double()
+
+
+def _key_mask(kind: str, b: int, h: int, n: int):
+    g = torch.Generator().manual_seed(7)
+    if kind == 'none':
+        return None
+    keep = torch.rand(b, n, generator=g) > 0.4
+    keep[:, 0] = True
+    if kind == 'bool':
+        return keep
+    weights = torch.rand(b, h, n, generator=g, dtype=torch.float64) * 2
+    return torch.where(keep[:, None, :], weights, 0.0)  # float weights per head, zeros drop keys
+
+
+@pytest.mark.parametrize('mask', ['none', 'bool', 'per-head-weights'])
+@pytest.mark.parametrize('eps', [1e-6, 0.5])
+@pytest.mark.parametrize('shape', SHAPES, ids=lambda s: 'B{}-H{}-Nq{}-N{}-F{}-Dv{}-C{}'.format(*s))
+def test_matches_attention_then_projection_in_float64(shape, eps, mask):
+    phi_q, phi_k, v, weight, bias = _inputs(shape)
+    key_mask = _key_mask(mask, shape[0], shape[1], shape[3])
+    got = projected_linear_attention_from_features(phi_q, phi_k, v, weight, bias, eps, key_mask)
+    ref = _reference(phi_q, phi_k, v, weight, bias, eps, key_mask)
+    assert got.shape == ref.shape and got.dtype == torch.float64
+    assert rel_err(got, ref) <= 1e-12
+
+
+@pytest.mark.parametrize('shape', SHAPES[1:], ids=lambda s: 'B{}-H{}-Nq{}-N{}-F{}-Dv{}-C{}'.format(*s))
+def test_float32_is_close_and_bias_is_optional(shape):
+    phi_q, phi_k, v, weight, _ = _inputs(shape, torch.float32, seed=1)
+    got = projected_linear_attention_from_features(phi_q, phi_k, v, weight, None)
+    assert got.dtype == torch.float32
+    assert rel_err(got, _reference(phi_q, phi_k, v, weight, None, 1e-6)) <= 1e-5
+
+
+def test_strided_features_and_all_masked_keys():
+    """q and k as views of a packed projection (the layer's layout); a sample whose keys are all masked gives the
+    projection's bias alone (its attention output is 0), as the reference does."""
+    b, h, n, f, c = 2, 3, 11, 8, 10
+    g = torch.Generator().manual_seed(2)
+    packed = torch.rand(b, n, 3, h, f, generator=g, dtype=torch.float64)
+    phi_q, phi_k, v = packed.permute(2, 0, 3, 1, 4).unbind(0)
+    weight = torch.randn(c, h * f, generator=g, dtype=torch.float64)
+    bias = torch.randn(c, generator=g, dtype=torch.float64)
+    keep = torch.ones(b, n, dtype=torch.bool)
+    keep[1] = False
+    got = projected_linear_attention_from_features(phi_q, phi_k, v, weight, bias, 1e-6, keep)
+    assert rel_err(got, _reference(phi_q, phi_k, v, weight, bias, 1e-6, keep)) <= 1e-12
+    assert torch.equal(got[1], bias.expand(n, c))
+
+
+def test_inputs_are_not_modified():
+    phi_q, phi_k, v, weight, bias = _inputs(SHAPES[1])
+    before = [t.clone() for t in (phi_q, phi_k, v, weight, bias)]
+    projected_linear_attention_from_features(phi_q, phi_k, v, weight, bias)
+    assert all(torch.equal(a, b) for a, b in zip(before, (phi_q, phi_k, v, weight, bias)))
+
+
+@pytest.mark.parametrize('weight_shape, bias_shape, message', [
+    ((5, 47), (5,), r"the projection weight must have shape \[C, H \* Dv\] = \[C, 48\] for v of shape "
+                    r"\[2, 3, 17, 16\], got \[5, 47\]"),
+    ((48,), None, r"the projection weight must have shape \[C, H \* Dv\] = \[C, 48\] .* got \[48\]"),
+    ((5, 48), (4,), r"the projection bias must have shape \[C\] = \[5\], got \[4\]"),
+])
+def test_bad_projection_shapes_are_named(weight_shape, bias_shape, message):
+    phi_q, phi_k, v, _, _ = _inputs(SHAPES[1])
+    weight = torch.zeros(weight_shape, dtype=torch.float64)
+    bias = None if bias_shape is None else torch.zeros(bias_shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match=message):
+        projected_linear_attention_from_features(phi_q, phi_k, v, weight, bias)
+
+
+def test_bad_attention_shapes_are_named():
+    phi_q, phi_k, v, weight, bias = _inputs(SHAPES[1])
+    with pytest.raises(ValueError, match='q and k must share the feature width D'):
+        projected_linear_attention_from_features(phi_q[..., :-1], phi_k, v, weight, bias)
+
+
+@pytest.mark.compiler
+def test_compiled_matches_the_reference_in_one_graph():
+    phi_q, phi_k, v, weight, bias = _inputs(SHAPES[2], torch.float32, seed=3)
+    key_mask = _key_mask('bool', SHAPES[2][0], SHAPES[2][1], SHAPES[2][3])
+    compiled = torch.compile(projected_linear_attention_from_features, fullgraph=True)
+    got = compiled(phi_q, phi_k, v, weight, bias, 1e-6, key_mask)
+    assert rel_err(got, _reference(phi_q, phi_k, v, weight, bias, 1e-6, key_mask)) <= 1e-5
