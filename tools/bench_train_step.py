@@ -12,10 +12,10 @@ per model: ``tools/profile_resolution.py --workload training``.
     python tools/bench_train_step.py --sizes 2048 --batch 1 --softmax none --csv /tmp/step.csv
     python tools/bench_train_step.py --model linvit_small_patch16_224:feature_map='relu' --dtype bfloat16
 
-The compiled mode compiles each model's step once per size (the first warm-up step, not timed). On CPU the system
-allocator hands large freed buffers back and faults them in again on the next step; ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` (see ``profile_resolution.py --retain-freed-memory``) keep them, for steadier ratios.
-The library is ``linvit.bench.train_step``.
+The compiled mode compiles each model's step once per size (the first warm-up step, not timed). On CPU the steps
+make glibc keep freed memory (``linvit.fast.allocator``: otherwise large freed buffers go back to the system and are
+faulted in again on the next step, by amounts that vary from process to process); the last line says the allocator
+setting in effect. The library is ``linvit.bench.train_step``.
 """
 import argparse
 import sys

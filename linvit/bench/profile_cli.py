@@ -61,7 +61,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument('--retain-freed-memory', action='store_true',
                         help='run each configuration with glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_ and '
                              'MALLOC_TRIM_THRESHOLD_ = 2**34), as jemalloc/tcmalloc would: no page faults for '
-                             'buffers re-allocated every call (default: the system allocator settings)')
+                             'buffers re-allocated every call. Compiled models and training steps on CPU keep it '
+                             'anyway (linvit.fast.allocator); this adds eager inference (default: the system '
+                             'allocator settings)')
     parser.add_argument('--timeout', type=float, default=1800.,
                         help="seconds one configuration may take (its process: build, warm-up and timed calls) "
                              "before it is stopped and recorded as 'timeout'")

@@ -112,7 +112,7 @@ def run(bench: TrainStepBench) -> List[Dict[str, Any]]:
     """Print the table (a row per size and mode as it completes); return its rows."""
     print(f"# training step (forward, cross-entropy, backward) of {bench.model.spec}, its floor and "
           f"{bench.softmax or 'no softmax model'}; {bench.dtype}, device {bench.device}, {torch.get_num_threads()} "
-          f"threads, allocator {allocator_setting()}; median of {bench.repeats} interleaved rounds after "
+          f"threads; median of {bench.repeats} interleaved rounds after "
           f"{bench.warmup} warm-up step(s); ratios of images/s (> 1: linvit faster)")
     print(f"{'size':>9} {'batch':>5} {'mode':>9} " + ' '.join(f"{kind + ' ms':>10}" for kind in KINDS)
           + f" {'linvit/floor':>13} {'linvit/softmax':>15}")
@@ -122,4 +122,6 @@ def run(bench: TrainStepBench) -> List[Dict[str, Any]]:
             row = measure_size(bench, height, width, mode)
             rows.append(row)
             print(format_row(row), flush=True)
+    # read after the steps: linvit's training steps make glibc keep freed memory on CPU (linvit.fast.allocator)
+    print(f"# allocator {allocator_setting()}")
     return rows

@@ -42,7 +42,9 @@ def test_failures_become_rows(capsys):
     assert result['status'] == 'error' and 'no_such_model_anywhere' in result['error']
 
 
-def test_retain_freed_memory_reaches_the_child_and_the_csv():
+def test_retain_freed_memory_reaches_the_child_and_the_csv(monkeypatch):
+    import linvit.bench.memory as memory
+    monkeypatch.setattr(memory, 'retaining_freed_memory', lambda: False)  # the parent's environment alone
     spec = parse_model_spec('linvit_tiny_patch16_224:depth=1')
     config = profile.Config(spec, 32, 32, 1, 'float32', 'eager', 'inference', 'cpu', 1, 1)
     retained = profile.run_config(config, timeout=300, retain_freed_memory=True)
