@@ -334,7 +334,7 @@ class LinearAttention(nn.Module):
         """Whether this call folds the output projection into the attention core
         (``linvit.ops.projected_linear_attention_from_features``: no query-side matmul). Inference (no autograd)
         of plain linear attention whose output goes straight into ``proj`` (no local branch, output norm or gate),
-        on the PyTorch path, with qkv already in the core's dtype and autocast off, so the projection keeps its
+        on the PyTorch path, with qkv already in the core's dtype (not under autocast), so the projection keeps its
         precision; fx tracing and export keep the unfolded graph."""
         if torch.is_grad_enabled() or type(self).mix is not LinearAttention.mix:
             return False
@@ -343,9 +343,7 @@ class LinearAttention(nn.Module):
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing() or exporting():
             return False
         if qkv.dtype != compute_dtype(qkv.dtype) or self.proj.weight.dtype != qkv.dtype:
-            return False
-        if qkv.device.type != 'meta' and torch.is_autocast_enabled(qkv.device.type):
-            return False
+            return False  # also under autocast, whose qkv projection returns its lower precision
         return not self._calls_op(qkv, key_mask)
 
     @torch.jit.unused

@@ -541,13 +541,16 @@ def _bf16_layer() -> LinearAttention:
     (lambda: LinearAttention(DIM, HEADS, scale_norm=True, norm_layer=nn.LayerNorm), None),
     (lambda: LinearAttention(DIM, HEADS), 'autocast'),
     (_bf16_layer, None),
-    (lambda: __import__('linvit').layers.attention_layer('gated')(DIM, num_heads=HEADS), None),
+    (lambda: __import__('linvit').layers.attention_layer('performer')(DIM, num_heads=HEADS), None),
     (lambda: LinearAttention(DIM, HEADS), 'jit-trace'),
-], ids=['local-mix', 'timm-gate', 'scale-norm', 'autocast', 'bfloat16', 'family-with-its-own-mix', 'exporting'])
+    (lambda: LinearAttention(DIM, HEADS, attn_backend='triton'), None),
+], ids=['local-mix', 'timm-gate', 'scale-norm', 'autocast', 'bfloat16', 'family-with-its-own-mix', 'exporting',
+        'triton-kernels'])
 def test_inference_keeps_the_projection_apart_where_it_cannot_fold(monkeypatch, make_layer, context):
     """A local branch, an output norm or gate sit between the attention and proj; under autocast or in bfloat16 the
     projection runs in lower precision than the core; other families mix tokens their own way; exporters and
-    tracers get the graph every runtime knows."""
+    tracers get the graph every runtime knows; attn_backend='triton' runs the kernels (here under Triton's
+    interpreter, which tests/conftest.py turns on)."""
     calls = _spy_on_projected_core(monkeypatch)
     layer = _randomise(make_layer())
     x = _tokens(n=PREFIX + GRID[0] * GRID[1]).to(layer.qkv.weight.dtype)
