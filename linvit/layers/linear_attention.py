@@ -333,13 +333,15 @@ class LinearAttention(nn.Module):
     def _projects_in_core(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
         """Whether this call folds the output projection into the attention core
         (``linvit.ops.projected_linear_attention_from_features``: no query-side matmul). Inference (no autograd)
-        of plain linear attention whose output goes straight into ``proj`` (no local branch, output norm or gate),
-        on the PyTorch path, with qkv already in the core's dtype (not under autocast), so the projection keeps its
-        precision; fx tracing and export keep the unfolded graph."""
+        of plain linear attention whose output goes straight into ``proj`` (no local branch, output norm or gate;
+        ``proj`` a plain nn.Linear without hooks), on the PyTorch path, with qkv already in the core's dtype (not
+        under autocast), so the projection keeps its precision; fx tracing and export keep the unfolded graph."""
         if torch.is_grad_enabled() or type(self).mix is not LinearAttention.mix:
             return False
         if self.local_mix is not None or self.gate is not None or not isinstance(self.norm, nn.Identity):
             return False
+        if type(self.proj) is not nn.Linear or self.proj._forward_hooks or self.proj._forward_pre_hooks:
+            return False  # the fold reads proj's weight and bias: a subclass (LoRA, quantised) or hook would be skipped
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing() or exporting():
             return False
         if qkv.dtype != compute_dtype(qkv.dtype) or self.proj.weight.dtype != qkv.dtype:

@@ -557,3 +557,32 @@ def test_inference_keeps_the_projection_apart_where_it_cannot_fold(monkeypatch, 
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=context == 'autocast'):
         out = torch.jit.trace(layer, x, check_trace=False)(x) if context == 'jit-trace' else layer(x, feat_size=GRID)
     assert calls == [] and torch.isfinite(out).all()
+
+
+class _ScaledLinear(nn.Linear):
+    """A projection whose forward is not F.linear of its weight (as LoRA or quantised wrappers have)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * super().forward(x)
+
+
+@pytest.mark.parametrize('change', ['forward-hook', 'pre-hook', 'subclass'])
+def test_a_projection_with_its_own_forward_is_called_not_folded(monkeypatch, change):
+    """The fold reads proj's weight and bias; a hook or a subclass's forward must still run, so those layers keep
+    the projection apart: their no-grad output equals the autograd path's (which calls proj)."""
+    calls = _spy_on_projected_core(monkeypatch)
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True))
+    if change == 'forward-hook':
+        layer.proj.register_forward_hook(lambda module, args, out: out * 3.0)
+    elif change == 'pre-hook':
+        layer.proj.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    else:
+        scaled = _ScaledLinear(DIM, DIM)
+        scaled.load_state_dict(layer.proj.state_dict())
+        layer.proj = scaled
+    x = _tokens()
+    expected = layer(x).detach()
+    with torch.no_grad():
+        got = layer(x)
+    assert calls == []
+    assert rel_err(got, expected) <= 1e-6
