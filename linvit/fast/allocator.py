@@ -5,7 +5,7 @@ dynamic mmap threshold are unmapped on free, and the top of the heap is trimmed 
 lies free there. A model that allocates and frees the same large activations on every call then faults their pages
 in afresh (and the kernel zeroes them) on every call, in amounts that depend on the heap's history rather than on
 the code. Measured on a 2-core CPU with ViT-S at 1024 px, compiled, batch 1: the same linvit graph refaulted 0,
-12,547 or 61,295 pages (up to 240 MB, 60-100 ms) per call in three processes, and its floor 0; eager training swings
+12,547 or 61,295 pages (up to 240 MB) per call in three processes, and its floor 0; eager training swings
 similarly. jemalloc and tcmalloc keep freed memory, and PyTorch's CPU launcher (``torch.backends.xeon.run_cpu``)
 preloads one of them for this reason.
 

@@ -67,6 +67,12 @@ def _mark_hw_dynamic(images: torch.Tensor) -> None:
     torch._dynamo.mark_dynamic(images, [images.dim() - 2, images.dim() - 1])
 
 
+def _retain_on_cpu(enabled: bool, images: torch.Tensor) -> None:
+    """glibc keeps freed memory from here on (``linvit.fast.allocator``) when ``enabled`` and the images are on CPU."""
+    if enabled and images.device.type == 'cpu':
+        _retain_freed_memory()
+
+
 def _uses_cudagraphs(mode: Optional[str]) -> bool:
     return mode is not None and mode.startswith(_CUDAGRAPH_MODES)
 
@@ -172,8 +178,7 @@ class CompiledModel(nn.Module):
     def forward(self, images: torch.Tensor, *args, **kwargs) -> Any:
         # sizes the model rejects raise its own ValueError here; inside the graph dynamo would bury it
         check_image_size(self.module, images)
-        if self.retain_freed_memory and images.device.type == 'cpu':
-            _retain_freed_memory()
+        _retain_on_cpu(self.retain_freed_memory, images)
         if self.dynamic:
             _mark_hw_dynamic(images)
         if _uses_cudagraphs(self.mode):
@@ -238,8 +243,7 @@ class LossGraph:
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         check_image_size(self.model, images)
-        if self.retain_freed_memory and images.device.type == 'cpu':
-            _retain_freed_memory()
+        _retain_on_cpu(self.retain_freed_memory, images)
         if self.compiled and self.dynamic:
             _mark_hw_dynamic(images)
         if self.compiled and _uses_cudagraphs(self.mode):
