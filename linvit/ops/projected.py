@@ -53,6 +53,22 @@ def projected_linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.T
         return _projected(phi_q, phi_k, v, weight, bias, eps, key_mask)
 
 
+def _normalised_queries(phi_q: torch.Tensor, z: torch.Tensor, eps_count) -> torch.Tensor:
+    """P = [A_1 / den_1 | ... | A_H / den_H] token-major: phi_q [B, H, Nq, F], z [B, H, F], eps_count a float or
+    [B, H|1, 1, 1] -> [B, Nq, H F] (the matmul after it reads this without a copy)."""
+    b, h, nq, f = phi_q.shape
+    if torch.compiler.is_compiling():
+        # token-major throughout, the normaliser as a multiply-sum over F: inductor maps q, reduces and divides in
+        # one kernel and writes P where the matmul reads it (a head-major quotient cost a transposing copy)
+        a = phi_q.transpose(1, 2)  # [B, Nq, H, F]
+        if isinstance(eps_count, torch.Tensor):
+            eps_count = eps_count.transpose(1, 2)  # [B, 1, H|1, 1]
+        den = (a * z.unsqueeze(1)).sum(dim=-1, keepdim=True) + eps_count  # [B, Nq, H, 1]
+        return (a / den).reshape(b, nq, h * f)
+    den = phi_q @ z.unsqueeze(-1) + eps_count  # [B, H, Nq, 1]: one matrix-vector product per head
+    return _divide_token_major(phi_q, den, phi_q.dtype).transpose(1, 2).reshape(b, nq, h * f)
+
+
 def _projected(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
                bias: Optional[torch.Tensor], eps: float, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
     b, h, nq, f = phi_q.shape
@@ -60,10 +76,7 @@ def _projected(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, weight
     eps_count = _eps_count(eps, phi_k.shape[-2], w)
     phi_k, v = _mapped_keys(phi_k, v, w)
     kv_t = v.transpose(-2, -1) @ phi_k  # [B, H, Dv, F]: S_h^T
-    z = phi_k.sum(dim=-2).unsqueeze(-1)  # [B, H, F, 1]
-    den = phi_q @ z + eps_count  # [B, H, Nq, 1]
-    # P token-major [B, Nq, H, F]: the matmul below reads it as [B, Nq, H F] without a copy
-    p = _divide_token_major(phi_q, den, phi_q.dtype).transpose(1, 2).reshape(b, nq, h * f)
+    p = _normalised_queries(phi_q, phi_k.sum(dim=-2), eps_count)  # [B, Nq, H F]
     m = kv_t.transpose(-2, -1) @ weight.t().reshape(h, -1, weight.shape[0])  # [B, H, F, C]: S_h W_h^T
     out = p @ m.reshape(b, h * f, -1)
     if bias is None:

@@ -115,9 +115,18 @@ def test_bad_attention_shapes_are_named():
 
 
 @pytest.mark.compiler
-def test_compiled_matches_the_reference_in_one_graph():
-    phi_q, phi_k, v, weight, bias = _inputs(SHAPES[2], torch.float32, seed=3)
-    key_mask = _key_mask('bool', SHAPES[2][0], SHAPES[2][1], SHAPES[2][3])
+@pytest.mark.parametrize('mask', ['none', 'bool', 'per-head-weights', 'all-masked-row'])
+def test_compiled_matches_the_reference_in_one_graph(mask):
+    """Compiled code normalises token-major with its own formula (not the eager one): every mask kind, an eps large
+    enough to move the result (a per-head eps count broadcast over the wrong axis would show), a batch element
+    whose keys are all masked (its attention is 0, so the output is the bias)."""
+    shape = SHAPES[2]
+    phi_q, phi_k, v, weight, bias = _inputs(shape, torch.float32, seed=3)
+    key_mask = _key_mask('per-head-weights' if mask == 'all-masked-row' else mask, shape[0], shape[1], shape[3])
+    if mask == 'all-masked-row':
+        key_mask[1] = 0.0
     compiled = torch.compile(projected_linear_attention_from_features, fullgraph=True)
-    got = compiled(phi_q, phi_k, v, weight, bias, 1e-6, key_mask)
-    assert rel_err(got, _reference(phi_q, phi_k, v, weight, bias, 1e-6, key_mask)) <= 1e-5
+    got = compiled(phi_q, phi_k, v, weight, bias, 0.5, key_mask)
+    assert rel_err(got, _reference(phi_q, phi_k, v, weight, bias, 0.5, key_mask)) <= 1e-5
+    if mask == 'all-masked-row':
+        assert torch.allclose(got[1], bias.expand_as(got[1]), atol=1e-6)
