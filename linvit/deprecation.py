@@ -7,14 +7,40 @@ A module keeps its old names in one dict and hands attribute lookups to ``module
 
 Arguments and values (an old keyword, an old config value) warn through ``warn_renamed``.
 """
+import os
+import sys
 import warnings
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
-__all__ = ['warn_renamed', 'module_getattr']
+__all__ = ['warn_renamed', 'module_getattr', 'user_stacklevel']
+
+_LINVIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
-    """FutureWarning: ``old`` is deprecated, use ``new`` (both as the user writes them)."""
+def _is_library_frame(filename: str) -> bool:
+    """Code the user did not write: linvit, timm (``timm.create_model`` builds linvit models), importlib."""
+    if filename.startswith(_LINVIT_DIR) or filename.startswith('<frozen importlib'):
+        return True
+    timm = sys.modules.get('timm')
+    timm_file = getattr(timm, '__file__', None)
+    return bool(timm_file) and filename.startswith(os.path.dirname(os.path.abspath(timm_file)) + os.sep)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the function that calls this one so that the warning names the
+    first line outside linvit and timm: the user's call, however many library frames lie between (a model built
+    directly or through ``timm.create_model``, a function called directly or through a wrapper)."""
+    frame, level = sys._getframe(1), 1  # level 1: the caller's own frame, as warnings.warn counts
+    while frame.f_back is not None and _is_library_frame(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_renamed(old: str, new: str, stacklevel: Optional[int] = None) -> None:
+    """FutureWarning: ``old`` is deprecated, use ``new`` (both as the user writes them). stacklevel None: the
+    warning names the user's line (``user_stacklevel``)."""
+    if stacklevel is None:
+        stacklevel = user_stacklevel()
     warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", FutureWarning,
                   stacklevel=stacklevel)
 
@@ -24,6 +50,6 @@ def module_getattr(module: str, renamed: Dict[str, Tuple[str, Callable[[], Any]]
     other names raise AttributeError as Python does."""
     if name in renamed:
         new, getter = renamed[name]
-        warn_renamed(f"{module}.{name}", f"{module}.{new}" if '.' not in new else new, stacklevel=4)
+        warn_renamed(f"{module}.{name}", f"{module}.{new}" if '.' not in new else new)
         return getter()
     raise AttributeError(f"module {module!r} has no attribute {name!r}")

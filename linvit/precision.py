@@ -11,6 +11,8 @@ from typing import Dict
 
 import torch
 
+from .deprecation import user_stacklevel
+
 __all__ = ['PRECISIONS', 'PRECISION_ALIASES', 'resolve_precision', 'precision_dtype']
 
 #: precision name -> torch dtype
@@ -35,7 +37,7 @@ def resolve_precision(name: str, what: str = 'precision') -> str:
     if name in PRECISION_ALIASES:
         new = PRECISION_ALIASES[name]
         warnings.warn(f"{what}={name!r} is deprecated and will be removed in the next release; use {what}={new!r}",
-                      FutureWarning, stacklevel=2)
+                      FutureWarning, stacklevel=user_stacklevel())
         return new
     raise ValueError(f"{what}={name!r} is not a precision; expected one of {list(PRECISIONS)}")
 

@@ -177,7 +177,7 @@ def resolve_attn_kernel(attn_kernel: Optional[str], feature_map: Optional[str]) 
 
 
 def resolve_family_arguments(attn_family: Optional[str], feature_map: Optional[str],
-                             attn_kernel: Optional[str] = None, stacklevel: int = 4) -> Tuple[str, Optional[str]]:
+                             attn_kernel: Optional[str] = None) -> Tuple[str, Optional[str]]:
     """``resolve_family`` for a public function that still takes the deprecated ``attn_kernel``: it warns
     (FutureWarning) and keeps its old meaning (``resolve_attn_kernel``); both at once is a ValueError."""
     if attn_kernel is None:
@@ -185,8 +185,7 @@ def resolve_family_arguments(attn_family: Optional[str], feature_map: Optional[s
     if attn_family is not None:
         raise ValueError(f"attn_kernel={attn_kernel!r} is the deprecated name of attn_family={attn_family!r}: pass "
                          f"attn_family only")
-    warn_renamed('attn_kernel', "attn_family (a feature-map name: attn_family='linear' with feature_map)",
-                 stacklevel=stacklevel)
+    warn_renamed('attn_kernel', "attn_family (a feature-map name: attn_family='linear' with feature_map)")
     return resolve_attn_kernel(attn_kernel, feature_map)
 
 

@@ -43,7 +43,7 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
-from ..deprecation import module_getattr
+from ..deprecation import module_getattr, user_stacklevel
 from ..layers import LinearAttention, LocalMix, attention_layer, linear_only_parameter_names
 from ..layers.family import resolve_attn_kernel, resolve_family_arguments
 from ..layers.linear_attention import causal_call
@@ -271,7 +271,7 @@ class LinearVisionTransformer(VisionTransformer):
             attn_kernel: Optional[str] = None,
             **kwargs,
     ) -> None:
-        family, feature_map = resolve_family_arguments(attn_family, feature_map, attn_kernel, stacklevel=5)
+        family, feature_map = resolve_family_arguments(attn_family, feature_map, attn_kernel)
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be True or False, got {causal!r}")
         if causal and local_mix:
@@ -515,7 +515,7 @@ def _warn_ignored_overlay_file(variant: str, kwargs: Dict[str, Any]) -> None:
     if given:
         warnings.warn(f"{variant}: pretrained_cfg_overlay {given[0]}= is ignored without pretrained=True (timm loads "
                       f"it only then), so the model keeps random weights; pass pretrained=True to load it",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=user_stacklevel())
 
 
 def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinearVisionTransformer:
