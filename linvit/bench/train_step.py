@@ -1,15 +1,18 @@
-"""Whole-model training steps in one process, interleaved: a linvit model, its floor and its softmax counterpart.
+"""Whole-model steps in one process, interleaved: a linvit model, its floor and its softmax counterpart.
 The library behind ``tools/bench_train_step.py``.
 
-A step is ``linvit.engine.step.TrainStep``: forward, cross-entropy and backward (no optimizer), eager or compiled.
-The three models (the floor is the linvit model with token mixing removed) are built at each image size and stepped
-in turn, one step of each per round, so that the machine's drift hits them alike. Peak memory needs a process per model:
-``linvit.bench.profile`` (``tools/profile_resolution.py --workload training``).
+A training step is ``linvit.engine.step.TrainStep``: forward, cross-entropy and backward (no optimizer); an
+inference step is a forward under ``torch.inference_mode`` of the model in eval mode, cast to the precision; either
+eager or compiled (``linvit.fast``). The three models (the floor is the linvit model with token mixing removed) are
+built at each image size and stepped in turn, one step of each per round, so that the machine's drift hits them
+alike: on a shared machine the same matmul can run 2-3x slower for seconds at a time, which a process per model
+(``tools/profile_resolution.py``) meets in some processes and not in others. Peak memory needs a process per model:
+``linvit.bench.profile`` (``tools/profile_resolution.py``).
 
     rows = run(TrainStepBench(model=parse_model_spec('linvit_small_patch16_224'), softmax='vit_small_patch16_224'))
 """
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -17,11 +20,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linvit.engine.step import TrainStep
+from linvit.fast import compile_model
 from linvit.layers import make_floor
 from linvit.precision import PRECISIONS
 
 from .memory import allocator_setting
-from .specs import MODES, ModelSpec, size_label
+from .specs import MODES, WORKLOADS, ModelSpec, size_label
 from .timing import time_interleaved
 
 __all__ = ['KINDS', 'TrainStepBench', 'softmax_counterpart', 'build_models', 'measure_size', 'format_row', 'run']
@@ -49,8 +53,9 @@ def softmax_counterpart(spec: ModelSpec, softmax: Optional[str] = 'auto') -> Opt
 @dataclass(frozen=True)
 class TrainStepBench:
     """What to measure: ``model`` a linvit spec, ``softmax`` the timm name to compare with (None: no softmax
-    model; see ``softmax_counterpart``), ``dtype`` the autocast precision around forward and loss ('float32': no
-    autocast; weights stay float32); ``warmup`` >= 1 (the first step compiles)."""
+    model; see ``softmax_counterpart``), ``dtype`` the precision (training: autocast around forward and loss,
+    'float32' none, weights stay float32; inference: model and images cast to it), ``warmup`` >= 1 (the first step
+    compiles), ``workload`` what a step is ('training' or 'inference', see the module docstring)."""
     model: ModelSpec
     softmax: Optional[str] = None
     sizes: Sequence[Tuple[int, int]] = ((512, 512),)
@@ -60,15 +65,19 @@ class TrainStepBench:
     warmup: int = 1
     repeats: int = 3
     device: str = 'cpu'
+    workload: str = 'training'
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.repeats < 1 or self.batch < 1:
             raise ValueError('--warmup, --repeats and --batch must be >= 1')
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
 
 
 def build_models(spec: ModelSpec, softmax: Optional[str], height: int, width: int,
-                 device: str) -> Dict[str, nn.Module]:
-    """linvit, its floor (same weights, token mixing removed) and the softmax model, in train mode on ``device``."""
+                 device: str, train: bool = True) -> Dict[str, nn.Module]:
+    """linvit, its floor (same weights, token mixing removed) and the softmax model on ``device``, in train mode
+    (``train``) or eval mode."""
     torch.manual_seed(0)
     models = {'linvit': timm.create_model(spec.name, img_size=(height, width), **dict(spec.kwargs))}
     floor = timm.create_model(spec.name, img_size=(height, width), **dict(spec.kwargs))
@@ -76,21 +85,42 @@ def build_models(spec: ModelSpec, softmax: Optional[str], height: int, width: in
     models['floor'] = make_floor(floor)
     if softmax:
         models['softmax'] = timm.create_model(softmax, img_size=(height, width))
-    return {kind: model.to(device).train() for kind, model in models.items()}
+    return {kind: model.to(device).train(train) for kind, model in models.items()}
+
+
+def _training_steps(models: Dict[str, nn.Module], images: torch.Tensor, mode: str,
+                    dtype: str) -> Dict[str, Callable[[], object]]:
+    """A training step of each model on ``images`` (random targets)."""
+    targets = torch.randint(0, models['linvit'].num_classes, (images.shape[0],), device=images.device)
+    amp_dtype = None if dtype == 'float32' else PRECISIONS[dtype]
+    steps = {kind: TrainStep(model, F.cross_entropy, compile=mode == 'compiled', amp_dtype=amp_dtype)
+             for kind, model in models.items()}
+    return {kind: (lambda step=step: step(images, targets)) for kind, step in steps.items()}
+
+
+def _inference_steps(models: Dict[str, nn.Module], images: torch.Tensor, mode: str,
+                     dtype: str) -> Dict[str, Callable[[], object]]:
+    """A forward of each model (cast to ``dtype``) on ``images`` (cast alike) under inference_mode."""
+    images = images.to(PRECISIONS[dtype])
+    forwards = {kind: model.to(PRECISIONS[dtype]) for kind, model in models.items()}
+    if mode == 'compiled':
+        forwards = {kind: compile_model(model) for kind, model in forwards.items()}
+
+    def infer(forward: Callable[[torch.Tensor], object]) -> object:
+        with torch.inference_mode():
+            return forward(images)
+    return {kind: (lambda forward=forward: infer(forward)) for kind, forward in forwards.items()}
 
 
 def measure_size(bench: TrainStepBench, height: int, width: int, mode: str) -> Dict[str, Any]:
     """One table row: median ms per step of each model at (height, width) in ``mode``, and the ratios of img/s."""
-    models = build_models(bench.model, bench.softmax, height, width, bench.device)
+    training = bench.workload == 'training'
+    models = build_models(bench.model, bench.softmax, height, width, bench.device, train=training)
     images = torch.randn(bench.batch, 3, height, width, device=bench.device)
-    targets = torch.randint(0, models['linvit'].num_classes, (bench.batch,), device=bench.device)
-    amp_dtype = None if bench.dtype == 'float32' else PRECISIONS[bench.dtype]
-    steps = {kind: TrainStep(model, F.cross_entropy, compile=mode == 'compiled', amp_dtype=amp_dtype)
-             for kind, model in models.items()}
-    calls = {kind: (lambda step=step: step(images, targets)) for kind, step in steps.items()}
+    calls = (_training_steps if training else _inference_steps)(models, images, mode, bench.dtype)
     ms = time_interleaved(calls, bench.warmup, bench.repeats, bench.device)
-    row: Dict[str, Any] = {'size': size_label(height, width), 'batch': bench.batch, 'mode': mode,
-                           'dtype': bench.dtype}
+    row: Dict[str, Any] = {'workload': bench.workload, 'size': size_label(height, width), 'batch': bench.batch,
+                           'mode': mode, 'dtype': bench.dtype}
     for kind in KINDS:
         row[f"{kind}_ms"] = ms.get(kind)
         row[f"{kind}_img_per_s"] = bench.batch * 1e3 / ms[kind] if kind in ms else None
@@ -110,7 +140,9 @@ def format_row(row: Dict[str, Any]) -> str:
 
 def run(bench: TrainStepBench) -> List[Dict[str, Any]]:
     """Print the table (a row per size and mode as it completes); return its rows."""
-    print(f"# training step (forward, cross-entropy, backward) of {bench.model.spec}, its floor and "
+    step = ('training step (forward, cross-entropy, backward)' if bench.workload == 'training'
+            else 'inference step (forward under inference_mode)')
+    print(f"# {step} of {bench.model.spec}, its floor and "
           f"{bench.softmax or 'no softmax model'}; {bench.dtype}, device {bench.device}, {torch.get_num_threads()} "
           f"threads; median of {bench.repeats} interleaved rounds after "
           f"{bench.warmup} warm-up step(s); ratios of images/s (> 1: linvit faster)")
@@ -122,6 +154,7 @@ def run(bench: TrainStepBench) -> List[Dict[str, Any]]:
             row = measure_size(bench, height, width, mode)
             rows.append(row)
             print(format_row(row), flush=True)
-    # read after the steps: linvit's training steps make glibc keep freed memory on CPU (linvit.fast.allocator)
+    # read after the steps: training steps and compiled models make glibc keep freed memory on CPU
+    # (linvit.fast.allocator)
     print(f"# allocator {allocator_setting()}")
     return rows

@@ -3,6 +3,8 @@
 import csv
 
 import pytest
+import timm
+import torch
 from scripted_clock import ScriptedClock, float_cells
 
 from linvit.bench import timing
@@ -58,3 +60,49 @@ def test_bad_options_are_refused_with_the_reason(step_bench, capsys, argv, messa
     with pytest.raises(SystemExit):
         step_bench.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_inference_workload_times_eval_forwards_under_inference_mode(step_bench, tmp_path, capsys, monkeypatch):
+    """--workload inference: one forward per model and round (no backward: the clock would see no difference, so
+    the test records how each forward ran), models in eval mode, inference_mode on, images in the model's dtype."""
+    clock = ScriptedClock(scripted_step_ms)
+    clock.install(monkeypatch, timing)
+    seen = []
+    scripted_create = timm.create_model
+
+    def create_model(name, *args, **kwargs):
+        model = scripted_create(name, *args, **kwargs)
+        model.register_forward_pre_hook(lambda module, inputs: seen.append(
+            (module.training, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), inputs[0].dtype)))
+        return model
+
+    monkeypatch.setattr(timm, 'create_model', create_model)
+    out = tmp_path / 'infer.csv'
+    assert step_bench.main(['--workload', 'inference', '--model', 'linvit_tiny_patch16_224:depth=1', '--sizes', '32',
+                            '--batch', '1', '--mode', 'eager', '--repeats', '3', '--csv', str(out)]) == 0
+    printed = capsys.readouterr().out
+    (row,) = list(csv.DictReader(out.open()))
+    assert row['workload'] == 'inference'
+    assert [float(row[k]) for k in ('linvit_ms', 'floor_ms', 'softmax_ms')] == pytest.approx([40., 30., 120.])
+    assert float(row['linvit_over_floor']) == pytest.approx(0.75)
+    assert float(row['linvit_img_per_s']) == pytest.approx(1e3 / 40)
+    assert '# inference step (forward under inference_mode)' in printed
+    assert seen and set(seen) == {(False, True, False, torch.float32)}
+    assert len(clock.inputs) == 3 * 4  # three models, 1 warm-up + 3 timed rounds, one forward each
+
+
+def test_inference_runs_end_to_end_compiled_in_bfloat16(step_bench, tmp_path):
+    out = tmp_path / 'infer.csv'
+    assert step_bench.main(['--workload', 'inference', '--model', 'linvit_tiny_patch16_224:depth=1,embed_dim=48,'
+                            'num_heads=3', '--softmax', 'none', '--sizes', '32', '--batch', '1', '--mode', 'compiled',
+                            '--dtype', 'bfloat16', '--repeats', '1', '--csv', str(out)]) == 0
+    (row,) = list(csv.DictReader(out.open()))
+    assert (row['workload'], row['mode'], row['dtype']) == ('inference', 'compiled', 'bfloat16')
+    assert float(row['linvit_over_floor']) == pytest.approx(float(row['floor_ms']) / float(row['linvit_ms']))
+
+
+def test_an_unknown_workload_is_refused_by_the_library():
+    from linvit.bench.specs import parse_model_spec
+    from linvit.bench.train_step import TrainStepBench
+    with pytest.raises(ValueError, match=r"--workload must be one of \['inference', 'training'\], got 'serving'"):
+        TrainStepBench(parse_model_spec('linvit_tiny_patch16_224'), workload='serving')
