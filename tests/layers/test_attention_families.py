@@ -12,6 +12,7 @@ from references import aft_simple_ref, gated_ref, low_rank_ref, performer_ref
 
 import linvit
 from linvit import fast
+from linvit.engine import TrainStep
 from linvit.layers import (
     ATTENTION_FAMILIES,
     AFTAttention,
@@ -107,7 +108,7 @@ def test_every_family_builds_trains_compiles_and_exports(family, tmp_path):
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
     torch._dynamo.reset()
     for report in (fast.check_graph_breaks(model.eval(), images),
-                   fast.check_graph_breaks(fast.TrainStep(model.train(), F.cross_entropy).forward_loss, images,
+                   fast.check_graph_breaks(TrainStep(model.train(), F.cross_entropy).forward_loss, images,
                                            torch.tensor([1, 3]))):
         assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
     torch._dynamo.reset()
@@ -171,7 +172,8 @@ def test_convert_to_linear_keeps_the_weights_for_every_family(family):
 
 
 def test_families_are_listed_in_one_registry():
-    kinds = linvit.list_attention_kinds()
+    with pytest.warns(FutureWarning, match='list_attention_kinds is deprecated'):
+        kinds = linvit.list_attention_kinds()
     maps = linvit.ops.list_feature_maps()
     assert kinds[:len(maps)] == maps and 'hedgehog' in maps
     assert set(kinds[len(maps):]) == {'performer', 'linformer', 'gated', 'aft', 'bidirectional'}

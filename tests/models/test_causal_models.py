@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import linvit  # noqa: F401  (registers linvit_*)
 from linvit import fast
+from linvit.engine import TrainStep
 
 
 def _model(**kwargs):
@@ -116,12 +117,12 @@ def test_causal_training_step_compiles_without_graph_breaks():
     model = _model(num_classes=5, causal=True).train()
     images, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 3])
     torch._dynamo.reset()
-    report = fast.check_graph_breaks(fast.TrainStep(model, F.cross_entropy).forward_loss, images, labels)
+    report = fast.check_graph_breaks(TrainStep(model, F.cross_entropy).forward_loss, images, labels)
     assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
     torch._dynamo.reset()
     eager = F.cross_entropy(model(images), labels)
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
-    compiled = fast.TrainStep(model, F.cross_entropy, compile=True).loss(images, labels)
+    compiled = TrainStep(model, F.cross_entropy, compile=True).loss(images, labels)
     compiled_grads = torch.autograd.grad(compiled, list(model.parameters()))  # the compiled backward graph
     assert torch.allclose(compiled, eager, rtol=1e-4)
     for (name, _), a, b in zip(model.named_parameters(), eager_grads, compiled_grads):

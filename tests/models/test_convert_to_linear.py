@@ -138,9 +138,11 @@ def test_an_attention_given_as_the_model_is_pointed_to_the_single_layer_function
 
 
 def test_attn_kernel_names_a_feature_map_or_a_family():
-    model = convert_to_linear(_create('vit_tiny_patch16_224', depth=1), attn_kernel='relu')
+    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
+        model = convert_to_linear(_create('vit_tiny_patch16_224', depth=1), attn_kernel='relu')
     assert model.blocks[0].attn.feature_map_name == 'relu'
-    created = timm.create_model('linvit_tiny_patch16_224', depth=1, attn_kernel='relu')
+    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
+        created = timm.create_model('linvit_tiny_patch16_224', depth=1, attn_kernel='relu')
     assert created.blocks[0].attn.feature_map_name == 'relu'
     with pytest.raises(ValueError, match=r"unknown attn_kernel 'nope'; known: \['elu1', .*'performer'"):
         convert_to_linear(_create('vit_tiny_patch16_224', depth=1), attn_kernel='nope')

@@ -170,7 +170,8 @@ def test_unknown_feature_map_is_rejected():
 
 
 def test_attn_kernel_as_a_feature_map_agrees_with_feature_map():
-    model = _tiny(attn_kernel='relu', depth=1)
+    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
+        model = _tiny(attn_kernel='relu', depth=1)
     assert model.blocks[0].attn.feature_map_name == 'relu' and model.attn_kernel == 'relu'
     with pytest.raises(ValueError, match='disagree'):
         _tiny(attn_kernel='relu', feature_map='elu1', depth=1)
