@@ -17,9 +17,14 @@ __all__ = ['warn_renamed', 'module_getattr', 'user_stacklevel']
 _LINVIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _is_importlib_frame(filename: str) -> bool:
+    """importlib's own frames, which ``warnings.warn`` passes over without counting them in ``stacklevel``."""
+    return 'importlib' in filename and '_bootstrap' in filename
+
+
 def _is_library_frame(filename: str) -> bool:
     """Code the user did not write: linvit, timm (``timm.create_model`` builds linvit models), importlib."""
-    if filename.startswith(_LINVIT_DIR) or filename.startswith('<frozen importlib'):
+    if filename.startswith(_LINVIT_DIR) or _is_importlib_frame(filename):
         return True
     timm = sys.modules.get('timm')
     timm_file = getattr(timm, '__file__', None)
@@ -32,7 +37,8 @@ def user_stacklevel() -> int:
     directly or through ``timm.create_model``, a function called directly or through a wrapper)."""
     frame, level = sys._getframe(1), 1  # level 1: the caller's own frame, as warnings.warn counts
     while frame.f_back is not None and _is_library_frame(frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
+        frame = frame.f_back
+        level += not _is_importlib_frame(frame.f_code.co_filename)
     return level
 
 

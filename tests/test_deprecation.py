@@ -60,6 +60,15 @@ def test_a_moved_name_names_the_line_that_reads_it():
     assert where == (__file__, _line_of('moved'))
 
 
+def test_a_moved_name_imported_with_from_names_the_import_line():
+    """``from package import old_name`` looks the name up inside importlib first (frozen frames), then again."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        from linvit.fast import make_floor  # noqa: F401  # from-import
+    places = {(w.filename, w.lineno) for w in caught if issubclass(w.category, FutureWarning)}
+    assert places == {(__file__, _line_of('from-import'))}
+
+
 def test_an_old_precision_alias_names_the_callers_line():
     where = _warned_at(FutureWarning, lambda: resolve_precision('bf16', '--dtype'))  # alias
     assert where == (__file__, _line_of('alias'))
