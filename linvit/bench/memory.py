@@ -6,13 +6,13 @@ from typing import Dict, Optional
 
 import torch
 
-from ..fast.allocator import retaining_freed_memory
+from ..fast.allocator import GLIBC_THRESHOLD_ENV, retaining_freed_memory
 
 __all__ = ['MemoryWatch', 'RETAIN_FREED_MEMORY_ENV', 'allocator_setting', 'lifetime_peak_rss_mib', 'reset_peak_rss']
 
 # glibc returns large freed blocks to the system and faults fresh pages in when they are allocated again; these
 # thresholds (bytes) keep freed memory in the process, as jemalloc or tcmalloc would
-RETAIN_FREED_MEMORY_ENV = {'MALLOC_MMAP_THRESHOLD_': str(2 ** 34), 'MALLOC_TRIM_THRESHOLD_': str(2 ** 34)}
+RETAIN_FREED_MEMORY_ENV = {name: str(2 ** 34) for name in GLIBC_THRESHOLD_ENV}
 
 
 def allocator_setting() -> str:

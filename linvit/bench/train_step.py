@@ -5,7 +5,7 @@ A training step is ``linvit.engine.step.TrainStep``: forward, cross-entropy and 
 inference step is a forward under ``torch.inference_mode`` of the model in eval mode, cast to the precision; either
 eager or compiled (``linvit.fast``). The three models (the floor is the linvit model with token mixing removed) are
 built at each image size and stepped in turn, one step of each per round, so that the machine's drift hits them
-alike: on a shared machine the same matmul can run 2-3x slower for seconds at a time, which a process per model
+alike: on a shared machine the same matmul can run 2-4x slower for seconds at a time, which a process per model
 (``tools/profile_resolution.py``) meets in some processes and not in others. Peak memory needs a process per model:
 ``linvit.bench.profile`` (``tools/profile_resolution.py``).
 

@@ -17,7 +17,7 @@ Inference only (no autograd formula of its own; training takes the fused Functio
 the dtype of its inputs, which must be the attention core's compute dtype (float32 or float64) with autocast off:
 the projection then runs in that dtype too, as it does after the unfolded core.
 """
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -53,13 +53,15 @@ def projected_linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.T
         return _projected(phi_q, phi_k, v, weight, bias, eps, key_mask)
 
 
-def _normalised_queries(phi_q: torch.Tensor, z: torch.Tensor, eps_count) -> torch.Tensor:
+def _normalised_queries(phi_q: torch.Tensor, z: torch.Tensor,
+                        eps_count: Union[float, torch.Tensor]) -> torch.Tensor:
     """P = [A_1 / den_1 | ... | A_H / den_H] token-major: phi_q [B, H, Nq, F], z [B, H, F], eps_count a float or
     [B, H|1, 1, 1] -> [B, Nq, H F] (the matmul after it reads this without a copy)."""
     b, h, nq, f = phi_q.shape
     if torch.compiler.is_compiling():
-        # token-major throughout, the normaliser as a multiply-sum over F: inductor maps q, reduces and divides in
-        # one kernel and writes P where the matmul reads it (a head-major quotient cost a transposing copy)
+        # token-major throughout, the normaliser as a multiply-sum over F: inductor writes phi(q) token-major with
+        # the feature-map kernel and divides it in place, where the matmul reads P (a head-major quotient cost a
+        # transposing copy per block)
         a = phi_q.transpose(1, 2)  # [B, Nq, H, F]
         if isinstance(eps_count, torch.Tensor):
             eps_count = eps_count.transpose(1, 2)  # [B, 1, H|1, 1]
@@ -71,7 +73,7 @@ def _normalised_queries(phi_q: torch.Tensor, z: torch.Tensor, eps_count) -> torc
 
 def _projected(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
                bias: Optional[torch.Tensor], eps: float, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    b, h, nq, f = phi_q.shape
+    b, h, _, f = phi_q.shape
     w = _key_weight_column(key_mask, phi_k.dtype)
     eps_count = _eps_count(eps, phi_k.shape[-2], w)
     phi_k, v = _mapped_keys(phi_k, v, w)
