@@ -13,7 +13,7 @@ MUTATION_WORKERS ?= 2
 # mutant name patterns for make mutation (empty: every module of the target), e.g. 'linvit.layers.families.*'
 MUTANTS ?=
 
-.PHONY: setup demo demo-cls test lint bench gpu-check gpu-prep mutation clean
+.PHONY: setup demo demo-cls test lint bench gpu-check gpu-prep triton-compat mutation clean
 
 setup: $(STAMP)
 
@@ -82,6 +82,18 @@ gpu-prep:
 		apt-get download dataset-fashion-mnist && dpkg -x dataset-fashion-mnist_*.deb root && \
 		mkdir -p ../fashion-mnist && cp root/usr/share/datasets/fashion-mnist/* ../fashion-mnist/ ) && \
 		rm -rf .gpudata/deb
+
+# the GPU machine's Triton (3.6, with its torch 2.11: the device notes) compiles every kernel variant for sm_90 and
+# sm_80, checked without a GPU: installs that Triton alone into build/ (a ~150 MB wheel from PyPI, once) and runs the
+# ahead-of-time compile test with it. Not part of make test; run it after changing linvit/ops/triton_kernels.py.
+GPU_TRITON ?= 3.6.0
+GPU_TRITON_DIR := build/triton-$(GPU_TRITON)
+triton-compat: $(STAMP)
+	test -f $(GPU_TRITON_DIR)/triton/__init__.py || \
+		$(PY) -m pip install --quiet --no-deps --target $(GPU_TRITON_DIR) triton==$(GPU_TRITON)
+	PYTHONPATH=$(GPU_TRITON_DIR) $(PY) -c "import triton; v = triton.__version__; \
+		assert v == '$(GPU_TRITON)', f'imported triton {v} from {triton.__file__}, expected $(GPU_TRITON)'; print('triton', v)"
+	PYTHONPATH=$(GPU_TRITON_DIR) $(PY) -m pytest -q -p no:cacheprovider tests/ops/test_triton_compile.py
 
 # mutation testing, not part of make test: mutmut mutates linvit/ops, linvit/layers and linvit/models one change at
 # a time and runs the tests that cover each change (.ci/mutation/setup.cfg), in a fresh copy of the tracked tree under
