@@ -144,7 +144,8 @@ def test_attn_kernel_names_a_feature_map_or_a_family():
     with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
         created = timm.create_model('linvit_tiny_patch16_224', depth=1, attn_kernel='relu')
     assert created.blocks[0].attn.feature_map_name == 'relu'
-    with pytest.raises(ValueError, match=r"unknown attn_kernel 'nope'; known: \['elu1', .*'performer'"):
+    with pytest.raises(ValueError, match=r"unknown attn_kernel 'nope'; known: \['elu1', .*'performer'"), \
+            pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
         convert_to_linear(_create('vit_tiny_patch16_224', depth=1), attn_kernel='nope')
 
 

@@ -169,15 +169,19 @@ def test_unknown_feature_map_is_rejected():
         _tiny(feature_map='cosine')
 
 
+def _warns_renamed():
+    return pytest.warns(FutureWarning, match='attn_kernel is deprecated')
+
+
 def test_attn_kernel_as_a_feature_map_agrees_with_feature_map():
     with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
         model = _tiny(attn_kernel='relu', depth=1)
     assert model.blocks[0].attn.feature_map_name == 'relu' and model.attn_kernel == 'relu'
-    with pytest.raises(ValueError, match='disagree'):
+    with pytest.raises(ValueError, match='disagree'), _warns_renamed():
         _tiny(attn_kernel='relu', feature_map='elu1', depth=1)
-    with pytest.raises(ValueError, match="attn_kernel='performer' uses no feature map"):
+    with pytest.raises(ValueError, match="attn_kernel='performer' uses no feature map"), _warns_renamed():
         _tiny(attn_kernel='performer', feature_map='relu', depth=1)
-    with pytest.raises(ValueError, match=r"unknown performer attention options \['low_rank_size'\]"):
+    with pytest.raises(ValueError, match=r"unknown performer attention options \['low_rank_size'\]"), _warns_renamed():
         _tiny(attn_kernel='performer', attn_options={'low_rank_size': 4}, depth=1)
 
 
