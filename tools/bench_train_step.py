@@ -15,6 +15,14 @@ configuration (``tools/profile_resolution.py``), which also measures peak memory
     python tools/bench_train_step.py --model linvit_small_patch16_224:feature_map='relu' --dtype bfloat16
     python tools/bench_train_step.py --workload inference --sizes 1024 --batch 1 --mode compiled --softmax none \
         --repeats 30
+    python tools/bench_train_step.py --model linvit_small_patch16_224 --sizes 1024 --batch 16 --mode compiled \
+        --dtype bfloat16 --device cuda --profile-ops 3     # and where each model's step time goes
+
+``--profile-ops S`` then profiles S more steps of each model (``torch.profiler``; kernel time on CUDA, op self time
+on a CPU) and prints ms per step by kind of operation (matmul, attention, convolution, normalisation, copies and
+casts, compiled fused kernels, other), linvit minus its floor per kind, and linvit's top ops
+(``linvit.bench.op_profile``). With compiled steps on a CPU it turns on inductor's kernel profiling for the whole
+run, so that fused kernels show by name (every model's timed steps then carry its small cost alike).
 
 The compiled mode compiles each model's step once per size (the first warm-up step, not timed). On CPU training
 steps and compiled models make glibc keep freed memory (``linvit.fast.allocator``: otherwise large freed buffers go
@@ -52,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--repeats', type=int, default=3, help='timed rounds: one step of each model per round')
     parser.add_argument('--device', default='cpu', help="torch device, e.g. 'cpu' or 'cuda'")
     parser.add_argument('--csv', help='also write the table to this CSV file (times in ms)')
+    parser.add_argument('--profile-ops', type=int, default=0, metavar='STEPS',
+                        help='after the timing, profile this many steps of each model and print where the time '
+                             'goes, by kind of operation (0: no profile)')
+    parser.add_argument('--profile-top', type=int, default=10, metavar='N',
+                        help="the profile lists linvit's N most expensive ops")
     return parser
 
 
@@ -63,7 +76,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.model = parse_model_spec(args.model)
         args.softmax = softmax_counterpart(args.model, args.softmax)
         args.bench = TrainStepBench(args.model, args.softmax, args.sizes, args.batch, args.mode, args.dtype,
-                                    args.warmup, args.repeats, args.device, args.workload)
+                                    args.warmup, args.repeats, args.device, args.workload, args.profile_ops,
+                                    args.profile_top)
     except ValueError as exc:
         parser.error(str(exc))
     return args

@@ -25,6 +25,7 @@ from linvit.layers import make_floor
 from linvit.precision import PRECISIONS
 
 from .memory import allocator_setting
+from .op_profile import StepProfile, enable_compiled_kernel_names, format_profile, profile_steps
 from .specs import MODES, WORKLOADS, ModelSpec, size_label
 from .timing import time_interleaved
 
@@ -55,7 +56,9 @@ class TrainStepBench:
     """What to measure: ``model`` a linvit spec, ``softmax`` the timm name to compare with (None: no softmax
     model; see ``softmax_counterpart``), ``dtype`` the precision (training: autocast around forward and loss,
     'float32' none, weights stay float32; inference: model and images cast to it), ``warmup`` >= 1 (the first step
-    compiles), ``workload`` what a step is ('training' or 'inference', see the module docstring)."""
+    compiles), ``workload`` what a step is ('training' or 'inference', see the module docstring), ``profile_ops``
+    steps of each model to profile after the timing (0: none; ``linvit.bench.op_profile``) and ``profile_top`` the
+    ops of linvit listed."""
     model: ModelSpec
     softmax: Optional[str] = None
     sizes: Sequence[Tuple[int, int]] = ((512, 512),)
@@ -66,10 +69,14 @@ class TrainStepBench:
     repeats: int = 3
     device: str = 'cpu'
     workload: str = 'training'
+    profile_ops: int = 0
+    profile_top: int = 10
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.repeats < 1 or self.batch < 1:
             raise ValueError('--warmup, --repeats and --batch must be >= 1')
+        if self.profile_ops < 0 or self.profile_top < 0:
+            raise ValueError('--profile-ops and --profile-top must be >= 0')
         if self.workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
 
@@ -112,13 +119,16 @@ def _inference_steps(models: Dict[str, nn.Module], images: torch.Tensor, mode: s
     return {kind: (lambda forward=forward: infer(forward)) for kind, forward in forwards.items()}
 
 
-def measure_size(bench: TrainStepBench, height: int, width: int, mode: str) -> Dict[str, Any]:
-    """One table row: median ms per step of each model at (height, width) in ``mode``, and the ratios of img/s."""
+def measure_size(bench: TrainStepBench, height: int, width: int, mode: str
+                 ) -> Tuple[Dict[str, Any], Optional[Dict[str, StepProfile]]]:
+    """One table row: median ms per step of each model at (height, width) in ``mode``, and the ratios of img/s;
+    and, with ``bench.profile_ops``, each model's profiled steps (else None)."""
     training = bench.workload == 'training'
     models = build_models(bench.model, bench.softmax, height, width, bench.device, train=training)
     images = torch.randn(bench.batch, 3, height, width, device=bench.device)
     calls = (_training_steps if training else _inference_steps)(models, images, mode, bench.dtype)
     ms = time_interleaved(calls, bench.warmup, bench.repeats, bench.device)
+    profiles = profile_steps(calls, bench.profile_ops, bench.device) if bench.profile_ops else None
     row: Dict[str, Any] = {'workload': bench.workload, 'size': size_label(height, width), 'batch': bench.batch,
                            'mode': mode, 'dtype': bench.dtype}
     for kind in KINDS:
@@ -126,7 +136,7 @@ def measure_size(bench: TrainStepBench, height: int, width: int, mode: str) -> D
         row[f"{kind}_img_per_s"] = bench.batch * 1e3 / ms[kind] if kind in ms else None
     row['linvit_over_floor'] = ms['floor'] / ms['linvit']
     row['linvit_over_softmax'] = ms['softmax'] / ms['linvit'] if 'softmax' in ms else None
-    return row
+    return row, profiles
 
 
 def format_row(row: Dict[str, Any]) -> str:
@@ -148,12 +158,18 @@ def run(bench: TrainStepBench) -> List[Dict[str, Any]]:
           f"{bench.warmup} warm-up step(s); ratios of images/s (> 1: linvit faster)")
     print(f"{'size':>9} {'batch':>5} {'mode':>9} " + ' '.join(f"{kind + ' ms':>10}" for kind in KINDS)
           + f" {'linvit/floor':>13} {'linvit/softmax':>15}")
+    if bench.profile_ops and 'compiled' in bench.mode:
+        enable_compiled_kernel_names()  # before anything compiles
     rows = []
     for height, width in bench.sizes:
         for mode in bench.mode:
-            row = measure_size(bench, height, width, mode)
+            row, profiles = measure_size(bench, height, width, mode)
             rows.append(row)
             print(format_row(row), flush=True)
+            if profiles is not None:
+                print(f"## where a step's time goes, {row['size']} {mode}: ms per step over {bench.profile_ops} "
+                      f"profiled step(s) ({'kernel time' if str(bench.device).startswith('cuda') else 'op self time'})")
+                print('\n'.join(format_profile(profiles, bench.profile_top)), flush=True)
     # read after the steps: training steps and compiled models make glibc keep freed memory on CPU
     # (linvit.fast.allocator)
     print(f"# allocator {allocator_setting()}")

@@ -106,3 +106,36 @@ def test_an_unknown_workload_is_refused_by_the_library():
     from linvit.bench.train_step import TrainStepBench
     with pytest.raises(ValueError, match=r"--workload must be one of \['inference', 'training'\], got 'serving'"):
         TrainStepBench(parse_model_spec('linvit_tiny_patch16_224'), workload='serving')
+
+
+def test_profile_ops_prints_where_each_models_step_goes(step_bench, capsys, monkeypatch):
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config.cpp, 'enable_kernel_profile', False)  # the tool turns it on: restore it
+    assert step_bench.main(['--workload', 'inference', '--model', 'linvit_tiny_patch16_224:depth=1,embed_dim=48,'
+                            'num_heads=3', '--softmax', 'none', '--sizes', '32', '--batch', '1', '--mode', 'compiled',
+                            '--repeats', '1', '--profile-ops', '2', '--profile-top', '40']) == 0
+    printed = capsys.readouterr().out.splitlines()
+    start = printed.index("## where a step's time goes, 32 compiled: ms per step over 2 profiled step(s) "
+                          "(op self time)")
+    assert printed[start + 1].split() == ['category', 'linvit', 'ms', 'floor', 'ms', 'linvit-floor']
+    rows = {line[:18].strip(): [float(cell) for cell in line[18:].split()] for line in printed[start + 2:start + 10]}
+    assert list(rows) == [*step_bench_categories(), 'total']
+    for linvit, floor, diff in rows.values():
+        assert diff == pytest.approx(linvit - floor, abs=0.011)
+    assert rows['total'][0] == pytest.approx(sum(row[0] for name, row in rows.items() if name != 'total'), abs=0.05)
+    assert printed[start + 10] == 'top 40 ops of linvit (ms per step, calls per step, category):'
+    top = [line.split() for line in printed[start + 11:] if line.startswith('  ')]
+    assert 10 <= len(top) <= 40
+    # compiled CPU code shows its fused kernels by name (inductor's kernel profiling, turned on before compiling)
+    assert any(cells[2:4] == ['fused', '(compiled)'] and cells[4].startswith('graph_') for cells in top)
+
+
+def step_bench_categories():
+    from linvit.bench.op_profile import CATEGORIES
+    return list(CATEGORIES)
+
+
+def test_negative_profile_options_are_refused(step_bench, capsys):
+    with pytest.raises(SystemExit):
+        step_bench.parse_args(['--profile-ops', '-1'])
+    assert '--profile-ops and --profile-top must be >= 0' in capsys.readouterr().err
