@@ -4,7 +4,8 @@ branch), normalisation, copies and casts (layouts, dtypes), compiled fused kerne
 
 On CUDA the time of an operation is its kernels' device time; on a CPU it is the self time of the profiled ops
 (what each op ran itself, not its children), so the categories add up to the profiled steps' time on the calling
-thread. Compiled CPU code shows its fused kernels by name only with inductor's kernel profiling on
+thread. The functions are profiled one call each per round, so that a machine's drift hits them alike. Compiled CPU
+code shows its fused kernels by name only with inductor's kernel profiling on
 (``enable_compiled_kernel_names``, before the first compile). A category is read off the op's or kernel's name
 (``categorize``): kernels are named by their library (cuBLAS, cuDNN, Triton) or by the ops inductor fused into them,
 so read the top list next to the categories.
@@ -75,37 +76,45 @@ class StepProfile:
         return sum(self.by_category.values())
 
 
-def _op_times(prof: profile, steps: int, device: str) -> List[OpTime]:
+def _profiled_call(call: Callable[[], object], activities: List[ProfilerActivity],
+                   device: str) -> Dict[str, Tuple[float, int]]:
+    """One profiled call -> {op or kernel name: (microseconds, calls)}: kernels' device time on CUDA (not the ops
+    that launched them, which would count it twice), ops' self time on a CPU."""
     on_cuda = str(device).startswith('cuda')
-    ops = []
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        call()
+        synchronize(device)
+    times = {}
     for event in prof.key_averages():
-        if on_cuda:  # the kernels themselves: device time, no double count with the ops that launched them
-            if event.device_type != DeviceType.CUDA:
-                continue
-            us = event.self_device_time_total
-        else:
-            us = event.self_cpu_time_total
+        if on_cuda and event.device_type != DeviceType.CUDA:
+            continue
+        us = event.self_device_time_total if on_cuda else event.self_cpu_time_total
         if us > 0:
-            ops.append(OpTime(event.key, categorize(event.key), us / 1e3 / steps, event.count / steps))
-    return sorted(ops, key=lambda op: op.ms, reverse=True)
+            times[event.key] = (us, event.count)
+    return times
 
 
 def profile_steps(calls: Dict[str, Callable[[], object]], steps: int, device: str) -> Dict[str, StepProfile]:
     """Profile ``steps`` calls of each function (warmed up already: compiled ones compiled) -> a StepProfile per
-    name. One profiler session per function, so each one's ops are its own."""
+    name. One call of each function per round, each call its own profiler session, so that the machine's drift hits
+    the functions alike and each one's ops are its own."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     activities = [ProfilerActivity.CPU]
     if str(device).startswith('cuda'):
         activities.append(ProfilerActivity.CUDA)
+    totals: Dict[str, Dict[str, List[float]]] = {name: {} for name in calls}
+    for _ in range(steps):
+        for name, call in calls.items():
+            for key, (us, count) in _profiled_call(call, activities, device).items():
+                total = totals[name].setdefault(key, [0.0, 0.0])
+                total[0] += us
+                total[1] += count
     profiles = {}
-    for name, call in calls.items():
-        synchronize(device)
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                call()
-            synchronize(device)
-        ops = _op_times(prof, steps, device)
+    for name, ops_us in totals.items():
+        ops = sorted((OpTime(key, categorize(key), us / 1e3 / steps, count / steps)
+                      for key, (us, count) in ops_us.items()), key=lambda op: op.ms, reverse=True)
         by_category = dict.fromkeys(CATEGORIES, 0.0)
         for op in ops:
             by_category[op.category] += op.ms
