@@ -120,15 +120,17 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     grad_num_den = torch.cat([grad_over_den, -(grad_over_den * out).sum(dim=-1, keepdim=True)], dim=-1)
     del grad_over_den
     phi_q, vjp_q = _features_for_backward(feature_map, q, phi_q)
-    grad_s = phi_q.transpose(-2, -1) @ grad_num_den  # [B, H, D, Dv + 1]
+    # dS^T [B, H, Dv + 1, D] rather than dS: the key-sum gradient dS[:, Dv] is then a contiguous row, which the
+    # compiled kernel adding it to every key's gradient reads vectorised (a column, stride Dv + 1, made it scalar)
+    grad_s_t = grad_num_den.transpose(-2, -1) @ phi_q
     dq = vjp_q(grad_num_den @ s.transpose(-2, -1))
     del phi_q, grad_num_den
     phi_k, vjp_k = _features_for_backward(feature_map, k, phi_k)
     # a contiguous v: the [N, Dv] x [Dv, D] matmul below ran 2x slower on the strided view of the qkv projection
     phi_k, v_kept = _mapped_keys(phi_k, v.contiguous(), w)
     # the gradient at K' of sum(K'^T [V | 1] * dS): [V | 1] dS^T = V dS[:, :Dv]^T + dS[:, Dv] (every key)
-    grad_phi_k = (v_kept @ grad_s[..., :dv].transpose(-2, -1)).add_(grad_s[..., dv].unsqueeze(-2))
-    grad_v = phi_k @ grad_s[..., :dv]
+    grad_phi_k = (v_kept @ grad_s_t[..., :dv, :]).add_(grad_s_t[..., dv:, :])
+    grad_v = phi_k @ grad_s_t[..., :dv, :].transpose(-2, -1)
     del phi_k
     if w is None:
         return dq, vjp_k(grad_phi_k), grad_v
