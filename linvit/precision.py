@@ -6,12 +6,11 @@
 What a precision applies to is the caller's to say: the trainer's ``train.precision`` is the autocast dtype
 ('float32' runs without autocast), the benchmarks' ``--dtype`` is the dtype of weights and inputs.
 """
-import warnings
 from typing import Dict
 
 import torch
 
-from .deprecation import user_stacklevel
+from .deprecation import warn_renamed
 
 __all__ = ['PRECISIONS', 'PRECISION_ALIASES', 'resolve_precision', 'precision_dtype']
 
@@ -36,8 +35,7 @@ def resolve_precision(name: str, what: str = 'precision') -> str:
         return name
     if name in PRECISION_ALIASES:
         new = PRECISION_ALIASES[name]
-        warnings.warn(f"{what}={name!r} is deprecated and will be removed in the next release; use {what}={new!r}",
-                      FutureWarning, stacklevel=user_stacklevel())
+        warn_renamed(f"{what}={name!r}", f"{what}={new!r}")
         return new
     raise ValueError(f"{what}={name!r} is not a precision; expected one of {list(PRECISIONS)}")
 

@@ -67,13 +67,20 @@ class OpTime:
 
 @dataclass
 class StepProfile:
-    """One model's profiled steps: ``ops`` by time (ms per step, largest first), ``by_category`` ms per step."""
+    """One model's profiled steps: ``ops`` by time (ms per step, largest first)."""
     ops: List[OpTime]
-    by_category: Dict[str, float]
+
+    @property
+    def by_category(self) -> Dict[str, float]:
+        """ms per step of each of CATEGORIES."""
+        totals = dict.fromkeys(CATEGORIES, 0.0)
+        for op in self.ops:
+            totals[op.category] += op.ms
+        return totals
 
     @property
     def total_ms(self) -> float:
-        return sum(self.by_category.values())
+        return sum(op.ms for op in self.ops)
 
 
 def _profiled_call(call: Callable[[], object], activities: List[ProfilerActivity],
@@ -111,15 +118,9 @@ def profile_steps(calls: Dict[str, Callable[[], object]], steps: int, device: st
                 total = totals[name].setdefault(key, [0.0, 0.0])
                 total[0] += us
                 total[1] += count
-    profiles = {}
-    for name, ops_us in totals.items():
-        ops = sorted((OpTime(key, categorize(key), us / 1e3 / steps, count / steps)
-                      for key, (us, count) in ops_us.items()), key=lambda op: op.ms, reverse=True)
-        by_category = dict.fromkeys(CATEGORIES, 0.0)
-        for op in ops:
-            by_category[op.category] += op.ms
-        profiles[name] = StepProfile(ops, by_category)
-    return profiles
+    return {name: StepProfile(sorted((OpTime(key, categorize(key), us / 1e3 / steps, count / steps)
+                                      for key, (us, count) in ops_us.items()), key=lambda op: op.ms, reverse=True))
+            for name, ops_us in totals.items()}
 
 
 def format_profile(profiles: Dict[str, StepProfile], top: int = 10, base: Sequence[str] = ('linvit', 'floor')
@@ -132,8 +133,9 @@ def format_profile(profiles: Dict[str, StepProfile], top: int = 10, base: Sequen
     header = f"{'category':<18}" + ''.join(f"{name + ' ms':>14}" for name in names)
     header += f"{first + '-' + second:>16}" if diff else ''
     lines = [header]
+    by_category = {name: {**p.by_category, 'total': p.total_ms} for name, p in profiles.items()}
     for category in (*CATEGORIES, 'total'):
-        ms = {name: (p.total_ms if category == 'total' else p.by_category[category]) for name, p in profiles.items()}
+        ms = {name: by_category[name][category] for name in names}
         line = f"{category:<18}" + ''.join(f"{ms[name]:>14.2f}" for name in names)
         lines.append(line + (f"{ms[first] - ms[second]:>+16.2f}" if diff else ''))
     lead = names[0]
