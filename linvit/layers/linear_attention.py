@@ -3,6 +3,7 @@ from typing import List, Optional, Tuple, Type
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..ops import (
     LEARNABLE_FEATURE_MAPS,
@@ -22,6 +23,7 @@ from ..ops import (
     kernel_unsupported_reason,
     linear_attention_from_features,
     projected_linear_attention_from_features,
+    projected_linear_attention_from_inputs,
 )
 from .family import FamilySpec, register_family
 from .feature_map import LearnableFeatureMap  # noqa: F401  (registers the learnable maps: 'hedgehog')
@@ -60,6 +62,12 @@ def causal_call(is_causal: bool, causal_default: bool) -> bool:
         check_traced_causality(is_causal, causal_default)
         return causal_default
     return is_causal or causal_default
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an nn.Linear whose forward is F.linear of its weight and bias: not a subclass (LoRA,
+    quantised wrappers) and without hooks, so code that reads its weight computes what calling it would."""
+    return type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
 
 
 def exporting() -> bool:
@@ -311,7 +319,12 @@ class LinearAttention(nn.Module):
 
     def _features(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [B, N, 3, H, D] -> (phi(q) [B, H, N, F], phi(k) [B, H, N, F], v [B, H, N, D]) in the compute dtype."""
-        qkv = qkv.permute(2, 0, 3, 1, 4)
+        phi_q, phi_k = self._qk_features(qkv[:, :, :2])
+        return phi_q, phi_k, to_compute_dtype(qkv[:, :, 2].transpose(1, 2))
+
+    def _qk_features(self, qk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """qk [B, N, 2, H, D] (q and k) -> (phi(q) [B, H, N, F], phi(k) [B, H, N, F]) in the compute dtype."""
+        qkv = qk.permute(2, 0, 3, 1, 4)
         if self.learnable_map or torch.compiler.is_compiling() or not (isinstance(self.q_norm, nn.Identity)
                                                                        and isinstance(self.k_norm, nn.Identity)):
             # compiled code maps q and k out of place, in two calls even without autograd: inductor fuses them
@@ -327,26 +340,55 @@ class LinearAttention(nn.Module):
             # eager inference: nothing keeps q and k for a backward pass, so map them in place inside the qkv
             # output (v untouched), saving a large fresh allocation and its page faults
             phi_q, phi_k = self.feature_map_inplace(to_compute_dtype(qkv[:2])).unbind(0)
-        return phi_q, phi_k, to_compute_dtype(qkv[2])
+        return phi_q, phi_k
 
     @torch.jit.unused
-    def _projects_in_core(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
-        """Whether this call folds the output projection into the attention core
-        (``linvit.ops.projected_linear_attention_from_features``: no query-side matmul). Inference (no autograd)
-        of plain linear attention whose output goes straight into ``proj`` (no local branch, output norm or gate;
-        ``proj`` a plain nn.Linear without hooks), on the PyTorch path, with qkv already in the core's dtype (not
-        under autocast), so the projection keeps its precision; fx tracing and export keep the unfolded graph."""
+    def _feeds_plain_projection(self) -> bool:
+        """Whether this call's attention output may go straight into a folded ``proj``: inference (no autograd) of
+        plain linear attention (no local branch, output norm or gate), ``proj`` a plain nn.Linear without hooks,
+        outside fx tracing and export (which keep the unfolded graph)."""
         if torch.is_grad_enabled() or type(self).mix is not LinearAttention.mix:
             return False
         if self.local_mix is not None or self.gate is not None or not isinstance(self.norm, nn.Identity):
             return False
-        if type(self.proj) is not nn.Linear or self.proj._forward_hooks or self.proj._forward_pre_hooks:
+        if not _plain_linear(self.proj):
             return False  # the fold reads proj's weight and bias: a subclass (LoRA, quantised) or hook would be skipped
-        if torch.fx._symbolic_trace.is_fx_symbolic_tracing() or exporting():
+        return not (torch.fx._symbolic_trace.is_fx_symbolic_tracing() or exporting())
+
+    @torch.jit.unused
+    def _projects_in_core(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
+        """Whether this call folds the output projection into the attention core
+        (``linvit.ops.projected_linear_attention_from_features``: no query-side matmul): ``_feeds_plain_projection``,
+        on the PyTorch path, with qkv already in the core's dtype (not under autocast), so the projection keeps its
+        precision."""
+        if not self._feeds_plain_projection():
             return False
         if qkv.dtype != compute_dtype(qkv.dtype) or self.proj.weight.dtype != qkv.dtype:
             return False  # also under autocast, whose qkv projection returns its lower precision
         return not self._calls_op(qkv, key_mask)
+
+    @torch.jit.unused
+    def _projects_values_in_core(self, x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
+        """Whether this call also folds the value projection (``linvit.ops.projected_linear_attention_from_inputs``:
+        no V and no key-side per-head matmul): the conditions of ``_projects_in_core``, read from the layer input
+        before qkv exists, and in addition no key mask, ``qkv`` a plain nn.Linear without hooks, and features no
+        wider than the values (F <= D: phi(K)^T X then costs no more than the value projection it replaces)."""
+        if key_mask is not None or not self._feeds_plain_projection() or not _plain_linear(self.qkv):
+            return False
+        if self._feature_width() > self.head_dim:
+            return False
+        dtype = compute_dtype(x.dtype)
+        if x.dtype != dtype or self.qkv.weight.dtype != dtype or self.proj.weight.dtype != dtype:
+            return False
+        if torch.is_autocast_enabled(x.device.type):
+            return False  # the qkv projection would run in autocast's lower precision, the fold in the core's
+        # the registered op (Triton kernels) serves these calls
+        return not (self.fused_backward and (self.attn_backend == 'triton'
+                                             or (self.attn_backend == 'auto' and x.is_cuda)))
+
+    def _feature_width(self) -> int:
+        """F, the width of phi's output: the learnable map's ``num_features``, D for the fixed maps."""
+        return int(self.feature_map.num_features) if self.learnable_map else self.head_dim
 
     @torch.jit.unused
     def _mix_and_project(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -354,6 +396,19 @@ class LinearAttention(nn.Module):
         phi_q, phi_k, v = self._features(qkv)
         return projected_linear_attention_from_features(phi_q, phi_k, v, self.proj.weight, self.proj.bias, self.eps,
                                                         key_mask)
+
+    @torch.jit.unused
+    def _project_values_in_core(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, dim] -> proj(attention output) [B, N, dim_out] with the value and output projections folded
+        into the core: only q and k are projected."""
+        B, N, _ = x.shape
+        qk_rows = 2 * self.attn_dim
+        weight, bias = self.qkv.weight, self.qkv.bias
+        qk = F.linear(x, weight[:qk_rows], None if bias is None else bias[:qk_rows])
+        phi_q, phi_k = self._qk_features(qk.reshape(B, N, 2, self.num_heads, self.head_dim))
+        return projected_linear_attention_from_inputs(phi_q, phi_k, x, weight[qk_rows:],
+                                                      None if bias is None else bias[qk_rows:], self.proj.weight,
+                                                      self.proj.bias, self.eps)
 
     def _attend_features(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                          key_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -430,11 +485,13 @@ class LinearAttention(nn.Module):
     ) -> torch.Tensor:
         check_tokens(x, self.dim)
         B, N, _ = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
         if causal_call(is_causal, self.causal):
             self._check_causal_call(attn_mask)
-            return self._finish(self.mix_causal(qkv), x)
+            return self._finish(self.mix_causal(self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)), x)
         key_mask = attn_mask_to_key_mask(attn_mask, B, N)
+        if not torch.jit.is_scripting() and self._projects_values_in_core(x, key_mask):
+            return self.proj_drop(self._project_values_in_core(x))
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
         if not torch.jit.is_scripting() and self._projects_in_core(qkv, key_mask):
             return self.proj_drop(self._mix_and_project(qkv, key_mask))
         out = self.mix(qkv, key_mask, x, feat_size)

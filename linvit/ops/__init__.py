@@ -45,7 +45,7 @@ from .fused import (
     has_fused_backward,
 )
 from .linear_attention import check_attention_inputs, compute_dtype, linear_attention, linear_attention_from_features
-from .projected import projected_linear_attention_from_features
+from .projected import projected_linear_attention_from_features, projected_linear_attention_from_inputs
 from .reference import quadratic_linear_attention
 
 __all__ = [
@@ -54,7 +54,8 @@ __all__ = [
     'register_learnable_feature_map', 'fused_linear_attention_from_features',
     'get_feature_map', 'get_feature_map_vjp', 'get_inplace_feature_map',
     'list_feature_maps', 'register_feature_map', 'check_attention_inputs', 'compute_dtype', 'linear_attention',
-    'linear_attention_from_features', 'projected_linear_attention_from_features', 'quadratic_linear_attention',
+    'linear_attention_from_features', 'projected_linear_attention_from_features',
+    'projected_linear_attention_from_inputs', 'quadratic_linear_attention',
     'fused_linear_attention',
     'fused_linear_attention_qkv', 'has_fused_backward', 'causal_linear_attention', 'causal_linear_attention_step',
     'causal_linear_scan', 'CausalState', 'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays',

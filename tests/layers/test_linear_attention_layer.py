@@ -501,16 +501,20 @@ def test_scripted_layer_applies_key_masks_and_eps():
 
 
 def _spy_on_projected_core(monkeypatch) -> list:
-    """Record each call of the folded core (``projected_linear_attention_from_features``) the layer makes."""
+    """Record each call of the folded cores the layer makes: 'features' for
+    ``projected_linear_attention_from_features`` (output projection folded), 'inputs' for
+    ``projected_linear_attention_from_inputs`` (value and output projections folded)."""
     import linvit.layers.linear_attention as layer_module
     calls = []
-    real = layer_module.projected_linear_attention_from_features
+    for kind in ('features', 'inputs'):
+        name = f'projected_linear_attention_from_{kind}'
+        real = getattr(layer_module, name)
 
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
+        def spy(*args, _kind=kind, _real=real, **kwargs):
+            calls.append(_kind)
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(layer_module, 'projected_linear_attention_from_features', spy)
+        monkeypatch.setattr(layer_module, name, spy)
     return calls
 
 
@@ -518,7 +522,8 @@ def _spy_on_projected_core(monkeypatch) -> list:
 @pytest.mark.parametrize('options', ['plain', 'qk-norm'])
 def test_inference_folds_the_projection_into_the_core(monkeypatch, options, masked):
     """Without autograd a plain layer whose output goes straight into proj computes proj(attention) as one matmul
-    with the projection folded into the key-side state: the float64 reference, and the folded core ran once."""
+    with the projection folded into the key-side state, and without a key mask the value projection too (V is never
+    formed): the float64 reference, and the folded core ran once."""
     calls = _spy_on_projected_core(monkeypatch)
     layer = _option_layer('elu1', OPTION_SETS[options], seed=8)
     x = _tokens(n=PREFIX + GRID[0] * GRID[1], seed=8)
@@ -526,9 +531,25 @@ def test_inference_folds_the_projection_into_the_core(monkeypatch, options, mask
     ref = _reference(layer, x, feature_map='elu1', key_mask=keep, grid=GRID, num_prefix_tokens=PREFIX)
     with torch.no_grad():
         assert rel_err(layer(x, attn_mask=keep), ref) <= LAYER_TOL
-    assert len(calls) == 1
+    assert calls == ['features' if masked else 'inputs']
     layer(x, attn_mask=keep)  # with autograd: the fused Function, unfolded
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize('qkv_bias', [True, False])
+@pytest.mark.parametrize('feature_map', ['elu1', 'relu', 'focused'])
+def test_value_fold_in_float64_matches_the_reference_tightly(monkeypatch, feature_map, qkv_bias):
+    """In float64 the folded layer equals the quadratic reference to rounding: a value bias read from the wrong rows
+    of qkv's bias, the key sum times b_v left out or a head's value rows misassigned would all show (each head
+    gets its own random weights, so heads are not interchangeable)."""
+    calls = _spy_on_projected_core(monkeypatch)
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=qkv_bias, feature_map=feature_map, eps=0.25), seed=3)
+    layer = layer.double()
+    x = _tokens(n=23, seed=3).double()
+    with torch.no_grad():
+        got = layer(x)
+    assert calls == ['inputs']
+    assert rel_err(got, _reference(layer, x, feature_map=feature_map, eps=0.25)) <= 1e-12
 
 
 def _bf16_layer() -> LinearAttention:
@@ -567,22 +588,38 @@ class _ScaledLinear(nn.Linear):
 
 
 @pytest.mark.parametrize('change', ['forward-hook', 'pre-hook', 'subclass'])
-def test_a_projection_with_its_own_forward_is_called_not_folded(monkeypatch, change):
-    """The fold reads proj's weight and bias; a hook or a subclass's forward must still run, so those layers keep
-    the projection apart: their no-grad output equals the autograd path's (which calls proj)."""
+@pytest.mark.parametrize('target, folded', [('proj', []), ('qkv', ['features'])])
+def test_a_projection_with_its_own_forward_is_called_not_folded(monkeypatch, target, folded, change):
+    """The folds read proj's (and the value fold qkv's) weight and bias; a hook or a subclass's forward must still
+    run. With proj changed the layer keeps the projection apart; with qkv changed it calls qkv and folds only the
+    output projection. Either way the no-grad output equals the autograd path's (which calls both)."""
     calls = _spy_on_projected_core(monkeypatch)
     layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True))
+    module = getattr(layer, target)
     if change == 'forward-hook':
-        layer.proj.register_forward_hook(lambda module, args, out: out * 3.0)
+        module.register_forward_hook(lambda module, args, out: out * 3.0)
     elif change == 'pre-hook':
-        layer.proj.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+        module.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
     else:
-        scaled = _ScaledLinear(DIM, DIM)
-        scaled.load_state_dict(layer.proj.state_dict())
-        layer.proj = scaled
+        scaled = _ScaledLinear(module.in_features, module.out_features)
+        scaled.load_state_dict(module.state_dict())
+        setattr(layer, target, scaled)
     x = _tokens()
     expected = layer(x).detach()
     with torch.no_grad():
         got = layer(x)
-    assert calls == []
-    assert rel_err(got, expected) <= 1e-6
+    assert calls == folded
+    assert rel_err(got, expected) <= 1e-5
+
+
+def test_features_wider_than_the_values_fold_only_the_output_projection(monkeypatch):
+    """Hedgehog's features are 2 D wide: phi(K)^T X would cost twice the value projection, so the layer projects V
+    and folds the output projection alone; the result equals the autograd path's."""
+    calls = _spy_on_projected_core(monkeypatch)
+    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, feature_map='hedgehog'))
+    x = _tokens()
+    expected = layer(x).detach()
+    with torch.no_grad():
+        got = layer(x)
+    assert calls == ['features']
+    assert rel_err(got, expected) <= 1e-5

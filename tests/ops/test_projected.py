@@ -1,13 +1,14 @@
-"""projected_linear_attention_from_features against the float64 quadratic formula followed by the projection.
+"""projected_linear_attention_from_features and _from_inputs against the float64 quadratic formula followed by the
+projection.
 
 Features go in already mapped (non-negative), so the reference runs them through the relu reference, the identity
-on them; the projection is written as x W^T + b in float64.
+on them; the projections are written as x W^T + b in float64.
 """
 import pytest
 import torch
 from references import quadratic_attention_ref, rel_err
 
-from linvit.ops import projected_linear_attention_from_features
+from linvit.ops import projected_linear_attention_from_features, projected_linear_attention_from_inputs
 
 # (B, H, Nq, N, F, Dv, C): one token, cross attention (Nq != N), Dv != F (a learnable map's width), odd sizes
 SHAPES = [
@@ -130,3 +131,104 @@ def test_compiled_matches_the_reference_in_one_graph(mask):
     assert rel_err(got, _reference(phi_q, phi_k, v, weight, bias, 0.5, key_mask)) <= 1e-5
     if mask == 'all-masked-row':
         assert torch.allclose(got[1], bias.expand_as(got[1]), atol=1e-6)
+
+
+# ---- projected_linear_attention_from_inputs: v = x W_v^T + b_v, never formed ----
+
+
+def _value_inputs(shape, c_in, dtype=torch.float64, seed=0):
+    """(phi_q, phi_k, x, value_weight, value_bias, weight, bias) for ``shape`` (B, H, Nq, N, F, Dv, C)."""
+    b, h, _, n, _, dv, _ = shape
+    phi_q, phi_k, _, weight, bias = _inputs(shape, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(b, n, c_in, generator=g, dtype=torch.float64)
+    value_weight = torch.randn(h * dv, c_in, generator=g, dtype=torch.float64) / c_in ** 0.5
+    value_bias = torch.randn(h * dv, generator=g, dtype=torch.float64)
+    return [t.to(dtype) for t in (phi_q, phi_k, x, value_weight, value_bias, weight, bias)]
+
+
+def _values(x, value_weight, value_bias, h):
+    """The float64 values the reference attends over: x W_v^T + b_v split into heads -> [B, H, N, Dv]."""
+    v = x.double() @ value_weight.double().t()
+    if value_bias is not None:
+        v = v + value_bias.double()
+    return v.reshape(x.shape[0], x.shape[1], h, -1).transpose(1, 2)
+
+
+@pytest.mark.parametrize('eps', [1e-6, 0.5])
+@pytest.mark.parametrize('c_in', [5, 48])
+@pytest.mark.parametrize('shape', SHAPES, ids=lambda s: 'B{}-H{}-Nq{}-N{}-F{}-Dv{}-C{}'.format(*s))
+def test_from_inputs_matches_projected_values_in_float64(shape, c_in, eps):
+    phi_q, phi_k, x, value_weight, value_bias, weight, bias = _value_inputs(shape, c_in)
+    got = projected_linear_attention_from_inputs(phi_q, phi_k, x, value_weight, value_bias, weight, bias, eps)
+    ref = _reference(phi_q, phi_k, _values(x, value_weight, value_bias, shape[1]), weight, bias, eps)
+    assert got.shape == ref.shape and got.dtype == torch.float64
+    assert rel_err(got, ref) <= 1e-12
+
+
+@pytest.mark.parametrize('biases', ['none', 'value-only', 'output-only'])
+def test_from_inputs_float32_is_close_and_biases_are_optional(biases):
+    shape = SHAPES[3]
+    phi_q, phi_k, x, value_weight, value_bias, weight, bias = _value_inputs(shape, 24, torch.float32, seed=4)
+    value_bias = value_bias if biases == 'value-only' else None
+    bias = bias if biases == 'output-only' else None
+    got = projected_linear_attention_from_inputs(phi_q, phi_k, x, value_weight, value_bias, weight, bias)
+    assert got.dtype == torch.float32
+    ref = _reference(phi_q, phi_k, _values(x, value_weight, value_bias, shape[1]), weight, bias, 1e-6)
+    assert rel_err(got, ref) <= 1e-5
+
+
+def test_from_inputs_reads_the_layers_strided_features_and_modifies_nothing():
+    """phi(q) and phi(k) as views of a packed [B, N, 2, H, F] projection (the layer's layout, read without a copy)
+    and as head-major tensors give the same result, and no input changes."""
+    b, h, n, f, c_in, c = 2, 3, 13, 8, 10, 7
+    g = torch.Generator().manual_seed(5)
+    packed = torch.rand(b, n, 2, h, f, generator=g, dtype=torch.float64)
+    phi_q, phi_k = packed.permute(2, 0, 3, 1, 4).unbind(0)
+    x = torch.randn(b, n, c_in, generator=g, dtype=torch.float64)
+    value_weight = torch.randn(h * f, c_in, generator=g, dtype=torch.float64)
+    value_bias = torch.randn(h * f, generator=g, dtype=torch.float64)
+    weight = torch.randn(c, h * f, generator=g, dtype=torch.float64)
+    inputs = (phi_q, phi_k, x, value_weight, value_bias, weight, None)
+    before = [t.clone() for t in inputs if t is not None]
+    got = projected_linear_attention_from_inputs(*inputs)
+    assert all(torch.equal(a, t) for a, t in zip(before, [t for t in inputs if t is not None]))
+    ref = _reference(phi_q, phi_k, _values(x, value_weight, value_bias, h), weight, None, 1e-6)
+    assert rel_err(got, ref) <= 1e-12
+    contiguous = projected_linear_attention_from_inputs(phi_q.contiguous(), phi_k.contiguous(), *inputs[2:])
+    assert rel_err(contiguous, ref) <= 1e-12
+
+
+@pytest.mark.parametrize('change, message', [
+    ('x-tokens', r"the layer input x must have shape \[B, N, C_in\] = \[2, 17, C_in\] for keys of shape "
+                 r"\[2, 3, 17, 16\], got \[2, 16, 5\]"),
+    ('x-dims', r"the layer input x must have shape \[B, N, C_in\] .* got \[34, 5\]"),
+    ('weight-heads', r"the projection weight must have shape \[C, H \* Dv\] with H = 3, got \[48, 47\]"),
+    ('value-weight', r"the value weight must have shape \[H \* Dv, C_in\] = \[48, 5\] for x of shape "
+                     r"\[2, 17, 5\] and a projection weight of shape \[48, 48\], got \[48, 6\]"),
+    ('value-bias', r"the value bias must have shape \[H \* Dv\] = \[48\], got \[47\]"),
+])
+def test_from_inputs_bad_shapes_are_named(change, message):
+    phi_q, phi_k, x, value_weight, value_bias, weight, bias = _value_inputs(SHAPES[1], 5)
+    if change == 'x-tokens':
+        x = x[:, 1:]
+    elif change == 'x-dims':
+        x = x.reshape(-1, 5)
+    elif change == 'weight-heads':
+        weight = weight[:, 1:]
+    elif change == 'value-weight':
+        value_weight = torch.zeros(48, 6, dtype=torch.float64)
+    else:
+        value_bias = value_bias[1:]
+    with pytest.raises(ValueError, match=message):
+        projected_linear_attention_from_inputs(phi_q, phi_k, x, value_weight, value_bias, weight, bias)
+
+
+@pytest.mark.compiler
+def test_from_inputs_compiled_matches_the_reference_in_one_graph():
+    shape = SHAPES[2]
+    phi_q, phi_k, x, value_weight, value_bias, weight, bias = _value_inputs(shape, 9, torch.float32, seed=6)
+    compiled = torch.compile(projected_linear_attention_from_inputs, fullgraph=True)
+    got = compiled(phi_q, phi_k, x, value_weight, value_bias, weight, bias, 0.5)
+    ref = _reference(phi_q, phi_k, _values(x, value_weight, value_bias, shape[1]), weight, bias, 0.5)
+    assert rel_err(got, ref) <= 1e-5

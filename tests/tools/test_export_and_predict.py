@@ -112,8 +112,9 @@ def test_export_of_a_trained_classifier_and_onnx_predictions(export_tool, predic
     onnx_path = tmp_path / 'cls.onnx'
     status = export_tool.main([str(cls_run), '--out', str(onnx_path), '--check-sizes', '32,24x40', '--repeats', '1',
                                '--warmup', '1'])
-    out = capsys.readouterr().out
-    assert status == 0, out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert status == 0, out + captured.err
     assert out.count(' ok') == 2 and '24x40' in out
     assert 'onnxruntime ms' in out and 'eager/ort' in out
     meta = read_metadata(onnx_path)
