@@ -108,12 +108,14 @@ def test_an_unknown_workload_is_refused_by_the_library():
         TrainStepBench(parse_model_spec('linvit_tiny_patch16_224'), workload='serving')
 
 
-def test_profile_ops_prints_where_each_models_step_goes(step_bench, capsys, monkeypatch):
+def test_profile_ops_prints_where_each_models_step_goes(step_bench, capsys):
     import torch._inductor.config as inductor_config
-    monkeypatch.setattr(inductor_config.cpp, 'enable_kernel_profile', False)  # the tool turns it on: restore it
-    assert step_bench.main(['--workload', 'inference', '--model', 'linvit_tiny_patch16_224:depth=1,embed_dim=48,'
-                            'num_heads=3', '--softmax', 'none', '--sizes', '32', '--batch', '1', '--mode', 'compiled',
-                            '--repeats', '1', '--profile-ops', '2', '--profile-top', '40']) == 0
+    # the tool turns kernel profiling on for the process: restore it with the config's own patch (pytest's
+    # monkeypatch deletes the key of inductor's config on undo, and every later compile in the worker then fails)
+    with inductor_config.patch({'cpp.enable_kernel_profile': False}):
+        assert step_bench.main(['--workload', 'inference', '--model', 'linvit_tiny_patch16_224:depth=1,embed_dim=48,'
+                                'num_heads=3', '--softmax', 'none', '--sizes', '32', '--batch', '1', '--mode',
+                                'compiled', '--repeats', '1', '--profile-ops', '2', '--profile-top', '40']) == 0
     printed = capsys.readouterr().out.splitlines()
     start = printed.index("## where a step's time goes, 32 compiled: ms per step over 2 profiled step(s) "
                           "(op self time)")
