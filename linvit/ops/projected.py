@@ -109,7 +109,8 @@ def _project_state(p: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
 
 
 def _check_value_projection(phi_k: torch.Tensor, x: torch.Tensor, value_weight: torch.Tensor,
-                            value_bias: Optional[torch.Tensor], weight: torch.Tensor) -> None:
+                            value_bias: Optional[torch.Tensor], weight: torch.Tensor,
+                            bias: Optional[torch.Tensor]) -> None:
     b, h, n, _ = phi_k.shape
     if x.dim() != 3 or x.shape[0] != b or x.shape[1] != n:
         raise ValueError(f"the layer input x must have shape [B, N, C_in] = [{b}, {n}, C_in] for keys of shape "
@@ -123,6 +124,8 @@ def _check_value_projection(phi_k: torch.Tensor, x: torch.Tensor, value_weight: 
                          f"{list(value_weight.shape)}")
     if value_bias is not None and list(value_bias.shape) != expected[:1]:
         raise ValueError(f"the value bias must have shape [H * Dv] = {expected[:1]}, got {list(value_bias.shape)}")
+    if bias is not None and list(bias.shape) != [weight.shape[0]]:
+        raise ValueError(f"the projection bias must have shape [C] = [{weight.shape[0]}], got {list(bias.shape)}")
 
 
 def projected_linear_attention_from_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, x: torch.Tensor,
@@ -139,7 +142,7 @@ def projected_linear_attention_from_inputs(phi_q: torch.Tensor, phi_k: torch.Ten
     [H * Dv] or None, weight [C, H * Dv], bias [C] or None, all in one dtype (float32 or float64) -> [B, Nq, C].
     """
     check_attention_inputs(phi_q, phi_k, phi_k)
-    _check_value_projection(phi_k, x, value_weight, value_bias, weight)
+    _check_value_projection(phi_k, x, value_weight, value_bias, weight, bias)
     with autocast_off(x.device.type):
         return _projected_from_inputs(phi_q, phi_k, x, value_weight, value_bias, weight, bias, eps)
 

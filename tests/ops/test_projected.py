@@ -207,6 +207,8 @@ def test_from_inputs_reads_the_layers_strided_features_and_modifies_nothing():
     ('value-weight', r"the value weight must have shape \[H \* Dv, C_in\] = \[48, 5\] for x of shape "
                      r"\[2, 17, 5\] and a projection weight of shape \[48, 48\], got \[48, 6\]"),
     ('value-bias', r"the value bias must have shape \[H \* Dv\] = \[48\], got \[47\]"),
+    # a [1] bias would broadcast over C without this check
+    ('bias', r"the projection bias must have shape \[C\] = \[48\], got \[1\]"),
 ])
 def test_from_inputs_bad_shapes_are_named(change, message):
     phi_q, phi_k, x, value_weight, value_bias, weight, bias = _value_inputs(SHAPES[1], 5)
@@ -218,8 +220,10 @@ def test_from_inputs_bad_shapes_are_named(change, message):
         weight = weight[:, 1:]
     elif change == 'value-weight':
         value_weight = torch.zeros(48, 6, dtype=torch.float64)
-    else:
+    elif change == 'value-bias':
         value_bias = value_bias[1:]
+    else:
+        bias = bias[:1]
     with pytest.raises(ValueError, match=message):
         projected_linear_attention_from_inputs(phi_q, phi_k, x, value_weight, value_bias, weight, bias)
 
