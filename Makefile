@@ -13,7 +13,7 @@ MUTATION_WORKERS ?= 2
 # mutant name patterns for make mutation (empty: every module of the target), e.g. 'linvit.layers.families.*'
 MUTANTS ?=
 
-.PHONY: setup demo demo-cls test lint bench gpu-check gpu-prep triton-compat mutation clean
+.PHONY: setup demo demo-cls test lint bench gpu-check gpu-prep triton-compat gpu-stack-test mutation clean
 
 setup: $(STAMP)
 
@@ -95,6 +95,24 @@ triton-compat: $(STAMP)
 	PYTHONPATH=$(GPU_TRITON_DIR) $(PY) -c "import triton; v = triton.__version__; \
 		assert v == '$(GPU_TRITON)', f'imported triton {v} from {triton.__file__}, expected $(GPU_TRITON)'; print('triton', v)"
 	PYTHONPATH=$(GPU_TRITON_DIR) $(PY) -m pytest -q -p no:cacheprovider tests/ops/test_triton_compile.py
+
+# the whole suite on the GPU machine's stack (torch 2.11.0, its Triton 3.6.0, torchvision 0.26.0: the device notes),
+# CPU only: a separate venv in build/ (torch's CUDA wheels, ~3 GB from PyPI, once), the other pins of the constraints,
+# except NumPy 2.2 (Triton 3.6's interpreter takes int() of one-element arrays, which NumPy 2.4 rejects). Not part of
+# make test; run it after changing code the GPU check uses (linvit/ops, linvit/layers, linvit/bench, tools/).
+GPU_TORCH ?= 2.11.0
+GPU_TORCHVISION ?= 0.26.0
+GPU_NUMPY ?= 2.2.6
+GPU_STACK_VENV := build/venv-torch-$(GPU_TORCH)
+gpu-stack-test:
+	test -f $(GPU_STACK_VENV)/.installed || ( rm -rf $(GPU_STACK_VENV) && $(PYTHON) -m venv $(GPU_STACK_VENV) && \
+		grep -iv '^\(torch\|torchvision\|triton\|numpy\|nvidia-[a-z0-9-]*\|cuda-[a-z-]*\)==' $(CONSTRAINTS) > $(GPU_STACK_VENV)/constraints.txt && \
+		$(GPU_STACK_VENV)/bin/python -m pip install --quiet -c $(GPU_STACK_VENV)/constraints.txt \
+			torch==$(GPU_TORCH) torchvision==$(GPU_TORCHVISION) numpy==$(GPU_NUMPY) -e '.[dev]' && \
+		touch $(GPU_STACK_VENV)/.installed )
+	$(GPU_STACK_VENV)/bin/python -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', \
+		triton.__version__, 'numpy', numpy.__version__)"
+	$(GPU_STACK_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider tests $(PYTEST_ARGS)
 
 # mutation testing, not part of make test: mutmut mutates linvit/ops, linvit/layers and linvit/models one change at
 # a time and runs the tests that cover each change (.ci/mutation/setup.cfg), in a fresh copy of the tracked tree under
