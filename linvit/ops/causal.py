@@ -218,9 +218,9 @@ def _pad_to_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
         # torch.jit.trace (torch.onnx's TorchScript exporter) records sizes as tensors, which sym_max does not take;
         # that exporter keeps only the batch dynamic, so the token count is a constant of its graph anyway
         n = int(n)
-        num_chunks = max(2, (n + chunk - 1) // chunk)
-    elif isinstance(n, int):
-        # a static length: torch 2.11's dynamo broke the graph on sym_max of plain ints inside an autograd.Function
+    if isinstance(n, int):
+        # a static length (also under torch.compile: torch 2.11's dynamo broke the graph on sym_max of plain ints
+        # inside an autograd.Function)
         num_chunks = max(2, (n + chunk - 1) // chunk)
     else:
         num_chunks = torch.sym_max(2, (n + chunk - 1) // chunk)
