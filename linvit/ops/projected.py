@@ -38,13 +38,18 @@ from .linear_attention import autocast_off, check_attention_inputs
 __all__ = ['projected_linear_attention_from_features', 'projected_linear_attention_from_inputs']
 
 
+def _check_projection_bias(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """bias None or [C] for a projection weight [C, H * Dv]: a [1] bias would broadcast silently over C."""
+    if bias is not None and list(bias.shape) != [weight.shape[0]]:
+        raise ValueError(f"the projection bias must have shape [C] = [{weight.shape[0]}], got {list(bias.shape)}")
+
+
 def _check_projection(v: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     h, dv = v.shape[1], v.shape[3]
     if weight.dim() != 2 or weight.shape[1] != h * dv:
         raise ValueError(f"the projection weight must have shape [C, H * Dv] = [C, {h * dv}] for v of shape "
                          f"{list(v.shape)}, got {list(weight.shape)}")
-    if bias is not None and list(bias.shape) != [weight.shape[0]]:
-        raise ValueError(f"the projection bias must have shape [C] = [{weight.shape[0]}], got {list(bias.shape)}")
+    _check_projection_bias(weight, bias)
 
 
 def projected_linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -124,8 +129,7 @@ def _check_value_projection(phi_k: torch.Tensor, x: torch.Tensor, value_weight: 
                          f"{list(value_weight.shape)}")
     if value_bias is not None and list(value_bias.shape) != expected[:1]:
         raise ValueError(f"the value bias must have shape [H * Dv] = {expected[:1]}, got {list(value_bias.shape)}")
-    if bias is not None and list(bias.shape) != [weight.shape[0]]:
-        raise ValueError(f"the projection bias must have shape [C] = [{weight.shape[0]}], got {list(bias.shape)}")
+    _check_projection_bias(weight, bias)
 
 
 def projected_linear_attention_from_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, x: torch.Tensor,
