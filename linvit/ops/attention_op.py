@@ -10,8 +10,10 @@ and CUDA graphs see one opaque node per call, and the two forward ops with a reg
 
 with q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv] (any strides), qkv timm's packed projection [B, N, 3, H, D],
 key_mask None, [B, N] or [B, H, N] (bool keeps a key, float weighs it; a constant), out [B, H, Nq, Dv] (token-major
-memory) or [B, N, H, D] for the packed op, S [B, H, D, Dv + 1] and den [B, H, Nq, 1] float32 (float64 for float64
-inputs), kept for the backward. The function is ``linvit.ops.linear_attention``'s; the backward is the closed form
+memory) or [B, N, H, D] for the packed op, and for the backward the state S^T = [V | 1]^T phi(K) [B, H, Dv + 1, D]
+(rows of D floats: aligned loads in the kernels) and the normaliser den [B, H, Nq, 1], both float32 sums (float64
+for float64 inputs). The Triton backward reads neither ``out`` nor a feature map's output: the op keeps ``out``
+only because the PyTorch path's backward reads it (the projection after attention keeps it alive anyway). The function is ``linvit.ops.linear_attention``'s; the backward is the closed form
 of ``linvit.ops.fused``. The public entry points are ``linear_attention_op`` and ``linear_attention_qkv_op``.
 
 ``backend`` (the layers' and models' ``attn_backend``; one of ``ATTN_BACKENDS``), decided inside the op, at run
@@ -25,6 +27,7 @@ time, from the tensors it gets:
 Because the op is registered, TorchScript can call it too: an fx-traced linvit model (timm's model tests trace with
 fx, then script the graph) keeps one scriptable node per attention.
 """
+import functools
 import importlib.util
 import os
 from typing import Optional, Tuple
@@ -64,22 +67,32 @@ def check_attn_backend(backend: str) -> str:
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
                               key_mask: Optional[torch.Tensor] = None) -> Optional[str]:
     """None when the Triton kernels can compute this call, else why not (one sentence for an error message).
-    q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], key_mask None, [B, N] or [B, H, N]."""
+    q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], key_mask None, [B, N] or [B, H, N]. Decided once per
+    combination of devices, dtypes, head widths, map and mask kind (a cached function of those), not per call."""
+    mask_device = None if key_mask is None else key_mask.device
+    return _unsupported_reason((q.device, k.device, v.device, mask_device), (q.dtype, k.dtype, v.dtype),
+                               (q.shape[-1], v.shape[-1]), feature_map,
+                               key_mask is not None and key_mask.requires_grad, triton_interpreting())
+
+
+@functools.lru_cache(maxsize=1024)
+def _unsupported_reason(devices: Tuple[torch.device, ...], dtypes: Tuple[torch.dtype, ...], widths: Tuple[int, int],
+                        feature_map: str, mask_requires_grad: bool, interpreting: bool) -> Optional[str]:
     if not _TRITON_INSTALLED:
         return "Triton is not installed"
-    if q.device.type != 'cuda' and not triton_interpreting():
-        return f"the tensors are on {q.device.type}, and the kernels need CUDA (or TRITON_INTERPRET=1)"
+    if devices[0].type != 'cuda' and not interpreting:
+        return f"the tensors are on {devices[0].type}, and the kernels need CUDA (or TRITON_INTERPRET=1)"
     if feature_map not in _KERNEL_FEATURE_MAPS:
         return (f"feature map {feature_map!r} is not computed inside the kernels (they have "
                 f"{sorted(_KERNEL_FEATURE_MAPS)})")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _KERNEL_DTYPES:
-        return (f"the kernels take q, k, v of one dtype among float32, bfloat16 and float16, got {q.dtype}, "
-                f"{k.dtype}, {v.dtype}")
-    if q.shape[-1] > _MAX_HEAD_DIM or v.shape[-1] > _MAX_HEAD_DIM:
-        return f"head widths D={q.shape[-1]}, Dv={v.shape[-1]} exceed the kernels' {_MAX_HEAD_DIM}"
-    if key_mask is not None and key_mask.requires_grad:
+    if len(set(dtypes)) != 1 or dtypes[0] not in _KERNEL_DTYPES:
+        return (f"the kernels take q, k, v of one dtype among float32, bfloat16 and float16, got "
+                f"{', '.join(map(str, dtypes))}")
+    if max(widths) > _MAX_HEAD_DIM:
+        return f"head widths D={widths[0]}, Dv={widths[1]} exceed the kernels' {_MAX_HEAD_DIM}"
+    if mask_requires_grad:
         return "key_mask requires grad, and the kernels take it as a constant"
-    if len({q.device, k.device, v.device} | ({key_mask.device} if key_mask is not None else set())) != 1:
+    if len({device for device in devices if device is not None}) != 1:
         return "q, k, v and key_mask are on different devices"
     return None
 
@@ -107,18 +120,19 @@ def _kernel_weights(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _forward_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str, eps: float,
                    key_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The PyTorch path: (out [B, H, Nq, Dv] token-major in v's dtype, S, den) in the compute dtype."""
+    """The PyTorch path: (out [B, H, Nq, Dv] token-major in v's dtype, S^T [B, H, Dv + 1, D], den) in the
+    compute dtype."""
     dtype = compute_dtype(v.dtype)
     with autocast_off(v.device.type):
         w = _key_weight_column(key_mask, dtype)
         out, s, den = _attend(_map(feature_map, q.to(dtype)), _map(feature_map, k.to(dtype)), v.to(dtype), eps, w,
                               v.dtype)
-    return out, s.contiguous(), den
+    return out, s.transpose(-2, -1), den  # S is a transposed view of contiguous S^T: no copy
 
 
 def _forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, feature_map: str,
                     eps: float, key_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernels: write out (shape of the result, any strides); return (S, den)."""
+    """The Triton kernels: write out (shape of the result, any strides); return (S^T, den)."""
     from . import triton_kernels
     return triton_kernels.forward(q, k, v, out, _KERNEL_FEATURE_MAPS[feature_map], eps, _kernel_weights(key_mask))
 
@@ -140,10 +154,10 @@ def _token_major(b: int, h: int, n: int, dv: int, like: torch.Tensor) -> torch.T
 
 
 def _state_like(q: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Empty (S [B, H, D, Dv + 1], den [B, H, Nq, 1]) in the compute dtype of v."""
+    """Empty (S^T [B, H, Dv + 1, D], den [B, H, Nq, 1]) in the compute dtype of v."""
     dtype = compute_dtype(v.dtype)
     b, h, nq, d = q.shape
-    s = torch.empty(b, h, d, v.shape[3] + 1, dtype=dtype, device=q.device)
+    s = torch.empty(b, h, v.shape[3] + 1, d, dtype=dtype, device=q.device)
     return s, torch.empty(b, h, nq, 1, dtype=dtype, device=q.device)
 
 
@@ -187,16 +201,16 @@ def _backward_torch(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dtype = s.dtype
     with autocast_off(v.device.type):
         w = _key_weight_column(key_mask, dtype)
-        return _backward(grad.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), feature_map, w, s, den,
-                         out.to(dtype))
+        return _backward(grad.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), feature_map, w,
+                         s.transpose(-2, -1), den, out.to(dtype))
 
 
-def _backward_kernel(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     s: torch.Tensor, den: torch.Tensor, key_mask: Optional[torch.Tensor], feature_map: str,
-                     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """The Triton kernels: write dq, dk, dv (shapes of q, k, v, any strides)."""
+def _backward_kernel(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
+                     den: torch.Tensor, key_mask: Optional[torch.Tensor], feature_map: str, dq: torch.Tensor,
+                     dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """The Triton kernels: write dq, dk, dv (shapes of q, k, v, any strides); they read neither out nor phi."""
     from . import triton_kernels
-    triton_kernels.backward(grad, q, k, v, out, s, den, dq, dk, dv, _KERNEL_FEATURE_MAPS[feature_map],
+    triton_kernels.backward(grad, q, k, v, s.contiguous(), den.contiguous(), dq, dk, dv, _KERNEL_FEATURE_MAPS[feature_map],
                             _kernel_weights(key_mask))
 
 
@@ -209,7 +223,7 @@ def _linear_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Ten
     if not _uses_kernel(backend, q, k, v, feature_map, key_mask):
         grads = _backward_torch(grad, q, k, v, out, s, den, key_mask, feature_map)
         return dq.copy_(grads[0]), dk.copy_(grads[1]), dv.copy_(grads[2])
-    _backward_kernel(grad, q, k, v, out, s, den, key_mask, feature_map, dq, dk, dv)
+    _backward_kernel(grad, q, k, v, s, den, key_mask, feature_map, dq, dk, dv)
     return dq, dk, dv
 
 
@@ -230,7 +244,7 @@ def _linear_attention_qkv_backward(grad: torch.Tensor, qkv: torch.Tensor, out: t
         return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2).to(qkv.dtype)
     grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     dq, dk, dv = _unpack(grad_qkv)
-    _backward_kernel(grad, q, k, v, out, s, den, key_mask, feature_map, dq, dk, dv)
+    _backward_kernel(grad, q, k, v, s, den, key_mask, feature_map, dq, dk, dv)
     return grad_qkv
 
 
@@ -247,9 +261,13 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*tensors, out, s, den, key_mask)
     ctx.feature_map, ctx.backend = feature_map, backend
     ctx.mark_non_differentiable(s, den)
+    # S and den are never differentiated: no zero-filled gradients for them (two fill kernels per call)
+    ctx.set_materialize_grads(False)
 
 
 def _attention_backward(ctx, grad, _grad_s, _grad_den):
+    if grad is None:  # the output took no part in the loss
+        return None, None, None, None, None, None, None
     q, k, v, out, s, den, key_mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.linvit.linear_attention_backward(grad, q, k, v, out, s, den, key_mask, ctx.feature_map,
                                                             ctx.backend)
@@ -257,6 +275,8 @@ def _attention_backward(ctx, grad, _grad_s, _grad_den):
 
 
 def _attention_qkv_backward(ctx, grad, _grad_s, _grad_den):
+    if grad is None:
+        return None, None, None, None, None
     qkv, out, s, den, key_mask = ctx.saved_tensors
     grad_qkv = torch.ops.linvit.linear_attention_qkv_backward(grad, qkv, out, s, den, key_mask, ctx.feature_map,
                                                               ctx.backend)

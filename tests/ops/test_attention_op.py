@@ -209,6 +209,43 @@ def test_bfloat16_through_the_upcast_path():
 
 
 @needs_kernels
+@pytest.mark.parametrize('mask', ['none', 'per-head', 'all-masked'])
+@pytest.mark.parametrize('shape', [(2, 2, 70, 1000, 32, 48), (1, 1, 1000, 130, 64, 64)], ids=_shape_id)
+def test_kernel_programs_split_the_tokens(monkeypatch, shape, mask):
+    """A GPU splits every pass into several programs per head, whose partial sums the next pass reduces: forced
+    here (the interpreter's default is one program per head), up to the cap, with keys and queries split apart."""
+    from linvit.ops import triton_kernels
+    monkeypatch.setattr(triton_kernels, '_program_target', lambda device: 1000)
+    b, h, nq, n, _, _ = shape
+    assert triton_kernels._split(n, b * h, 32, torch.device('cpu'))[1] == min(triton_kernels.MAX_CHUNKS, -(-n // 32))
+    q, k, v = _inputs(shape)
+    key_mask = _mask(mask, b, h, n)
+    out = linear_attention_op(q, k, v, 'elu1', key_mask=key_mask, backend='triton')
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    for name, g, want in zip(('out', 'dq', 'dk', 'dv'), got, _reference(q, k, v, 'elu1', 1e-6, key_mask, grad)):
+        _check(g, want, 1e-5, f"{_shape_id(shape)} {mask} {name}")
+
+
+@needs_kernels
+def test_kernel_float16_relu_rows_without_features_stay_finite():
+    """Under relu a query with no positive coordinate has den = eps: its gradient must not pass through g / eps in
+    float16 (which overflows); its output is 0 and every gradient finite and right."""
+    shape = (1, 2, 100, 100, 32, 32)
+    q, k, v = _inputs(shape)
+    with torch.no_grad():
+        q[:, :, :10] = -q[:, :, :10].abs() - 0.1  # no feature survives relu
+    q, k, v = [t.detach().half().requires_grad_() for t in (q, k, v)]
+    out = linear_attention_op(q, k, v, 'relu', backend='triton')
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE).half()
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    assert out[:, :, :10].abs().max() == 0
+    for name, g, want in zip(('out', 'dq', 'dk', 'dv'), got, _reference(q, k, v, 'relu', 1e-6, None, grad)):
+        assert torch.isfinite(g).all(), name
+        _check(g.float(), want, 5e-3, f"float16 relu {name}")
+
+
+@needs_kernels
 def test_kernel_is_deterministic():
     """Fixed chunking and fixed-order sums: two calls give bitwise-equal outputs and gradients."""
     shape = (2, 2, 300, 300, 32, 32)
