@@ -13,8 +13,9 @@ key_mask None, [B, N] or [B, H, N] (bool keeps a key, float weighs it; a constan
 memory) or [B, N, H, D] for the packed op, and for the backward the state S^T = [V | 1]^T phi(K) [B, H, Dv + 1, D]
 (rows of D floats: aligned loads in the kernels) and the normaliser den [B, H, Nq, 1], both float32 sums (float64
 for float64 inputs). The Triton backward reads neither ``out`` nor a feature map's output: the op keeps ``out``
-only because the PyTorch path's backward reads it (the projection after attention keeps it alive anyway). The function is ``linvit.ops.linear_attention``'s; the backward is the closed form
-of ``linvit.ops.fused``. The public entry points are ``linear_attention_op`` and ``linear_attention_qkv_op``.
+only because the PyTorch path's backward reads it (the projection after attention keeps it alive anyway). The
+function is ``linvit.ops.linear_attention``'s; the backward is the closed form of ``linvit.ops.fused``. The public
+entry points are ``linear_attention_op`` and ``linear_attention_qkv_op``.
 
 ``backend`` (the layers' and models' ``attn_backend``; one of ``ATTN_BACKENDS``), decided inside the op, at run
 time, from the tensors it gets:
@@ -210,8 +211,8 @@ def _backward_kernel(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      dk: torch.Tensor, dv: torch.Tensor) -> None:
     """The Triton kernels: write dq, dk, dv (shapes of q, k, v, any strides); they read neither out nor phi."""
     from . import triton_kernels
-    triton_kernels.backward(grad, q, k, v, s.contiguous(), den.contiguous(), dq, dk, dv, _KERNEL_FEATURE_MAPS[feature_map],
-                            _kernel_weights(key_mask))
+    triton_kernels.backward(grad, q, k, v, s.contiguous(), den.contiguous(), dq, dk, dv,
+                            _KERNEL_FEATURE_MAPS[feature_map], _kernel_weights(key_mask))
 
 
 @torch.library.custom_op('linvit::linear_attention_backward', mutates_args=())

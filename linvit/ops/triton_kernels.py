@@ -212,7 +212,6 @@ def _grad_query(q_ptr, g_ptr, den_ptr, s_ptr, dq_ptr, part_ptr, NQ, H, TOKENS_PE
         x = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=in_q,
                     other=0.0)
         phi32 = tl.where(in_q, _feature(x.to(tl.float32), MAP), 0.0)
-        phi = phi32.to(q_ptr.dtype.element_ty)
         g = tl.load(g_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_e[None, :] * sgd,
                     mask=in_m[:, None] & (offs_e[None, :] < DV), other=0.0)
         den_mean = tl.load(den_ptr + bh.to(tl.int64) * NQ + offs_m, mask=in_m, other=1.0) * inv_n
@@ -278,7 +277,7 @@ def _block_width(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launch_meta(d: int, dv: int, dtype: torch.dtype, map_id: int) -> Tuple[Tuple[Tuple[str, object], ...], int]:
     """(the kernels' shared compile-time parameters and launch options as items, tokens per tile) for head widths
     D, Dv, inputs of ``dtype`` and the feature map id: computed once per combination, not per call.
@@ -294,7 +293,7 @@ def launch_meta(d: int, dv: int, dtype: torch.dtype, map_id: int) -> Tuple[Tuple
     return tuple(meta.items()), _BLOCK_TOKENS if small else _BLOCK_TOKENS // 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
