@@ -13,14 +13,12 @@ from ..ops import (
     check_attn_backend,
     check_feature_map,
     compute_dtype,
-    fused_linear_attention,
     fused_linear_attention_from_features,
-    fused_linear_attention_qkv,
     get_feature_map,
     get_inplace_feature_map,
     has_fused_backward,
     is_learnable_feature_map,
-    kernel_unsupported_reason,
+    kernels_serve,
     linear_attention_from_features,
     projected_linear_attention_from_features,
     projected_linear_attention_from_inputs,
@@ -111,8 +109,6 @@ torch.fx.wrap('check_causal_mask')
 torch.fx.wrap('to_compute_dtype')
 torch.fx.wrap('attn_mask_to_key_mask')
 torch.fx.wrap('linear_attention_from_features')
-torch.fx.wrap('fused_linear_attention')
-torch.fx.wrap('fused_linear_attention_qkv')
 torch.fx.wrap('fused_linear_attention_from_features')
 torch.fx.wrap('causal_linear_attention')
 
@@ -270,44 +266,41 @@ class LinearAttention(nn.Module):
         return ', '.join(parts)
 
     @torch.jit.unused
-    def _mix_tokens_fused(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor],
-                          through_op: bool = False) -> torch.Tensor:
-        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] with the closed-form backward: through the fused
-        Function (training on the PyTorch path) or, ``through_op``, the registered op (``linvit.ops.attention_op``:
-        the Triton kernels on GPU; it chooses its implementation from ``attn_backend`` and the tensors). Both keep
-        as many bytes as qkv for backward, plus the output and per-row normalisers, and return the output
-        token-major, so the reshape below is a view."""
+    def _mix_tokens_op(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the registered op
+        (``linvit.ops.attention_op``), which picks its implementation per call: the Triton kernels for CUDA tensors
+        they serve, the fused PyTorch path otherwise (``attn_backend`` can force either). The op keeps qkv (or q, k,
+        v) for backward plus the small state and per-row normalisers, and returns the output token-major, so the
+        reshape below is a view."""
         B, N = qkv.shape[0], qkv.shape[1]
-        # the ops themselves, not their checking wrappers: the layer's own projection made qkv, and under fx the
-        # graph then holds the op (which TorchScript can call) rather than a Python function
+        # the ops themselves, not their checking wrappers: the layer's own projection made qkv, the layer checked
+        # its options once, and under fx the graph holds the op (which TorchScript can call)
         name, eps, backend = self.feature_map_name, self.eps, self.attn_backend
         if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
-            out = torch.ops.linvit.linear_attention_qkv(qkv, name, eps, key_mask, backend)[0] if through_op \
-                else fused_linear_attention_qkv(qkv, name, eps, key_mask)
+            out = torch.ops.linvit.linear_attention_qkv(qkv, name, eps, key_mask, backend)[0]
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            q, k = self.q_norm(q), self.k_norm(k)
-            out = torch.ops.linvit.linear_attention(q, k, v, name, eps, key_mask, backend)[0] if through_op \
-                else fused_linear_attention(q, k, v, name, eps, key_mask)
-            out = out.transpose(1, 2)
+            out = torch.ops.linvit.linear_attention(self.q_norm(q), self.k_norm(k), v, name, eps, key_mask,
+                                                    backend)[0].transpose(1, 2)
         return out.reshape(B, N, self.attn_dim)
 
     @torch.jit.unused
-    def _calls_op(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
-        """Whether this call goes through the registered op: backend 'triton'; 'auto' on CUDA tensors the kernels
-        serve; and under fx tracing (the op picks its implementation per call, and TorchScript can call it)."""
-        if self.attn_backend == 'torch' or not self.fused_backward:
-            return False
+    def _core_is_op(self, key_mask: Optional[torch.Tensor]) -> bool:
+        """Whether the token mixing is the registered op: plain linear attention with a fixed map whose derivative
+        the op's closed-form backward knows (``fused_backward``), and a constant key mask. Device, dtype, grad mode
+        and compilation do not enter: the op decides what runs, so eager, compiled and CUDA-graph calls, training
+        and inference, take one path."""
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
-            return True
-        if key_mask is not None and key_mask.requires_grad:
-            return False  # the op takes key masks as constants; plain autograd differentiates this one
-        if self.attn_backend == 'triton':
-            return True
-        if not qkv.is_cuda:
+            return self.fused_backward  # key_mask is a Proxy there, whose requires_grad no branch can read
+        return self.fused_backward and not (key_mask is not None and key_mask.requires_grad)
+
+    @torch.jit.unused
+    def _op_runs_kernels(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
+        """Whether the op would run the Triton kernels for this call (then no PyTorch-path fold replaces it)."""
+        if not self._core_is_op(key_mask):
             return False
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        return kernel_unsupported_reason(q, k, v, self.feature_map_name, key_mask) is None
+        return kernels_serve(self.attn_backend, q, k, v, self.feature_map_name, key_mask)
 
     def _mix_tokens(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] by the float32 core on mapped features (inference,
@@ -365,7 +358,7 @@ class LinearAttention(nn.Module):
             return False
         if qkv.dtype != compute_dtype(qkv.dtype) or self.proj.weight.dtype != qkv.dtype:
             return False  # also under autocast, whose qkv projection returns its lower precision
-        return not self._calls_op(qkv, key_mask)
+        return not self._op_runs_kernels(qkv, key_mask)
 
     @torch.jit.unused
     def _projects_values_in_core(self, x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
@@ -382,9 +375,9 @@ class LinearAttention(nn.Module):
             return False
         if torch.is_autocast_enabled(x.device.type):
             return False  # the qkv projection would run in autocast's lower precision, the fold in the core's
-        # the registered op (Triton kernels) serves these calls
-        return not (self.fused_backward and (self.attn_backend == 'triton'
-                                             or (self.attn_backend == 'auto' and x.is_cuda)))
+        # the registered op's Triton kernels serve these calls (judged from the input: qkv does not exist yet)
+        return not (self._core_is_op(key_mask) and kernels_serve(self.attn_backend, x, x, x, self.feature_map_name,
+                                                                 key_mask))
 
     def _feature_width(self) -> int:
         """F, the width of phi's output: the learnable map's ``num_features``, D for the fixed maps."""
@@ -437,10 +430,8 @@ class LinearAttention(nn.Module):
             return self._mix_tokens(qkv, key_mask)
         if exporting():  # exporters get the aten ops of the PyTorch path
             return self._mix_tokens(qkv, key_mask)
-        if self._calls_op(qkv, key_mask):
-            return self._mix_tokens_fused(qkv, key_mask, through_op=True)
-        if torch.is_grad_enabled() and self.fused_backward:
-            return self._mix_tokens_fused(qkv, key_mask)
+        if self._core_is_op(key_mask):
+            return self._mix_tokens_op(qkv, key_mask)
         return self._mix_tokens(qkv, key_mask)
 
     @torch.jit.unused

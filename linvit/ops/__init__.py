@@ -3,6 +3,7 @@ from .attention_op import (
     ATTN_BACKENDS,
     check_attn_backend,
     kernel_unsupported_reason,
+    kernels_serve,
     linear_attention_op,
     linear_attention_qkv_op,
     triton_interpreting,
@@ -60,5 +61,6 @@ __all__ = [
     'fused_linear_attention_qkv', 'has_fused_backward', 'causal_linear_attention', 'causal_linear_attention_step',
     'causal_linear_scan', 'CausalState', 'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays',
     'CAUSAL_FORMS', 'grid_scan_orders', 'ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason',
+    'kernels_serve',
     'linear_attention_op', 'linear_attention_qkv_op', 'triton_interpreting',
 ]

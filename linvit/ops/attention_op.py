@@ -39,7 +39,7 @@ from .feature_maps import get_feature_map_vjp
 from .fused import _attend, _backward, _key_weight_column, _map
 from .linear_attention import _key_weights, autocast_off, check_attention_inputs, compute_dtype
 
-__all__ = ['ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', 'linear_attention_op',
+__all__ = ['ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', 'kernels_serve', 'linear_attention_op',
            'linear_attention_qkv_op', 'triton_interpreting']
 
 #: the values of ``attn_backend`` (layer option, model kwarg, config key ``model.kwargs.attn_backend``)
@@ -96,6 +96,16 @@ def _unsupported_reason(devices: Tuple[torch.device, ...], dtypes: Tuple[torch.d
     if len({device for device in devices if device is not None}) != 1:
         return "q, k, v and key_mask are on different devices"
     return None
+
+
+def kernels_serve(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
+                  key_mask: Optional[torch.Tensor] = None) -> bool:
+    """Whether the op runs the Triton kernels for a call with these arguments: backend 'triton' always (it raises
+    when they cannot), 'auto' on CUDA tensors they serve, 'torch' never."""
+    if backend == 'torch':
+        return False
+    return backend == 'triton' or (q.device.type == 'cuda'
+                                   and kernel_unsupported_reason(q, k, v, feature_map, key_mask) is None)
 
 
 def _uses_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,

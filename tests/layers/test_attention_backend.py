@@ -10,11 +10,12 @@ import pytest
 import timm
 import torch
 from references import linear_attention_layer_ref, rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import linvit
 from linvit.fast import check_graph_breaks
 from linvit.layers import LinearAttention, attention_layer
-from linvit.ops import triton_interpreting
+from linvit.ops import kernels_serve, triton_interpreting
 
 needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or triton_interpreting()),
                                    reason="the Triton kernels need CUDA or TRITON_INTERPRET=1")
@@ -65,17 +66,56 @@ def test_layer_on_the_kernels_against_the_float64_reference_with_a_key_mask():
     assert rel_err(out, ref) < 1e-5
 
 
-def test_auto_on_cpu_keeps_the_pytorch_path_and_triton_takes_the_op():
-    layer = LinearAttention(32, num_heads=2)
+class _LinvitOps(TorchDispatchMode):
+    """Records the linvit ops a block of code dispatches (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith('linvit.'):
+            self.names.append(str(func).split('.')[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('backend', ['auto', pytest.param('triton', marks=needs_kernels), 'torch'])
+def test_every_mode_calls_the_op_which_picks_the_implementation(backend):
+    """Training and inference, packed and q/k-normed layers: one op call per direction whatever the backend; the
+    op (not the layer) decides that CPU tensors on 'auto' take its PyTorch path."""
+    packed = LinearAttention(32, num_heads=2, attn_backend=backend, local_mix=True, grid_size=(3, 3))
+    normed = LinearAttention(32, num_heads=2, attn_backend=backend, qk_norm=True, norm_layer=torch.nn.LayerNorm,
+                             local_mix=True, grid_size=(3, 3))  # (without a local branch CPU inference folds proj)
     x = torch.randn(1, 10, 32, requires_grad=True)
-    qkv = layer.qkv(x).reshape(1, 10, 3, 2, 16)
-    assert not layer._calls_op(qkv, None)
-    assert 'PackedLinearAttentionFunction' in type(layer.mix(qkv, None, x, None).grad_fn.next_functions[0][0]).__name__
-    if torch.cuda.is_available() or triton_interpreting():
-        layer.attn_backend = 'triton'
-        assert layer._calls_op(qkv, None)
-    layer.attn_backend = 'torch'
-    assert not layer._calls_op(qkv, None)
+    for layer, op in ((packed, 'linear_attention_qkv'), (normed, 'linear_attention')):
+        with _LinvitOps() as training:
+            layer(x).sum().backward()
+        assert training.names == [op, op + '_backward']
+        with torch.no_grad(), _LinvitOps() as inference:
+            layer(x)
+        assert inference.names == [op]
+    assert kernels_serve(backend, x, x, x, 'elu1') == (backend == 'triton')
+
+
+@pytest.mark.compiler
+@pytest.mark.parametrize('training', [True, False], ids=['training', 'inference'])
+def test_compiled_model_graph_holds_the_op_once_per_attention_block(training):
+    """A plain torch.compile of a default model (attn_backend='auto'): dynamo's graph holds linvit's op once per
+    block, so the op (Triton on a GPU) is what runs compiled, in training and in inference."""
+    model = timm.create_model('linvit_tiny_patch16_224', img_size=32, depth=3, num_classes=4)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    images = torch.randn(2, 3, 32, 32)
+    with torch.set_grad_enabled(training):
+        compiled(images)
+    (graph,) = graphs
+    ops = [str(node.target) for node in graph.graph.nodes if node.op == 'call_function']
+    assert [op for op in ops if op.startswith('linvit.')] == ['linvit.linear_attention_qkv'] * 3
 
 
 @pytest.mark.compiler

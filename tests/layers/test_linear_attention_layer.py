@@ -151,26 +151,6 @@ def test_layer_gradients_match_float64_reference(feature_map, options, masked):
         assert err <= LAYER_TOL, f"{name}: rel err {err:.2e}"
 
 
-def test_training_runs_through_the_fused_function_and_inference_does_not():
-    layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True))
-    normed = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True, qk_norm=True, norm_layer=nn.LayerNorm))
-    x = _tokens()
-
-    def function_names(out: torch.Tensor) -> set:
-        visited, stack = set(), [out.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is not None and fn not in visited:
-                visited.add(fn)
-                stack.extend(f for f, _ in fn.next_functions)
-        return {type(fn).__name__ for fn in visited}
-
-    assert 'PackedLinearAttentionFunctionBackward' in function_names(layer(x))
-    assert 'LinearAttentionFunctionBackward' in function_names(normed(x))
-    with torch.no_grad():
-        assert layer(x).grad_fn is None
-
-
 def test_layer_key_padding_mask_matches_unpadded():
     layer = _randomise(LinearAttention(DIM, HEADS, qkv_bias=True))
     x = _tokens(b=1, n=12)
@@ -424,29 +404,23 @@ def test_additive_masks_become_weights_in_the_cores_dtype(dtype, weights_dtype):
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_half_precision_tokens_meet_the_core_in_float32(monkeypatch, dtype):
-    """Both cores see float32: the fused Function (training) and the core on mapped features (inference)."""
-    import linvit.layers.linear_attention as layer_module
-    import linvit.ops.fused as fused_module
+    """The op's PyTorch path (CPU) sees float32 features and values, in training and in inference."""
+    import linvit.ops.attention_op as op_module
     seen = []
 
-    def spy_inference(phi_q, phi_k, v, eps, key_mask):
-        seen.append(('inference', phi_q.dtype, phi_k.dtype, v.dtype))
-        return inference_core(phi_q, phi_k, v, eps, key_mask)
+    def spy(phi_q, phi_k, v, *args):
+        seen.append((phi_q.dtype, phi_k.dtype, v.dtype))
+        return core(phi_q, phi_k, v, *args)
 
-    def spy_training(phi_q, phi_k, v, *args):
-        seen.append(('training', phi_q.dtype, phi_k.dtype, v.dtype))
-        return training_core(phi_q, phi_k, v, *args)
-
-    inference_core, training_core = layer_module.linear_attention_from_features, fused_module._attend
-    monkeypatch.setattr(layer_module, 'linear_attention_from_features', spy_inference)
-    monkeypatch.setattr(fused_module, '_attend', spy_training)
+    core = op_module._attend
+    monkeypatch.setattr(op_module, '_attend', spy)
     layer = LinearAttention(DIM, HEADS, dtype=dtype)
     out = layer(_tokens().to(dtype))
     out.float().sum().backward()
     with torch.no_grad():
         layer(_tokens().to(dtype))
     assert out.dtype == dtype and layer.qkv.weight.grad.dtype == dtype
-    assert seen == [('training',) + (torch.float32,) * 3, ('inference',) + (torch.float32,) * 3]
+    assert seen == [(torch.float32,) * 3] * 2
 
 
 def test_a_causal_call_with_local_mixing_says_what_is_supported():
