@@ -98,10 +98,15 @@ def test_every_mode_calls_the_op_which_picks_the_implementation(backend):
 
 
 @pytest.mark.compiler
+@pytest.mark.parametrize('exporting_under_dynamo', [False, True], ids=['torch', 'torch-2.11-is-exporting'])
 @pytest.mark.parametrize('training', [True, False], ids=['training', 'inference'])
-def test_compiled_model_graph_holds_the_op_once_per_attention_block(training):
+def test_compiled_model_graph_holds_the_op_once_per_attention_block(monkeypatch, training, exporting_under_dynamo):
     """A plain torch.compile of a default model (attn_backend='auto'): dynamo's graph holds linvit's op once per
-    block, so the op (Triton on a GPU) is what runs compiled, in training and in inference."""
+    block, so the op (Triton on a GPU) is what runs compiled, in training and in inference. Also where dynamo reads
+    torch.compiler.is_exporting() as True under a plain compile (torch 2.11, the GPU machine's)."""
+    if exporting_under_dynamo:
+        import linvit.layers.linear_attention as layer_module
+        monkeypatch.setattr(layer_module, 'is_exporting', lambda: True)
     model = timm.create_model('linvit_tiny_patch16_224', img_size=32, depth=3, num_classes=4)
     graphs = []
 
