@@ -302,27 +302,63 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _attention_backward(ctx, grad, _grad_s, _grad_den):
-    if grad is None:  # the output took no part in the loss
-        return None, None, None, None, None, None, None
-    q, k, v, out, s, den, key_mask = ctx.saved_tensors
-    dq, dk, dv = torch.ops.linvit.linear_attention_backward(grad, q, k, v, out, s, den, key_mask, ctx.feature_map,
-                                                            ctx.backend)
-    return dq, dk, dv, None, None, None, None
+class _AttentionGrad(torch.autograd.Function):
+    """The autograd formula of linvit::linear_attention: the forward op below autograd, the backward op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = torch.ops.linvit.linear_attention(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad, _grad_s, _grad_den):
+        if grad is None:  # the output took no part in the loss
+            return None, None, None, None, None, None, None
+        q, k, v, out, s, den, key_mask = ctx.saved_tensors
+        dq, dk, dv = torch.ops.linvit.linear_attention_backward(grad, q, k, v, out, s, den, key_mask,
+                                                                ctx.feature_map, ctx.backend)
+        return dq, dk, dv, None, None, None, None
 
 
-def _attention_qkv_backward(ctx, grad, _grad_s, _grad_den):
-    if grad is None:
-        return None, None, None, None, None
-    qkv, out, s, den, key_mask = ctx.saved_tensors
-    grad_qkv = torch.ops.linvit.linear_attention_qkv_backward(grad, qkv, out, s, den, key_mask, ctx.feature_map,
-                                                              ctx.backend)
-    return grad_qkv, None, None, None, None
+class _PackedAttentionGrad(torch.autograd.Function):
+    """The autograd formula of linvit::linear_attention_qkv: one [B, N, 3, H, D] gradient."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = torch.ops.linvit.linear_attention_qkv(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad, _grad_s, _grad_den):
+        if grad is None:
+            return None, None, None, None, None
+        qkv, out, s, den, key_mask = ctx.saved_tensors
+        grad_qkv = torch.ops.linvit.linear_attention_qkv_backward(grad, qkv, out, s, den, key_mask, ctx.feature_map,
+                                                                  ctx.backend)
+        return grad_qkv, None, None, None, None
 
 
-torch.library.register_autograd('linvit::linear_attention', _attention_backward, setup_context=_setup_context)
-torch.library.register_autograd('linvit::linear_attention_qkv', _attention_qkv_backward,
-                                setup_context=_setup_context)
+def _autograd_kernel(function: type, op_name: str) -> Callable:
+    """The op's Autograd-key kernel: ``function`` when a gradient is wanted, else the op below autograd. Registered
+    straight (not through torch.library.register_autograd, whose generated wrapper re-reads the schema's defaults and
+    checks its results on every call: a third of the op's host time on CPU, measured by
+    tools/bench_op_overhead.py)."""
+    op = getattr(torch.ops.linvit, op_name)
+
+    def kernel(*inputs):
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs[:3]):
+            return function.apply(*inputs)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*inputs)
+    return kernel
+
+
+_LIBRARY.impl('linear_attention', _autograd_kernel(_AttentionGrad, 'linear_attention'), 'Autograd')
+_LIBRARY.impl('linear_attention_qkv', _autograd_kernel(_PackedAttentionGrad, 'linear_attention_qkv'), 'Autograd')
 
 
 # ---------------------------------------------------------------- entry points

@@ -2,13 +2,16 @@
 import argparse
 
 import pytest
+from conftest import load_tool
 
 
 @pytest.fixture(scope='module')
 def parsers(bench, prof, forward, export_tool, predict_tool, causal_bench):
     return {'bench_attention': bench.build_parser(), 'profile_resolution': prof.build_parser(),
             'profile_forward': forward.build_parser(), 'export_onnx': export_tool.build_parser(),
-            'predict': predict_tool.build_parser(), 'bench_causal': causal_bench.build_parser()}
+            'predict': predict_tool.build_parser(), 'bench_causal': causal_bench.build_parser(),
+            'kernel_report': load_tool('kernel_report').build_parser(),
+            'bench_op_overhead': load_tool('bench_op_overhead').build_parser()}
 
 
 def _options(parser):
