@@ -35,6 +35,7 @@ from linvit.bench.cli import HelpFormatter
 from linvit.bench.gpu_check import (
     COMPILE_BACKENDS,
     DEFAULT_FMNIST_DIR,
+    DEFAULT_SECTIONS,
     FULL,
     QUICK,
     SECTIONS,
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--out', default='runs/gpu_check', help='output folder: tables, CSV, plot, logs, train runs')
     parser.add_argument('--budget', type=float,
                         help=f'total seconds (default: {FULL.budget_s:.0f}; with --quick: {QUICK.budget_s:.0f})')
-    parser.add_argument('--sections', nargs='+', choices=SECTIONS, default=list(SECTIONS), help='what to run')
+    parser.add_argument('--sections', nargs='+', choices=SECTIONS, default=list(DEFAULT_SECTIONS),
+                        help='what to run (quality only when named: it is moving to a command of its own)')
     parser.add_argument('--fmnist-dir', default=DEFAULT_FMNIST_DIR,
                         help='folder of the Fashion-MNIST IDX files (train-*-ubyte[.gz], t10k-*-ubyte[.gz]); the '
                              'environment variable FMNIST_DIR sets the default')

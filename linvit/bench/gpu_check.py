@@ -67,6 +67,11 @@ from linvit.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: train.py and configs/ for the quality section
 SECTIONS = ('parity', 'op', 'models', 'quality')  # the report's order
+#: what runs without --sections: speed and parity; quality is asked for by name (it is moving to a command of its own)
+DEFAULT_SECTIONS = ('parity', 'op', 'models')
+#: the Triton kernels a compiled linvit step must launch, per workload (their absence is a silent fallback: a FAIL)
+LINVIT_KERNELS = {'training': ('_key_pass', '_query_pass', '_grad_query', '_grad_key'),
+                  'inference': ('_key_pass', '_query_pass')}
 # relative max error allowed against float64, per input precision (outputs and gradients alike)
 TOLERANCES = {'float32': 1e-4, 'bfloat16': 2e-2, 'float16': 5e-3}
 FEATURE_MAP, EPS = 'elu1', 1e-6
@@ -93,7 +98,7 @@ class CheckSettings:
     quick: bool = False                  # tiny sizes, the same code: for a CPU
     out: str = 'runs/gpu_check'          # tables, CSV, plot, logs, train runs
     budget: Optional[float] = None       # total seconds (default: the preset's)
-    sections: Tuple[str, ...] = SECTIONS
+    sections: Tuple[str, ...] = DEFAULT_SECTIONS
     fmnist_dir: str = DEFAULT_FMNIST_DIR  # the Fashion-MNIST IDX files
     cache_dir: str = 'build/gpu_check_cache'  # compile caches and the rendered quality data, kept for reruns
     compile_backend: Optional[str] = None  # section 3's torch.compile backend (default: inductor; quick: aot_eager)
@@ -156,7 +161,7 @@ FULL = Preset(
     budget_s=360.0, shares={'parity': 0.14, 'quality': 0.30, 'op': 0.14},
     parity_tokens=(1024, 16384, 65536), parity_shape=(1, 4, 64),
     op_tokens=(1024, 4096, 16384, 32768), op_shape=(8, 16, 64), op_warmup=3, op_repeats=20, op_max_s=1.0,
-    models=(('small', 1024), ('small', 2048), ('small', 512), ('base', 1024), ('base', 2048), ('base', 512)),
+    models=(('small', 1024), ('small', 512), ('small', 2048), ('base', 1024), ('base', 2048), ('base', 512)),
     batches={'small': {512: 64, 1024: 16, 2048: 4}, 'base': {512: 32, 1024: 8, 2048: 2}}, model_kwargs=(),
     train_warmup=2, train_repeats=8, infer_warmup=3, infer_repeats=10,
     quality=QualityPreset(size=512, train_per_class=600, val_per_class=100, epochs=5, batch=32, workers=6))
@@ -467,10 +472,26 @@ def model_record(case: ModelCase, preset: Preset, device: torch.device, backend:
     while len(times) < repeats and (not times or time.time() < deadline):
         times.append(timed_call(call, device))
     median = statistics.median(times)
-    return {'model': MODEL_LABELS[case.size], 'size': case.size, 'kind': case.kind, 'px': case.px,
+    missing = missing_kernels(call, device, case.workload) if case.kind == 'linvit' else []
+    checked = {'status': 'FAIL', 'problem': f"{', '.join(missing)} did not run in a profiled step (the PyTorch path "
+                                            f"ran instead)"} if missing else {}
+    return {**checked, 'model': MODEL_LABELS[case.size], 'size': case.size, 'kind': case.kind, 'px': case.px,
             'tokens': tokens, 'workload': case.workload, 'batch': case.batch, 'img_per_s': case.batch / median,
             'ms': median * 1e3, 'peak_mem_mib': memory.result()['peak_mem_mib'], 'first_call_s': first_s,
             'repeats': len(times), 'compile_backend': backend}
+
+
+def missing_kernels(call: Callable[[], Any], device: torch.device, workload: str) -> List[str]:
+    """The linvit Triton kernels (``LINVIT_KERNELS``) that one profiled call of a compiled linvit step did not
+    launch; [] off CUDA, or where the profile saw no kernel at all (nothing to tell from)."""
+    if device.type != 'cuda':
+        return []
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        synchronize(device)
+    names = {e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return [name for name in LINVIT_KERNELS[workload] if name not in names] if names else []
 
 
 def run_models(settings: CheckSettings, preset: Preset, device: torch.device) -> None:
@@ -792,7 +813,8 @@ def op_rows(records: Dict[str, Dict[str, Any]], preset: Preset) -> List[List[str
 
 
 def _ok(record: Optional[Dict[str, Any]], field: str) -> Optional[float]:
-    return record.get(field) if record is not None and record.get('status') == 'ok' else None
+    # a FAIL row (a linvit step that fell back to the PyTorch path) was measured: its figures are shown
+    return record.get(field) if record is not None and record.get('status') in ('ok', 'FAIL') else None
 
 
 def models_rows(records: Dict[str, Dict[str, Any]], preset: Preset) -> List[List[str]]:
@@ -804,7 +826,8 @@ def models_rows(records: Dict[str, Dict[str, Any]], preset: Preset) -> List[List
             peaks = '/'.join(fmt(None if _ok(got[k], 'peak_mem_mib') is None else got[k]['peak_mem_mib'] / 1024,
                                  '.1f') for k in KINDS)
             tokens = next((r['tokens'] for r in got.values() if r and r.get('tokens')), None)
-            problems = [f"{kind}: {r['status']}" for kind, r in got.items() if r is not None and r['status'] != 'ok']
+            problems = [f"{kind}: {r['status']}" + (f" ({r['problem']})" if r.get('problem') else '')
+                        for kind, r in got.items() if r is not None and r['status'] != 'ok']
             rows.append([MODEL_LABELS[size], f"{px} ({fmt(tokens, ',')})", workload,
                          str(preset.batches[size][px]), *(fmt(speed[k], ',.1f') for k in KINDS),
                          fmt(ratio(speed['linvit'], speed['softmax']), '.2f'),

@@ -72,6 +72,22 @@ def test_model_record_times_a_compiled_step():
     assert r['img_per_s'] == pytest.approx(2e3 / r['ms']) and r['peak_mem_mib'] > 0 and r['first_call_s'] > 0
 
 
+def test_a_linvit_step_whose_kernels_did_not_run_is_a_fail_row_with_its_figures(monkeypatch):
+    """A compiled linvit step that fell back to the PyTorch path (no Triton kernel in its profile, as torch 2.11's
+    is_exporting made happen) is measured, shown, and FAILs the check, naming the kernels that did not run."""
+    assert gpu_check.missing_kernels(lambda: None, torch.device('cpu'), 'training') == []  # nothing to tell on CPU
+    monkeypatch.setattr(gpu_check, 'missing_kernels', lambda call, device, workload: ['_key_pass', '_grad_key'])
+    case = gpu_check.ModelCase('small', 64, 'training', 'linvit', 2)
+    record = gpu_check.guarded('models', case.key, lambda: gpu_check.model_record(
+        case, gpu_check.QUICK, torch.device('cpu'), 'aot_eager', time.time() + 120))
+    assert record['status'] == 'FAIL' and record['img_per_s'] > 0
+    assert gpu_check.failed({case.key: record}) == [f"{case.key}: FAIL"]
+    row = gpu_check.models_rows({case.key: record}, gpu_check.QUICK)[0]
+    assert row[4] == f"{record['img_per_s']:,.1f}"
+    assert row[-1] == ('linvit: FAIL (_key_pass, _grad_key did not run in a profiled step (the PyTorch path ran '
+                       'instead))')
+
+
 def test_models_are_linvit_its_floor_softmax_and_the_torch_path():
     def build(kind):
         return gpu_check.build_model(gpu_check.ModelCase('small', 32, 'inference', kind, 2), gpu_check.QUICK)
@@ -112,7 +128,7 @@ def _records():
 
 
 def test_report_from_known_records(tmp_path):
-    settings = settings_for(tmp_path)
+    settings = settings_for(tmp_path, sections=gpu_check.SECTIONS)
     records = _records()
     killed = gpu_check.Section('models', None, tmp_path / 'models.log', 0.0, 0.0, killed=True)
     crashed = gpu_check.Section('op', None, tmp_path / 'op.log', 0.0, 0.0, code=1)

@@ -29,7 +29,8 @@ def test_quick_run_reports_every_planned_row_within_its_budget(gpu_check, tmp_pa
     out = tmp_path / 'out'
     start = time.time()
     code = gpu_check.main(['--device', 'cpu', '--quick', '--budget', str(E2E_BUDGET_S), '--out', str(out),
-                           '--cache-dir', str(tmp_path / 'cache'), '--fmnist-dir', str(tmp_path / 'no_data')])
+                           '--cache-dir', str(tmp_path / 'cache'), '--fmnist-dir', str(tmp_path / 'no_data'),
+                           '--sections', *check.SECTIONS])
     elapsed = time.time() - start
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -57,6 +58,7 @@ def test_options_become_resolved_settings(gpu_check, tmp_path):
     assert (settings.budget, settings.compile_backend, settings.sections) == (check.QUICK.budget_s, 'aot_eager',
                                                                              ('parity', 'op'))
     assert settings.out == str(tmp_path / 'o')
+    assert gpu_check.parse_args([]).sections == ('parity', 'op', 'models')  # quality only when named
     with pytest.raises(SystemExit):
         gpu_check.parse_args(['--budget', '5'])
 
