@@ -61,14 +61,16 @@ def bytes_per_token(kernel: str, d: int, dv: int, dtype: str) -> int:
     return elements[kernel] * size + den_bytes[kernel]
 
 
-def variants(widths: Sequence[int] = (32, 64, 128), dtypes: Sequence[str] = ('float32', 'bfloat16', 'float16'),
+def variants(target: int, widths: Sequence[int] = (32, 64, 128),
+             dtypes: Sequence[str] = ('float32', 'bfloat16', 'float16'),
              key_weights: bool = False) -> Iterator[Tuple[object, str, Dict[str, object], Dict[str, int]]]:
-    """(kernel, dtype, compile-time constants, launch options) for every kernel at head widths D = Dv = width:
-    the constants and options the launcher uses (``launch_meta``), elu1's feature map, key weights on or off."""
+    """(kernel, dtype, compile-time constants, launch options) for every kernel at head widths D = Dv = width on
+    sm_<target>: the constants and options the launcher uses there (``launch_meta``), elu1's feature map, key
+    weights on or off."""
     from linvit.ops import triton_kernels as tk
     for width in widths:
         for dtype in dtypes:
-            items, tile = tk.launch_meta(width, width, getattr(torch, dtype), 0)
+            items, tile = tk.launch_meta(width, width, getattr(torch, dtype), 0, target >= 90)
             meta = dict(items)
             options = {'num_warps': meta.pop('num_warps'), 'num_stages': meta.pop('num_stages')}
             for kernel in tk.KERNELS:
@@ -153,7 +155,7 @@ def report(targets: Sequence[int] = (90, 80), widths: Sequence[int] = (32, 64, 1
     """Every variant compiled for every target (a few seconds each on a CPU)."""
     return [compile_variant(kernel, dtype, constants, options, target)
             for target in targets
-            for kernel, dtype, constants, options in variants(widths, dtypes, key_weights)]
+            for kernel, dtype, constants, options in variants(target, widths, dtypes, key_weights)]
 
 
 def markdown(rows: Sequence[KernelRow]) -> str:

@@ -278,19 +278,22 @@ def _block_width(width: int) -> int:
 
 
 @functools.cache
-def launch_meta(d: int, dv: int, dtype: torch.dtype, map_id: int) -> Tuple[Tuple[Tuple[str, object], ...], int]:
+def launch_meta(d: int, dv: int, dtype: torch.dtype, map_id: int,
+                hopper: bool = True) -> Tuple[Tuple[Tuple[str, object], ...], int]:
     """(the kernels' shared compile-time parameters and launch options as items, tokens per tile) for head widths
-    D, Dv, inputs of ``dtype`` and the feature map id: computed once per combination, not per call.
+    D, Dv, inputs of ``dtype``, the feature map id and the GPU generation (Hopper's wgmma keeps its accumulators
+    lighter on registers than Ampere's mma): computed once per combination, not per call.
 
     8 warps everywhere: at 4, a 64-token half-precision tile spills in the backward's query pass on sm_90 (255
-    registers). Half-precision heads up to 64 take 64-token tiles and 3 pipeline stages; wider heads, and float32
-    (whose exact dots run as scalar multiply-adds), 32-token tiles and 2 stages, which keeps every half variant free
-    of spills and every variant within sm_80's 163 KiB of shared memory (``tools/kernel_report.py``)."""
+    registers). Half-precision heads up to 64 take 3 pipeline stages and 64-token tiles on Hopper, 32 before (64
+    spill in the backward on sm_80); wider heads, and float32 (whose exact dots run as scalar multiply-adds),
+    32-token tiles and 2 stages. That keeps every half variant free of spills on sm_90, and on sm_80 up to D = 64,
+    and every variant within sm_80's 163 KiB of shared memory (``tools/kernel_report.py``, Triton 3.6 and 3.8)."""
     block_d, block_dv = _block_width(d), _block_width(dv)
     small = dtype != torch.float32 and block_d * block_dv <= 64 * 64
     meta = dict(D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, MAP=map_id,
                 PRECISION='ieee' if dtype == torch.float32 else 'tf32', num_warps=8, num_stages=3 if small else 2)
-    return tuple(meta.items()), _BLOCK_TOKENS if small else _BLOCK_TOKENS // 2
+    return tuple(meta.items()), _BLOCK_TOKENS if small and hopper else _BLOCK_TOKENS // 2
 
 
 @functools.cache
@@ -298,11 +301,25 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _hopper(device: torch.device) -> bool:
+    """Whether the kernels compile for Hopper or later (sm_90+): the interpreter counts as Hopper."""
+    return device.type != 'cuda' or _capability(_device_index(device)) >= 9
+
+
 def _program_target(device: torch.device) -> int:
     """How many programs a pass aims for in all (programs per head * B * H): two per multiprocessor on a GPU
     (queried once per device); one under the interpreter, which runs programs one after another."""
     if device.type == 'cuda':
-        return 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+        return 2 * _multiprocessors(_device_index(device))
     return 1
 
 
@@ -342,7 +359,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     B, H, NQ, D = q.shape
     N, DV = k.shape[2], v.shape[3]
     heads = B * H
-    items, tile = launch_meta(D, DV, q.dtype, map_id)
+    items, tile = launch_meta(D, DV, q.dtype, map_id, _hopper(q.device))
     meta = dict(items)
     has_w = key_weight is not None
     w, w_strides = _weights(key_weight, k)
@@ -368,7 +385,7 @@ def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     B, H, NQ, D = q.shape
     N, DV = k.shape[2], v.shape[3]
     heads = B * H
-    items, tile = launch_meta(D, DV, q.dtype, map_id)
+    items, tile = launch_meta(D, DV, q.dtype, map_id, _hopper(q.device))
     meta = dict(items)
     query_tokens, query_chunks = _split(NQ, heads, tile, q.device)
     part = torch.empty(heads, query_chunks, DV + 1, D, dtype=torch.float32, device=q.device)
