@@ -57,8 +57,9 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py
 
-# the GPU check (README: GPU check): kernel parity and speed, ViT-S/B speed against timm's softmax ViT and the floor,
-# linvit-Tiny vs ViT-Tiny quality, on the first CUDA device in at most 6 minutes -> runs/gpu_check/. It installs
+# the GPU check (README: GPU check): kernel parity and speed, ViT-S/B speed against timm's softmax ViT and the floor
+# (GPU_CHECK_ARGS='--sections parity op models quality' adds linvit-Tiny vs ViT-Tiny quality), on the first CUDA
+# device in at most 6 minutes -> runs/gpu_check/. It installs
 # nothing: it runs .venv's python when there is one, else python3 (on a GPU machine: make gpu-check PY=python3).
 FMNIST_DIR ?= /usr/share/datasets/fashion-mnist
 GPU_CHECK_ARGS ?=

@@ -115,7 +115,7 @@ def test_profile_ops_prints_where_each_models_step_goes(step_bench, capsys):
     with inductor_config.patch({'cpp.enable_kernel_profile': False}):
         assert step_bench.main(['--workload', 'inference', '--model', 'linvit_tiny_patch16_224:depth=1,embed_dim=48,'
                                 'num_heads=3', '--softmax', 'none', '--sizes', '32', '--batch', '1', '--mode',
-                                'compiled', '--repeats', '1', '--profile-ops', '2', '--profile-top', '40']) == 0
+                                'compiled', '--repeats', '1', '--profile-ops', '2', '--profile-top', '80']) == 0
     printed = capsys.readouterr().out.splitlines()
     start = printed.index("## where a step's time goes, 32 compiled: ms per step over 2 profiled step(s) "
                           "(op self time)")
@@ -125,10 +125,12 @@ def test_profile_ops_prints_where_each_models_step_goes(step_bench, capsys):
     for linvit, floor, diff in rows.values():
         assert diff == pytest.approx(linvit - floor, abs=0.011)
     assert rows['total'][0] == pytest.approx(sum(row[0] for name, row in rows.items() if name != 'total'), abs=0.05)
-    assert printed[start + 10] == 'top 40 ops of linvit (ms per step, calls per step, category):'
+    assert printed[start + 10] == 'top 80 ops of linvit (ms per step, calls per step, category):'
     top = [line.split() for line in printed[start + 11:] if line.startswith('  ')]
-    assert 10 <= len(top) <= 40
-    # compiled CPU code shows its fused kernels by name (inductor's kernel profiling, turned on before compiling)
+    assert 10 <= len(top) <= 80
+    # compiled CPU code shows its fused kernels by name (inductor's kernel profiling, turned on before compiling);
+    # at this tiny size they take microseconds, below the attention op's own aten calls
+
     assert any(cells[2:4] == ['fused', '(compiled)'] and cells[4].startswith('graph_') for cells in top)
 
 
