@@ -374,6 +374,19 @@ def time_op(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: i
     return statistics.median(times)
 
 
+def kernel_profile(call: Callable[[], Any], device: torch.device, calls: int = 3) -> Dict[str, Tuple[float, float]]:
+    """{CUDA kernel name: (GPU ms per call, launches per call)} over ``calls`` profiled calls (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        synchronize(device)
+    return {e.key: (e.self_device_time_total / 1e3 / calls, e.count / calls) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
 def op_call(fn: Callable[..., torch.Tensor], qkv: List[torch.Tensor], grad: torch.Tensor,
             backward: bool) -> Callable[[], Any]:
     """fn(q, k, v) without autograd, or fn(q, k, v) and its gradients with respect to q, k, v."""
@@ -397,10 +410,14 @@ def op_record(case: OpCase, preset: Preset, device: torch.device) -> Dict[str, A
     impls = {'kernel': kernel, 'torch': torch_fn, 'sdpa': F.scaled_dot_product_attention}
     ms = {name: time_op(op_call(fn, qkv, grad, case.backward), device, preset.op_warmup, preset.op_repeats,
                         preset.op_max_s) for name, fn in impls.items()}
+    # the GPU time of the op's own kernels and their launches per call: wall far above it is host overhead
+    kernels = kernel_profile(op_call(kernel, qkv, grad, case.backward), device) if device.type == 'cuda' else {}
     return {'tokens': case.tokens, 'shape': f"B{b}-H{h}-D{d}", 'pass': 'fwd+bwd' if case.backward else 'fwd',
             'kernel': label, 'torch_path': torch_label, 'kernel_ms': ms['kernel'], 'torch_ms': ms['torch'],
             'sdpa_ms': ms['sdpa'], 'sdpa_over_kernel': ms['sdpa'] / ms['kernel'],
-            'torch_over_kernel': ms['torch'] / ms['kernel']}
+            'torch_over_kernel': ms['torch'] / ms['kernel'],
+            'gpu_ms': sum(t for t, _ in kernels.values()) if kernels else None,
+            'launches': sum(n for _, n in kernels.values()) if kernels else None}
 
 
 def run_op(settings: CheckSettings, preset: Preset, device: torch.device) -> None:
@@ -486,11 +503,7 @@ def missing_kernels(call: Callable[[], Any], device: torch.device, workload: str
     launch; [] off CUDA, or where the profile saw no kernel at all (nothing to tell from)."""
     if device.type != 'cuda':
         return []
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call()
-        synchronize(device)
-    names = {e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
+    names = kernel_profile(call, device, calls=1)
     return [name for name in LINVIT_KERNELS[workload] if name not in names] if names else []
 
 
@@ -784,7 +797,8 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
 
 
 PARITY_HEADER = ('dtype', 'tokens', 'shape', 'kernel', 'out', 'dq', 'dk', 'dv', 'tol', 'status')
-OP_HEADER = ('tokens', 'pass', 'kernel', 'kernel ms', 'torch ms', 'SDPA ms', 'SDPA/kernel', 'torch/kernel', 'status')
+OP_HEADER = ('tokens', 'pass', 'kernel', 'kernel ms', 'torch ms', 'SDPA ms', 'SDPA/kernel', 'torch/kernel',
+             'kernel GPU ms', 'launches', 'status')
 MODELS_HEADER = ('model', 'px (tokens)', 'workload', 'batch', 'linvit img/s', 'softmax img/s', 'floor img/s',
                  'linvit/softmax', 'linvit/floor', 'linvit/torch-path', 'peak GiB linvit, softmax, floor',
                  'first call s linvit', 'status')
@@ -808,7 +822,8 @@ def op_rows(records: Dict[str, Dict[str, Any]], preset: Preset) -> List[List[str
         r = records[case.key]
         rows.append([str(case.tokens), 'fwd+bwd' if case.backward else 'fwd', r.get('kernel', '-'),
                      fmt(r.get('kernel_ms'), '.3f'), fmt(r.get('torch_ms'), '.3f'), fmt(r.get('sdpa_ms'), '.3f'),
-                     fmt(r.get('sdpa_over_kernel'), '.2f'), fmt(r.get('torch_over_kernel'), '.2f'), r['status']])
+                     fmt(r.get('sdpa_over_kernel'), '.2f'), fmt(r.get('torch_over_kernel'), '.2f'),
+                     fmt(r.get('gpu_ms'), '.3f'), fmt(r.get('launches'), '.0f'), r['status']])
     return rows
 
 

@@ -113,7 +113,8 @@ def _records():
         parity_keys[2]: {'section': 'parity', 'key': parity_keys[2], 'status': 'FAIL', 'kernel': 'triton',
                          'err_out': 1e-2, 'err_dq': 2e-7, 'err_dk': 3e-7, 'err_dv': 4e-7},
         'op/64/fwd': {'section': 'op', 'key': 'op/64/fwd', 'status': 'ok', 'kernel': 'triton', 'kernel_ms': 2.0,
-                      'torch_ms': 5.0, 'sdpa_ms': 8.0, 'sdpa_over_kernel': 4.0, 'torch_over_kernel': 2.5},
+                      'torch_ms': 5.0, 'sdpa_ms': 8.0, 'sdpa_over_kernel': 4.0, 'torch_over_kernel': 2.5,
+                      'gpu_ms': 0.5, 'launches': 4.0},
     }
     for kind, speed in (('linvit', 30.0), ('softmax', 10.0), ('floor', 40.0), (gpu_check.TORCH_PATH, 20.0)):
         key = f"models/small/64/training/{kind}"
@@ -140,7 +141,7 @@ def test_report_from_known_records(tmp_path):
     assert parity[0].endswith('| 1.0e-07 | 2.0e-07 | 3.0e-07 | 4.0e-07 | 1e-04 | ok |')
     assert parity[1].endswith(f"| - | - | - | - | 2e-02 | {gpu_check.SKIPPED} |")
     assert parity[2].endswith('| 1.0e-02 | 2.0e-07 | 3.0e-07 | 4.0e-07 | 5e-03 | FAIL |')
-    assert '| 64 | fwd | triton | 2.000 | 5.000 | 8.000 | 4.00 | 2.50 | ok |' in lines
+    assert '| 64 | fwd | triton | 2.000 | 5.000 | 8.000 | 4.00 | 2.50 | 0.500 | 4 | ok |' in lines
     assert any(line.startswith('| 64 | fwd+bwd |') and '| error: the op process exited 1 (logs/op.log) |' in line
                for line in lines)
     (train,) = [line for line in lines if line.startswith('| ViT-S | 64 (17) | training |')]
