@@ -120,6 +120,16 @@ def _load_keys(k_ptr, v_ptr, w_ptr, b, h, offs_n, in_n, skb, skh, skn, skd, svb,
 
 
 @triton.jit
+def _load_queries(q_ptr, b, h, offs_m, in_m, sqb, sqh, sqn, sqd, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MAP: tl.constexpr):
+    """phi(q) [BLOCK_M, BLOCK_D] float32 of a tile of queries; padding rows and columns are zero."""
+    offs_d = tl.arange(0, BLOCK_D)
+    in_q = in_m[:, None] & (offs_d[None, :] < D)
+    x = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=in_q, other=0.0)
+    return tl.where(in_q, _feature(x.to(tl.float32), MAP), 0.0)
+
+
+@triton.jit
 def _key_pass(k_ptr, v_ptr, w_ptr, part_ptr, N, H, TOKENS_PER_PROG,
               skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swn,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -163,17 +173,13 @@ def _query_pass(q_ptr, part_ptr, s_ptr, count_ptr, out_ptr, den_ptr, NQ, H, KEY_
         eps_count = tl.load(count_ptr + b * scb + h * sch)
     # the mean state as the dot's operand (times 1 / N: no overflow in a half-precision cast), [BLOCK_D, BLOCK_DV]
     s_mean = tl.trans((s_t * inv_n).to(q_ptr.dtype.element_ty))
-    offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
     start = chunk * TOKENS_PER_PROG
     end = tl.minimum(start + TOKENS_PER_PROG, NQ)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_m = offs_m < end
-        in_q = in_m[:, None] & (offs_d[None, :] < D)
-        x = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=in_q,
-                    other=0.0)
-        phi = tl.where(in_q, _feature(x.to(tl.float32), MAP), 0.0).to(q_ptr.dtype.element_ty)
+        phi = _load_queries(q_ptr, b, h, offs_m, in_m, sqb, sqh, sqn, sqd, D, BLOCK_D, MAP).to(q_ptr.dtype.element_ty)
         num_mean = tl.dot(phi, s_mean, input_precision=PRECISION)
         den = tl.sum(phi.to(tl.float32) * key_sum[None, :], axis=1) + eps_count
         out = num_mean / (den * inv_n)[:, None]
@@ -208,10 +214,7 @@ def _grad_query(q_ptr, g_ptr, den_ptr, s_ptr, dq_ptr, part_ptr, NQ, H, TOKENS_PE
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_m = offs_m < end
-        in_q = in_m[:, None] & (offs_d[None, :] < D)
-        x = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=in_q,
-                    other=0.0)
-        phi32 = tl.where(in_q, _feature(x.to(tl.float32), MAP), 0.0)
+        phi32 = _load_queries(q_ptr, b, h, offs_m, in_m, sqb, sqh, sqn, sqd, D, BLOCK_D, MAP)
         g = tl.load(g_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_e[None, :] * sgd,
                     mask=in_m[:, None] & (offs_e[None, :] < DV), other=0.0)
         den_mean = tl.load(den_ptr + bh.to(tl.int64) * NQ + offs_m, mask=in_m, other=1.0) * inv_n
@@ -222,7 +225,7 @@ def _grad_query(q_ptr, g_ptr, den_ptr, s_ptr, dq_ptr, part_ptr, NQ, H, TOKENS_PE
         grad_den = -tl.sum(phi32 * p, axis=1) / den_mean
         dq = _feature_derivative(phi32, MAP) * (p + grad_den[:, None] * key_mean[None, :])
         tl.store(dq_ptr + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :] * sdd,
-                 dq.to(dq_ptr.dtype.element_ty), mask=in_q)
+                 dq.to(dq_ptr.dtype.element_ty), mask=in_m[:, None] & (offs_d[None, :] < D))
         phi_over_den = (phi32 / den_mean[:, None]).to(q_ptr.dtype.element_ty)
         grad_s_t = tl.dot(tl.trans(g), phi_over_den, grad_s_t, input_precision=PRECISION)
         grad_key_sum += tl.sum(phi32 * grad_den[:, None], axis=0)
