@@ -4,7 +4,6 @@ from typing import List, Optional, Tuple, Type
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.compiler import is_dynamo_compiling, is_exporting
 
 from ..ops import (
     LEARNABLE_FEATURE_MAPS,
@@ -14,6 +13,7 @@ from ..ops import (
     check_attn_backend,
     check_feature_map,
     compute_dtype,
+    export_tracing,
     fused_linear_attention_from_features,
     get_feature_map,
     get_inplace_feature_map,
@@ -71,15 +71,10 @@ def _plain_linear(module: nn.Module) -> bool:
 
 def exporting() -> bool:
     """Whether the call is being exported or traced (torch.onnx's exporters, torch.jit.trace, torch.export's
-    non-strict tracing, which linvit.export uses): then the layers take the PyTorch path, whose graph of aten ops every
-    exporter and runtime knows, rather than the registered op or the autograd Function.
-
-    ``torch.compiler.is_exporting()`` alone is not enough: torch 2.11's dynamo reads it as True under a plain
-    ``torch.compile`` (measured on the GPU machine), which sent every compiled model down the PyTorch path, with no
-    Triton kernel. Under dynamo (torch.compile, strict export) the layers keep the op, which export captures."""
-    if torch.onnx.is_in_onnx_export() or torch.jit.is_tracing():
-        return True
-    return is_exporting() and not is_dynamo_compiling()
+    non-strict tracing, which linvit.export uses: ``linvit.ops.export_tracing``): then the layers take the PyTorch
+    path, whose graph of aten ops every exporter and runtime knows, rather than the registered op or the autograd
+    Function. A plain torch.compile and a strict torch.export keep the op."""
+    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or export_tracing()
 
 
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:

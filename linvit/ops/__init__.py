@@ -45,7 +45,13 @@ from .fused import (
     fused_linear_attention_qkv,
     has_fused_backward,
 )
-from .linear_attention import check_attention_inputs, compute_dtype, linear_attention, linear_attention_from_features
+from .linear_attention import (
+    check_attention_inputs,
+    compute_dtype,
+    export_tracing,
+    linear_attention,
+    linear_attention_from_features,
+)
 from .projected import projected_linear_attention_from_features, projected_linear_attention_from_inputs
 from .reference import quadratic_linear_attention
 
@@ -54,7 +60,8 @@ __all__ = [
     'elu1', 'relu', 'focused', 'hedgehog', 'LEARNABLE_FEATURE_MAPS', 'check_feature_map', 'is_learnable_feature_map',
     'register_learnable_feature_map', 'fused_linear_attention_from_features',
     'get_feature_map', 'get_feature_map_vjp', 'get_inplace_feature_map',
-    'list_feature_maps', 'register_feature_map', 'check_attention_inputs', 'compute_dtype', 'linear_attention',
+    'list_feature_maps', 'register_feature_map', 'check_attention_inputs', 'compute_dtype', 'export_tracing',
+    'linear_attention',
     'linear_attention_from_features', 'projected_linear_attention_from_features',
     'projected_linear_attention_from_inputs', 'quadratic_linear_attention',
     'fused_linear_attention',

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .feature_maps import FeatureMap, get_feature_map
-from .linear_attention import autocast_off, compute_dtype
+from .linear_attention import autocast_off, compute_dtype, export_tracing
 
 __all__ = ['causal_linear_attention', 'causal_linear_attention_step', 'CausalState', 'causal_linear_scan',
            'ChunkedCausalScan', 'bidirectional_linear_attention', 'bidirectional_linear_attention_op',
@@ -62,7 +62,7 @@ COMPILED_MATRIX_MAX_CHUNKS = 512
 
 def _states_by_matrix(num_chunks: int, alpha: Optional[torch.Tensor]) -> bool:
     """Whether chunk states come from the weighted sum over chunks (else the cumulative sum or the scan)."""
-    if torch.compiler.is_exporting():
+    if export_tracing():
         return True  # no loop over the chunk count and no slice along it: the token count stays symbolic
     if alpha is None:
         return False  # a cumulative sum: one op already

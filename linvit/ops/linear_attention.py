@@ -15,6 +15,7 @@ import contextlib
 from typing import Callable, Optional, Union
 
 import torch
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from .feature_maps import get_feature_map
 
@@ -22,6 +23,16 @@ from .feature_maps import get_feature_map
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the attention core runs in: float64 stays float64, everything else runs in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def export_tracing() -> bool:
+    """Whether torch.export's non-strict tracing (what ``linvit.export`` uses) runs this call: then the code takes
+    its export form (aten ops every runtime knows, no loop over a symbolic size).
+
+    ``torch.compiler.is_exporting()`` alone is not enough: torch 2.11's dynamo reads it as True under a plain
+    ``torch.compile`` (measured on the GPU machine), which sent every compiled linvit layer down its export path, with
+    no Triton kernel. Under dynamo (torch.compile, strict export) this is False."""
+    return is_exporting() and not is_dynamo_compiling()
 
 
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:

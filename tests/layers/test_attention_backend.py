@@ -5,6 +5,7 @@ compared with the same model on the PyTorch path (outputs and every parameter's 
 layer reference; the op compiles as one graph inside a layer; errors name the reason.
 """
 import copy
+import importlib
 
 import pytest
 import timm
@@ -105,8 +106,9 @@ def test_compiled_model_graph_holds_the_op_once_per_attention_block(monkeypatch,
     block, so the op (Triton on a GPU) is what runs compiled, in training and in inference. Also where dynamo reads
     torch.compiler.is_exporting() as True under a plain compile (torch 2.11, the GPU machine's)."""
     if exporting_under_dynamo:
-        import linvit.layers.linear_attention as layer_module
-        monkeypatch.setattr(layer_module, 'is_exporting', lambda: True)
+        # (the attribute linvit.ops.linear_attention is the function: import the module by name)
+        core_module = importlib.import_module('linvit.ops.linear_attention')
+        monkeypatch.setattr(core_module, 'is_exporting', lambda: True)
     model = timm.create_model('linvit_tiny_patch16_224', img_size=32, depth=3, num_classes=4)
     graphs = []
 
