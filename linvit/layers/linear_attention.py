@@ -377,9 +377,11 @@ class LinearAttention(nn.Module):
             return False
         if torch.is_autocast_enabled(x.device.type):
             return False  # the qkv projection would run in autocast's lower precision, the fold in the core's
-        # the registered op's Triton kernels serve these calls (judged from the input: qkv does not exist yet)
-        return not (self._core_is_op(key_mask) and kernels_serve(self.attn_backend, x, x, x, self.feature_map_name,
-                                                                 key_mask))
+        # the registered op's Triton kernels serve these calls (judged from a head-wide view of the input, which
+        # has qkv's device and dtype here: qkv does not exist yet)
+        head = x[..., :self.head_dim].unsqueeze(1)
+        return not (self._core_is_op(key_mask) and kernels_serve(self.attn_backend, head, head, head,
+                                                                 self.feature_map_name, key_mask))
 
     def _feature_width(self) -> int:
         """F, the width of phi's output: the learnable map's ``num_features``, D for the fixed maps."""

@@ -145,7 +145,7 @@ def _op(schema: str) -> Callable:
 
 
 def _fake(name: str) -> Callable:
-    """Decorator: the op's fake (meta) implementation, which compile, export and CUDA graphs trace with."""
+    """Decorator: the op's fake (meta) implementation, which torch.compile and torch.export trace with."""
     return torch.library.register_fake(f'linvit::{name}', lib=_LIBRARY)
 
 

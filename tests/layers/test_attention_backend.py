@@ -98,6 +98,24 @@ def test_every_mode_calls_the_op_which_picks_the_implementation(backend):
     assert kernels_serve(backend, x, x, x, 'elu1') == (backend == 'triton')
 
 
+def test_the_inference_fold_asks_the_op_about_head_wide_tensors(monkeypatch):
+    """CPU inference folds the projections into the PyTorch core unless the op would run its kernels; the question is
+    asked before qkv exists, and must be asked of head-wide tensors (the kernels take heads up to 128 wide: a layer
+    width of 384 would read as unsupported and fold on a GPU too)."""
+    import linvit.layers.linear_attention as layer_module
+    seen = []
+
+    def spy(backend, q, k, v, feature_map, key_mask=None):
+        seen.append((backend, q.shape[-1], q.dtype, q.device.type))
+        return False
+
+    monkeypatch.setattr(layer_module, 'kernels_serve', spy)
+    layer = LinearAttention(384, num_heads=6).eval()
+    with torch.no_grad():
+        layer(torch.randn(1, 10, 384))
+    assert seen and all(entry == ('auto', 64, torch.float32, 'cpu') for entry in seen)
+
+
 @pytest.mark.compiler
 @pytest.mark.parametrize('exporting_under_dynamo', [False, True], ids=['torch', 'torch-2.11-is-exporting'])
 @pytest.mark.parametrize('training', [True, False], ids=['training', 'inference'])
