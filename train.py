@@ -1,8 +1,11 @@
 """Train or evaluate a linvit (or any timm) model: the command line of ``linvit.engine``.
 
     python train.py --config configs/cls_demo.yaml [key=value ...]    # train into runs/cls_demo; key=value overrides
+    python train.py --config configs/cls_demo.yaml --overwrite         # the same, replacing the run already there
     python train.py --resume runs/cls_demo [key=value ...]             # continue runs/cls_demo from its last.pt
+    python train.py --resume runs/cls_demo train.epochs=20             # train a finished run longer (re-planned lr)
     python train.py --eval-only runs/cls_demo/best.pt [key=value ...]  # evaluate saved weights -> metrics.json
+    python train.py --eval-only runs/cls_demo                          # ... the run's model.safetensors
     python train.py --eval-only best.pt --config configs/seg_folder.yaml data.root=photos/   # on other data
     torchrun --nproc_per_node 2 train.py --config ...                  # several processes (DDP)
 
@@ -10,6 +13,9 @@ Saved weights are rebuilt as they were trained: with --resume / --eval-only the 
 its head (seg.head, ...) and the training size (data.img_size) come from the checkpoint unless set on the command
 line; a --config file then only says where the data lives and how to evaluate. Evaluating at another
 data.img_size resamples the position embedding (as timm does for pretrained weights).
+
+A new run never writes into a folder that holds another run: train.py refuses, and offers --resume, another
+output_dir or --overwrite (which deletes that run's files first). Resuming a finished run says so and writes nothing.
 
 Exit status: 0 done; 2 the command line or a config file is wrong (unknown key, model or task, a bad value, an
 architecture change the weights do not fit); 1 a file or the data is wrong (missing, not a checkpoint, unreadable
@@ -37,7 +43,7 @@ from linvit.engine import (
 )
 from linvit.engine.checkpoint import CheckpointError, load_checkpoint
 from linvit.engine.config import ARCHITECTURE_KEYS, differing_keys
-from linvit.engine.loading import WeightsMismatchError, saved_config_text
+from linvit.engine.loading import WeightsMismatchError, find_run_files, saved_config_text
 
 #: exit status of an expected failure: the command line or a config is wrong / a file, the data or the run is
 EXIT_CONFIG, EXIT_FAILURE = 2, 1
@@ -55,12 +61,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                           "checkpoint file's run)")
     mode.add_argument('--eval-only', metavar='WEIGHTS', help='evaluate a checkpoint (.pt; its EMA weights when it '
                                                              'has them) or a .safetensors file, then exit')
+    parser.add_argument('--overwrite', action='store_true', help="a new run into an output_dir that holds a run: "
+                                                                 "delete that run's files first (default: refuse)")
     parser.add_argument('--out', help='--eval-only: directory for metrics.json (default: next to WEIGHTS, in '
                                       'eval_<name>/)')
     parser.add_argument('overrides', nargs='*', metavar='key=value', help='config overrides, e.g. train.epochs=3')
     args = parser.parse_args(argv)
     if not (args.config or args.resume or args.eval_only):
         parser.error('give --config FILE, --resume RUN_DIR or --eval-only WEIGHTS')
+    if args.overwrite and (args.resume or args.eval_only):
+        parser.error('--overwrite starts a new run: it does not go with --resume or --eval-only')
     return args
 
 
@@ -135,17 +145,22 @@ def run_resume(args: argparse.Namespace) -> dict:
         raise _explained_mismatch(error, cfg, state['config']) from error
 
 
+def _weights_of(path: str) -> str:
+    """The weights file --eval-only evaluates: ``path`` itself, or a run directory's preferred weights."""
+    return find_run_files(path).weights_path if os.path.isdir(path) else path
+
+
 def run_eval_only(args: argparse.Namespace) -> dict:
-    saved = saved_config_text(args.eval_only)
+    weights = _weights_of(args.eval_only)
+    saved = saved_config_text(weights)
     if saved is None and not args.config:
-        raise ConfigError(f"{args.eval_only} carries no config: pass --config with the model and data it was "
-                          f"trained with")
+        raise ConfigError(f"{weights} carries no config: pass --config with the model and data it was trained with")
     cfg = _config_of_weights(args.config, [*_UNUSED_WITH_WEIGHTS, *args.overrides], saved)
     _check_task(cfg)
-    stem = os.path.splitext(os.path.basename(args.eval_only))[0]
-    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(args.eval_only)), f'eval_{stem}')
+    stem = os.path.splitext(os.path.basename(weights))[0]
+    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(weights)), f'eval_{stem}')
     try:
-        metrics = evaluate(cfg, args.eval_only, out_dir)
+        metrics = evaluate(cfg, weights, out_dir)
     except WeightsMismatchError as error:
         raise _explained_mismatch(error, cfg, saved) from error
     logging.info("evaluation written to %s", os.path.join(out_dir, 'metrics.json'))
@@ -156,11 +171,11 @@ def run_training(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, args.overrides)
     _check_task(cfg)
     if cfg.task == 'linearize':
-        metrics = linearize(cfg)
+        metrics = linearize(cfg, overwrite=args.overwrite)
         logging.info("run directory %s: metrics.json and metrics.csv (the report), model.safetensors (the student), "
                      "stage1/ and stage2/ (each a run directory: checkpoints, curves, pictures, tb/)", cfg.output_dir)
         return metrics
-    metrics = train(cfg)
+    metrics = train(cfg, overwrite=args.overwrite)
     logging.info("run directory %s: metrics.json, curves.png, pictures/, last.pt, best.pt, "
                  "model.safetensors, tb/ (tensorboard --logdir %s)", cfg.output_dir, cfg.output_dir)
     return metrics

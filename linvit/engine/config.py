@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
+import torch
 import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -169,6 +170,7 @@ class RunConfig:
     output_dir: str = 'runs/default'  # with a config file: runs/<file stem> unless a layer sets it
     seed: int = 0
     device: str = 'auto'  # 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...
+    threads: Optional[int] = None  # torch's CPU threads per process (None: torch's default, one per core)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -288,15 +290,78 @@ def _check_choices(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
+def _similar_model_names(name: str) -> List[str]:
+    """Up to three registered names close to ``name``: those it begins (linvit_tiny -> linvit_tiny_patch16_224)
+    first, then the closest spellings."""
+    names = timm.list_models()
+    extending = [n for n in names if n.startswith(name)]
+    return (extending + [n for n in difflib.get_close_matches(name, names, n=3, cutoff=0.6) if n not in extending])[:3]
+
+
 def _check_model_name(cfg: DictConfig) -> None:
     """ConfigError unless model.name is in timm's registry (linvit_* are there once linvit is imported)."""
     name = cfg.model.name
     if timm.is_model(name.split('.')[0]):
         return
-    close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+    close = _similar_model_names(name)
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ''
     raise ConfigError(f"model.name={name!r} is not a timm model; {hint}(timm.list_models('linvit_*') lists linvit's, "
                       f"timm.list_models() all)")
+
+
+def _check_device(cfg: DictConfig) -> None:
+    """ConfigError for a device word torch does not know or a device this machine lacks, and for train.precision=
+    float16 off CUDA (its gradient scaler is CUDA's)."""
+    device = cfg.device
+    if device != 'auto':
+        try:
+            resolved = torch.device(device)
+        except RuntimeError:
+            raise ConfigError(f"device={device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+        _check_available(resolved, device)
+    kind = torch.device(device).type if device != 'auto' else ('cuda' if torch.cuda.is_available() else 'cpu')
+    if cfg.train.precision == 'float16' and kind != 'cuda':
+        raise ConfigError(f"train.precision=float16 needs CUDA (a gradient scaler guards float16 there); on {kind} "
+                          f"use train.precision=bfloat16 or float32")
+
+
+def _check_available(device: torch.device, word: str) -> None:
+    if device.type == 'cpu':
+        return
+    if device.type != 'cuda':
+        raise ConfigError(f"device={word!r}: train.py runs on cpu or cuda; use device=auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={word!r} but this machine has no usable CUDA device "
+                          f"(torch.cuda.is_available() is False); use device=cpu or device=auto")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={word!r} but this machine has {torch.cuda.device_count()} CUDA device(s) "
+                          f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+
+
+#: the weights files a run folder holds, in the order a user would pick them
+_WEIGHT_FILES = ('model.safetensors', 'best.pt', 'last.pt')
+#: model.kwargs that have their own config key (timm's pretrained=True would download weights)
+_KWARGS_WITH_KEYS = {'pretrained': 'model.pretrained_file=PATH (local weights: .pth / .safetensors)',
+                     'pretrained_cfg_overlay': 'model.pretrained_file=PATH',
+                     'num_classes': 'the data (its class folders, classes.txt or data.num_classes)',
+                     'img_size': 'data.img_size', 'drop_path_rate': 'model.drop_path_rate'}
+
+
+def _check_model_keys(cfg: DictConfig) -> None:
+    """ConfigError for model.kwargs that another key owns, a model.pretrained_file that is a folder, and threads
+    below 1."""
+    for key in cfg.model.kwargs:
+        if key in _KWARGS_WITH_KEYS:
+            raise ConfigError(f"model.kwargs.{key} is not passed to timm by linvit: set {_KWARGS_WITH_KEYS[key]} "
+                              f"instead")
+    path = cfg.model.pretrained_file
+    if path and os.path.isdir(path):
+        inside = [name for name in _WEIGHT_FILES if os.path.isfile(os.path.join(path, name))]
+        hint = f"; e.g. model.pretrained_file={os.path.join(path, inside[0])}" if inside else ''
+        raise ConfigError(f"model.pretrained_file={path!r} is a folder; it takes a weights file (.safetensors, .pth, "
+                          f".pt){hint}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
 
 
 def _rename_old_task(source: str, values: Dict[str, Any]) -> None:
@@ -433,6 +498,8 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     _check_required(cfg, [*files, *command_line])
     _check_choices(cfg)
     _check_model_name(cfg)
+    _check_device(cfg)
+    _check_model_keys(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -38,7 +38,7 @@ from .distributed import barrier, setup_distributed
 from .run_files import find_run_files, saved_config_text
 from .tasks import TASKS, build_task
 from .tasks.linearize import NO_TEACHER, ResizedInput, student_of, teacher_weights_path
-from .trainer import _build_run, _evaluate, train
+from .trainer import _build_run, _evaluate, prepare_new_run, train
 
 __all__ = ['linearize', 'resolve_teacher', 'teacher_training_steps', 'SPEED_BATCH',
            'STAGE_DIRS']
@@ -133,7 +133,9 @@ def _run_stage(stage_cfg: DictConfig, resume: bool, state: Dict[str, Any], key: 
     checkpoint_path = os.path.join(run_dir, 'last.pt')
     checkpoint = load_checkpoint(checkpoint_path) if resume and os.path.isfile(checkpoint_path) else None
     start = time.perf_counter()
-    metrics = train(stage_cfg, resume=checkpoint)
+    # the stage folders belong to this linearization (its own folder was claimed when it started): a stage that
+    # stopped before its first checkpoint starts again in its folder
+    metrics = train(stage_cfg, resume=checkpoint, overwrite=True)
     last = load_checkpoint(checkpoint_path)
     # the wall time of the call that finished the stage (an interrupted attempt records nothing)
     state[key] = {'metrics': metrics, 'steps': int(last['progress']['step']), 'wall_s': time.perf_counter() - start,
@@ -232,14 +234,17 @@ def _save_state(path: str, state: Dict[str, Any], is_main: bool) -> None:
         json.dump(state, f, indent=2)
 
 
-def linearize(cfg: DictConfig, resume: bool = False) -> Dict[str, Any]:
+def linearize(cfg: DictConfig, resume: bool = False, overwrite: bool = False) -> Dict[str, Any]:
     """Run both stages of ``cfg`` (task: linearize) and write the report; returns it (what metrics.json holds).
 
     resume: continue the run in cfg.output_dir: finished stages are kept, an interrupted one continues from its
-    last.pt (the same losses as an uninterrupted run), and what was measured before the stages is read back."""
+    last.pt (the same losses as an uninterrupted run), and what was measured before the stages is read back.
+    Without resume, cfg.output_dir must not hold a run (RunExistsError) unless ``overwrite`` (its files deleted)."""
     cfg = resolve_teacher(cfg)
     out_dir = cfg.output_dir
     info = setup_distributed(cfg.device)
+    if not resume:
+        prepare_new_run(out_dir, info, overwrite)
     if info.is_main:
         os.makedirs(out_dir, exist_ok=True)
         with atomic_write(os.path.join(out_dir, 'config.yaml'), mode='w') as f:

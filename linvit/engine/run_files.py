@@ -6,6 +6,7 @@ These need no model registry or task, so everything that builds models (the task
 """
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -14,8 +15,10 @@ import torch.nn as nn
 from timm.layers import resample_abs_pos_embed
 
 from .checkpoint import CheckpointError, load_checkpoint, load_safetensors
+from .config import ConfigError
 
-__all__ = ['RUN_WEIGHTS', 'RunFiles', 'find_run_files', 'saved_config_text', 'read_weights',
+__all__ = ['RUN_WEIGHTS', 'RUN_ENTRIES', 'RunExistsError', 'run_entries_in', 'claim_run_dir', 'RunFiles',
+           'find_run_files', 'saved_config_text', 'read_weights',
            'evaluated_weights',
            'load_weights', 'resample_position_embeddings', 'WeightsMismatchError']
 
@@ -24,12 +27,51 @@ _logger = logging.getLogger(__name__)
 #: the weights a run directory offers, in order of preference
 RUN_WEIGHTS = ('model.safetensors', 'best.pt', 'last.pt')
 _CHECKPOINTS = ('best.pt', 'last.pt')
+#: what train.py writes into a run directory (a linearization adds its stage folders and state); a folder holding
+#: any of these holds a run
+RUN_ENTRIES = ('config.yaml', 'train.log', 'metrics.csv', 'metrics.json', 'last.pt', 'best.pt', 'model.safetensors',
+               'curves.png', 'pictures', 'tb', 'linearize.json', 'stage1', 'stage2')
 #: how many differing keys a WeightsMismatchError names before '(and N more)'
 _NAMED_KEYS = 3
 
 
 class WeightsMismatchError(CheckpointError):
     """Weights whose keys or shapes differ from the model's; the one-line message names the first keys."""
+
+
+class RunExistsError(ConfigError):
+    """A new run was pointed at a folder that already holds a run; the message offers the three ways on."""
+
+
+def run_entries_in(directory: str) -> List[str]:
+    """The RUN_ENTRIES present in ``directory`` (none when it does not exist)."""
+    return [name for name in RUN_ENTRIES if os.path.lexists(os.path.join(directory, name))]
+
+
+def _free_sibling(directory: str) -> str:
+    """``directory`` with the first suffix _2, _3, ... that names no existing path."""
+    base = directory.rstrip(os.sep)
+    return next(f"{base}_{n}" for n in range(2, 10 ** 6) if not os.path.exists(f"{base}_{n}"))
+
+
+def claim_run_dir(directory: str, found: Sequence[str], overwrite: bool, is_main: bool) -> None:
+    """Make ``directory`` ready for a new run whose check found ``found`` (``run_entries_in``, read by every
+    process before any of them wrote): RunExistsError when it holds a run, unless ``overwrite``, in which case the
+    main process deletes that run's entries (other files in the folder stay). A second run never mixes its
+    checkpoints, CSV rows, logs, events or pictures with the first's."""
+    if found and not overwrite:
+        raise RunExistsError(f"{directory} already holds a run ({', '.join(found[:4])}): continue it with "
+                             f"--resume {directory}, start a new one with output_dir={_free_sibling(directory)}, or "
+                             f"replace it with --overwrite")
+    if not (found and is_main):
+        return
+    for name in found:
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    _logger.info("--overwrite: removed the previous run's %s from %s", ', '.join(found), directory)
 
 
 @dataclass

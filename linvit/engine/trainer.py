@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
@@ -44,10 +44,10 @@ from .checkpoint import (
     save_checkpoint,
     save_model_safetensors,
 )
-from .config import ConfigError, config_to_yaml
+from .config import ConfigError, config_from_yaml, config_to_yaml, differing_keys
 from .distributed import DistInfo, all_reduce_max, all_reduce_mean, barrier, setup_distributed
 from .plots import plot_curves
-from .run_files import load_weights, read_weights
+from .run_files import claim_run_dir, load_weights, read_weights, run_entries_in
 from .sampler import ResumableSampler, ShardSampler
 from .step import TrainStep
 from .tasks import Task, build_task, normalization_of
@@ -140,9 +140,15 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
     """The task's model; a ValueError of the model's own argument checks, or a keyword the model does not take, is
     a ConfigError (train.py's one line): those come from the config's model.* / task keys, not from a bug."""
     try:
-        return task.build_model(num_classes)
+        model = task.build_model(num_classes)
     except ConfigError:
         raise
+    except RuntimeError as error:
+        if not (task.cfg.model.pretrained_file and 'loading state_dict' in str(error)):
+            raise
+        raise ConfigError(f"model.pretrained_file={task.cfg.model.pretrained_file!r} does not fit model.name="
+                          f"{task.cfg.model.name!r} with this config's model.kwargs: "
+                          f"{_first_load_errors(str(error))}") from error
     except ValueError as error:
         raise ConfigError(f"cannot build model.name={task.cfg.model.name!r} from the config: {error}") from error
     except TypeError as error:
@@ -150,6 +156,15 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
             raise
         raise ConfigError(f"model.name={task.cfg.model.name!r} does not take an argument of model.kwargs: "
                           f"{error}") from error
+    task.check_input_size(model)
+    return model
+
+
+def _first_load_errors(message: str, count: int = 3) -> str:
+    """The first lines of torch's load_state_dict error ('size mismatch for pos_embed: ...'), on one line."""
+    lines = [line.strip() for line in message.splitlines()[1:] if line.strip()]
+    more = f" (and {len(lines) - count} more)" if len(lines) > count else ''
+    return '; '.join(lines[:count]) + more
 
 
 def _build_run(cfg: DictConfig, info: DistInfo) -> Run:
@@ -192,8 +207,9 @@ def _build_training(run: Run) -> Training:
                                rank=info.rank, world_size=info.world_size)
     steps_per_epoch = sampler.batches_per_epoch // train.accum_steps
     if steps_per_epoch < 1:
-        raise ValueError(f"an epoch has {sampler.batches_per_epoch} batches per process, fewer than "
-                         f"train.accum_steps={train.accum_steps}")
+        raise ConfigError(f"an epoch of the {len(run.train_set)} training samples has {sampler.batches_per_epoch} "
+                          f"full batch(es) of data.batch_size={run.cfg.data.batch_size} per process, fewer than "
+                          f"train.accum_steps={train.accum_steps}: lower data.batch_size")
     optimizer = create_optimizer_v2(run.model, opt=train.opt, lr=train.lr, weight_decay=train.weight_decay,
                                     layer_decay=train.layer_decay)
     scheduler, _ = create_scheduler_v2(optimizer, sched=train.sched, num_epochs=train.epochs,
@@ -205,9 +221,48 @@ def _build_training(run: Run) -> Training:
                      grad_scaler=scaler, accum_steps=train.accum_steps, clip_grad=train.clip_grad)
     total_steps = train.epochs * steps_per_epoch
     stop_at = min(total_steps, train.max_steps) if train.max_steps else total_steps
+    if info.is_main:
+        _warn_small_data(run, steps_per_epoch, total_steps)
     return Training(sampler=sampler, steps_per_epoch=steps_per_epoch, total_steps=total_steps, stop_at=stop_at,
                     optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, step=step,
                     mixer=run.task.batch_mixer(len(run.class_names)))
+
+
+#: fewer optimizer steps than this in a whole run rarely learn anything: say so
+_FEW_STEPS = 100
+
+
+def _warn_small_data(run: Run, steps_per_epoch: int, total_steps: int) -> None:
+    """Warnings for a plan that a small data set makes useless: too few steps to learn, or to log."""
+    cfg = run.cfg
+    plan = (f"{len(run.train_set)} training samples make {steps_per_epoch} step(s) per epoch at data.batch_size="
+            f"{cfg.data.batch_size}")
+    if total_steps < _FEW_STEPS:
+        _logger.warning("%s, %d in all over train.epochs=%d: too few to learn much; lower data.batch_size and raise "
+                        "train.epochs (docs/training.md: small data sets)", plan, total_steps, cfg.train.epochs)
+    if steps_per_epoch < cfg.train.log_every:
+        _logger.warning("%s, fewer than train.log_every=%d: a train row is logged at each epoch's end instead; set "
+                        "train.log_every=%d for finer curves", plan, cfg.train.log_every,
+                        max(1, steps_per_epoch // 4))
+
+
+def _use_threads(threads: Optional[int], device: torch.device) -> None:
+    """Apply ``threads`` (torch's intra-op CPU threads); on CPU, warn when other processes keep cores busy, where
+    torch's default of one thread per core makes every step wait for the slowest, shared core."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if device.type != 'cpu' or not hasattr(os, 'getloadavg'):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    # the 1-minute load counts this process too (about one core while it started up)
+    others = max(0.0, os.getloadavg()[0] - 1.0)
+    free = max(1, cores - round(others))
+    used = torch.get_num_threads()
+    _logger.info("CPU: %d torch thread(s) on %d core(s) (threads=%s)", used, cores, threads)
+    if used > free:
+        _logger.warning("other processes keep about %.0f of the %d cores busy (load average %.1f) and torch uses %d "
+                        "threads, which then wait for the busy cores: set threads=%d (or free the cores)",
+                        others, cores, os.getloadavg()[0], used, free)
 
 
 # ---------------------------------------------------------------------------------------------------- run directory
@@ -245,14 +300,50 @@ class RunLog:
             if new_file:
                 writer.writeheader()
             writer.writerow({k: _format_cell(values.get(k)) for k in self.columns})
-        for key, value in values.items():
-            if key not in ('epoch', 'step', 'split') and isinstance(value, (int, float)) and math.isfinite(value):
+        for key, value in _scalars(values).items():
+            if key not in ('epoch', 'step', 'split'):
                 self.writer.add_scalar(f"{values['split']}/{key}", value, values['step'])
+        self.writer.flush()
+
+    def picture(self, tag: str, png_path: str, step: int) -> None:
+        """Show a PNG the run drew (predictions, confusion matrix) in TensorBoard's images tab."""
+        if not self.enabled or not os.path.isfile(png_path):
+            return
+        from PIL import Image
+        with Image.open(png_path) as image:
+            pixels = np.asarray(image.convert('RGB'))
+        self.writer.add_image(tag, pixels, step, dataformats='HWC')
         self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _scalars(values: Dict[str, Any], prefix: str = '') -> Dict[str, float]:
+    """The finite numbers of ``values``, nested mappings flattened with '/' (per_class_iou/road)."""
+    found = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            found.update(_scalars(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            found[f"{prefix}{key}"] = value
+    return found
+
+
+def format_metrics(metrics: Dict[str, Any]) -> str:
+    """'miou=0.8123, pixel_acc=0.9345, per_class_iou: road 0.9012, car 0.7234' (4 decimals; None: absent)."""
+    items = []
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            items.append(f"{key}: " + ', '.join(f"{name} {_four(v)}" for name, v in value.items()))
+        else:
+            items.append(f"{key}={_four(value)}")
+    return ', '.join(items)
+
+
+def _four(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def _format_cell(value: Any) -> Any:
@@ -306,14 +397,33 @@ def _restore(run: Run, training: Training, state: Dict[str, Any]) -> Progress:
             raise ValueError("the checkpoint has no EMA weights but train.ema=true; resume with train.ema=false")
         training.ema.module.load_state_dict(state['ema'])
     training.optimizer.load_state_dict(state['optimizer'])
-    training.scheduler.load_state_dict(state['scheduler'])
     if training.scaler is not None and state.get('scaler') is not None:
         training.scaler.load_state_dict(state['scaler'])
     if state.get('world_size', 1) != run.info.world_size:
         _logger.warning("resuming a run of %d process(es) on %d: the data order differs from here on",
                         state.get('world_size', 1), run.info.world_size)
     restore_rng_state(state['rng'])
-    return Progress(**state['progress'])
+    progress = Progress(**state['progress'])
+    _schedule_from_config(run, training, state['config'], progress.step)
+    return progress
+
+
+#: the keys that shape the learning-rate schedule
+_SCHEDULE_KEYS = ('train.epochs', 'train.sched', 'train.lr', 'train.min_lr', 'train.warmup_epochs',
+                  'train.warmup_lr')
+
+
+def _schedule_from_config(run: Run, training: Training, saved_config: str, step: int) -> None:
+    """Set the learning rate of ``step`` from this run's config. The schedule is a function of the step and the
+    config, so it is rebuilt rather than restored: a resume with more train.epochs re-plans it over the new length
+    instead of training on at the old schedule's final learning rate."""
+    before = _learning_rate(training.optimizer)
+    training.scheduler.step_update(step)
+    changed = differing_keys(run.cfg, OmegaConf.create(config_from_yaml(saved_config)), _SCHEDULE_KEYS)
+    if changed and run.info.is_main:
+        _logger.info("the learning-rate schedule is re-planned for %s: lr at step %d %.3g -> %.3g",
+                     ', '.join(f"{key}={new} (was {old})" for key, new, old in changed), step, before,
+                     _learning_rate(training.optimizer))
 
 
 def _evaluated_model(run: Run, training: Training) -> nn.Module:
@@ -323,9 +433,14 @@ def _evaluated_model(run: Run, training: Training) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------------- evaluation
 
-@torch.no_grad()
 def _evaluate(run: Run, model: nn.Module) -> Dict[str, float]:
     """The task's metrics of ``model`` on the validation set, summed over every process (``meter.compute()``)."""
+    return _evaluated_meter(run, model).compute()
+
+
+@torch.no_grad()
+def _evaluated_meter(run: Run, model: nn.Module) -> Any:
+    """The task's meter after evaluating ``model`` on the validation set, reduced over every process."""
     info = run.info
     loader = _loader(run, run.val_set, ShardSampler(len(run.val_set), info.rank, info.world_size),
                      run.task.eval_batch_size(), drop_last=False)
@@ -342,26 +457,26 @@ def _evaluate(run: Run, model: nn.Module) -> Dict[str, float]:
     finally:
         model.train(was_training)
     meter.reduce_()
-    return meter.compute()
+    return meter
 
 
-def _save_pictures(run: Run, model: nn.Module, step: int) -> None:
-    """The task's prediction picture of ``step`` and the curves so far (rank 0, when train.pictures is on)."""
+def _save_pictures(run: Run, model: nn.Module, step: int) -> str:
+    """Draw the task's prediction picture of ``step`` and the curves so far; returns the picture's path."""
     cfg = run.cfg
-    if not (cfg.train.pictures and run.info.is_main):
-        return
     pictures = os.path.join(cfg.output_dir, 'pictures')
     os.makedirs(pictures, exist_ok=True)
+    png_path = os.path.join(pictures, f'val_step{step:06d}.png')
     was_training = model.training
     model.eval()
     try:
-        run.task.save_pictures(model, run.val_set, run.class_names, os.path.join(pictures, f'val_step{step:06d}.png'),
-                               run.mean, run.std, run.info.device, _autocast_factory(run.info.device, run.amp_dtype))
+        run.task.save_pictures(model, run.val_set, run.class_names, png_path, run.mean, run.std, run.info.device,
+                               _autocast_factory(run.info.device, run.amp_dtype))
     finally:
         model.train(was_training)
     csv_path = os.path.join(cfg.output_dir, 'metrics.csv')
     if os.path.exists(csv_path):
         plot_curves(csv_path, os.path.join(cfg.output_dir, 'curves.png'), title=f"{cfg.model.name} on {cfg.data.name}")
+    return png_path
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -446,8 +561,8 @@ class TrainingLoop:
             self._save_last(also_best=True)
         # (a stage of a linearization stops at its own step budget: linvit.engine.linearize continues the run)
         if progress.step < self.training.total_steps and self.run.info.is_main and cfg.linearize.stage == 'all':
-            _logger.info("stopped at train.max_steps=%d of %d steps; continue with --resume %s", progress.step,
-                         self.training.total_steps, cfg.output_dir)
+            _logger.info("stopped at train.max_steps=%d of %d steps; continue with: train.py --resume %s "
+                         "train.max_steps=null", progress.step, self.training.total_steps, cfg.output_dir)
         return self._finish()
 
     def _run_epoch(self) -> None:
@@ -472,7 +587,8 @@ class TrainingLoop:
                     continue
                 self._optimizer_step(batch_in_epoch=micro + 1)
                 bar.update(1)
-                if progress.step % train.log_every == 0 or progress.step == training.stop_at:
+                epoch_end = micro + 1 == training.steps_per_epoch * accum
+                if progress.step % train.log_every == 0 or progress.step == training.stop_at or epoch_end:
                     self._check_finite()
                     row = self._log_train_row(window)
                     bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", img_s=f"{row['img_per_s']:.1f}")
@@ -536,18 +652,33 @@ class TrainingLoop:
         """Evaluate, log a val row, update the best score and draw the pictures; returns whether it improved."""
         run, progress = self.run, self.progress
         model = _evaluated_model(run, self.training)
-        metrics = _evaluate(run, model)
-        self.log.row({'epoch': progress.epoch, 'step': progress.step, 'split': 'val', **metrics})
-        if run.info.is_main:
-            _logger.info("evaluation at step %d: %s", progress.step,
-                         ', '.join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
-        main = metrics[run.task.main_metric]
-        improved = main > progress.best
+        meter = _evaluated_meter(run, model)
+        metrics = meter.compute()
+        named = run.task.final_metrics(metrics)
+        self.log.row({'epoch': progress.epoch, 'step': progress.step, 'split': 'val', **named})
+        main_metric = run.task.main_metric
+        improved = metrics[main_metric] > progress.best
         if improved:
-            progress.best, progress.best_step = main, progress.step
-        _save_pictures(run, model, progress.step)
+            progress.best, progress.best_step = metrics[main_metric], progress.step
+        if run.info.is_main:
+            _logger.info("evaluation at step %d (%s): %s; best %s %.4f at step %d%s", progress.step,
+                         run.task.describe_evaluation(), format_metrics(named), main_metric, progress.best,
+                         progress.best_step, " (best.pt)" if improved else "")
+        self._draw(model, meter)
         self.state.evaluated_step, self.state.metrics = progress.step, metrics
         return improved
+
+    def _draw(self, model: nn.Module, meter: Any) -> None:
+        """The evaluation's pictures and the curves (rank 0, train.pictures), also sent to TensorBoard."""
+        run, step = self.run, self.progress.step
+        if not (run.cfg.train.pictures and run.info.is_main):
+            return
+        pictures = os.path.join(run.cfg.output_dir, 'pictures')
+        predictions = _save_pictures(run, model, step)
+        self.log.picture('val/predictions', predictions, step)
+        summary = os.path.join(pictures, f'{run.task.evaluation_picture}_step{step:06d}.png')
+        if run.task.plot_evaluation(meter, run.class_names, summary):
+            self.log.picture(f'val/{run.task.evaluation_picture}', summary, step)
 
     def _save_last(self, also_best: bool = False) -> None:
         """Checkpoint the run as last.pt (and best.pt) on rank 0; every rank waits for it."""
@@ -567,6 +698,9 @@ class TrainingLoop:
             _write_json(os.path.join(run.cfg.output_dir, 'metrics.json'), final)
             save_model_safetensors(_evaluated_model(run, self.training),
                                    os.path.join(run.cfg.output_dir, 'model.safetensors'))
+            progress = self.progress
+            _logger.info("metrics.json and model.safetensors: step %d; best.pt: step %d (%s %.4f)", progress.step,
+                         progress.best_step, run.task.main_metric, progress.best)
         return final
 
 
@@ -580,11 +714,39 @@ def _prepare_run_dir(cfg: DictConfig, info: DistInfo) -> Optional[logging.Handle
     return handler
 
 
-def train(cfg: DictConfig, resume: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+def _finished_metrics(cfg: DictConfig, progress: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The saved final metrics of a resumed run with nothing left to train (its epochs, or train.max_steps, are
+    done and metrics.json was written); None when there is training or a final evaluation left."""
+    epochs_done = progress['epoch'] >= cfg.train.epochs and progress['batch_in_epoch'] == 0
+    budget_done = cfg.train.max_steps is not None and progress['step'] >= cfg.train.max_steps
+    path = os.path.join(cfg.output_dir, 'metrics.json')
+    if not ((epochs_done or budget_done) and os.path.isfile(path)):
+        return None
+    with open(path, encoding='utf-8') as f:
+        metrics = json.load(f)
+    longer = (f"train.epochs={cfg.train.epochs + max(1, cfg.train.epochs // 2)} (the learning-rate schedule is "
+              f"re-planned over the new length)" if epochs_done else "train.max_steps=null")
+    _logger.info("%s is finished at step %d (train.epochs=%d, train.max_steps=%s): nothing was trained or written; "
+                 "to train on: train.py --resume %s %s", cfg.output_dir, progress['step'], cfg.train.epochs,
+                 cfg.train.max_steps, cfg.output_dir, longer)
+    return metrics
+
+
+def prepare_new_run(output_dir: str, info: DistInfo, overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, clear) an output_dir that holds a run, before any process writes to it."""
+    found = run_entries_in(output_dir)
+    barrier()  # every process has looked before the main one writes
+    claim_run_dir(output_dir, found, overwrite, info.is_main)
+
+
+def train(cfg: DictConfig, resume: Optional[Dict[str, Any]] = None, overwrite: bool = False) -> Dict[str, float]:
     """Train and evaluate as ``cfg`` says; returns the final evaluation (what metrics.json holds).
 
     resume: the contents of a 'last' checkpoint of this run (``load_checkpoint``): training continues from its step
-    with its weights, optimizer, scheduler, scaler, EMA and RNG states. ``task: linearize`` runs both stages
+    with its weights, optimizer, scaler, EMA and RNG states (the learning-rate schedule follows the config, so more
+    train.epochs re-plan it); a run with nothing left to train returns its metrics.json and writes nothing.
+    Without resume, ``cfg.output_dir`` must not hold a run (RunExistsError) unless ``overwrite``, which deletes that
+    run's files first. ``task: linearize`` runs both stages
     (``linvit.engine.linearize``, which calls this function once per stage). ``train.max_steps`` stops the run early
     (resumably: a checkpoint is written, then the final evaluation runs). Raises NonFiniteLossError when the loss
     stops being finite, leaving the last good checkpoint in place.
@@ -593,6 +755,13 @@ def train(cfg: DictConfig, resume: Optional[Dict[str, Any]] = None) -> Dict[str,
         raise ConfigError("task=linearize runs two stages and a report: call linvit.engine.linearize(cfg) (train.py "
                           "does), which runs each stage through train()")
     info = setup_distributed(cfg.device)
+    if resume is None:
+        prepare_new_run(cfg.output_dir, info, overwrite)
+    else:
+        finished = _finished_metrics(cfg, resume['progress'])
+        if finished is not None:
+            return finished
+    _use_threads(cfg.threads, info.device)
     handler = _prepare_run_dir(cfg, info)
     log = None
     try:
@@ -627,6 +796,7 @@ def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, floa
     A model built for another image size than the weights' gets their position embeddings resampled (as timm's
     checkpoint_filter_fn); weights that do not fit otherwise raise WeightsMismatchError naming the first keys."""
     info = setup_distributed(cfg.device)
+    _use_threads(cfg.threads, info.device)
     loaded = _load_weights(weights_path)
     c = _build_run(cfg, info)
     if loaded['class_names'] is not None and list(loaded['class_names']) != list(c.class_names):
