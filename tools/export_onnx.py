@@ -1,18 +1,19 @@
 #!/usr/bin/env python
-"""Export a model to ONNX, check it in onnxruntime at several sizes, and time it against PyTorch.
+"""Export a model to ONNX, check it in onnxruntime at several sizes and, with ``--latency``, time it against PyTorch.
 
 The source is a timm model spec (a name, optionally with create_model options: ``name:key=value,...``; random
 weights, for testing and benchmarking) or a trained model: a run directory of ``train.py``, a checkpoint (.pt) or a
 .safetensors file beside its run's config.yaml. ``linvit.export.export_onnx`` writes the file (dynamic batch,
 height and width by default) only after onnxruntime agrees with the float32 PyTorch model at every check size;
-the parity table gives the max absolute and relative error per size. Then, unless ``--no-latency``, each check size
-is timed (batch 1, medians of interleaved calls after warm-up): PyTorch eager, PyTorch compiled
-(``linvit.fast.compile_model``, one static graph per size) and onnxruntime (``linvit.export.ort_session``).
+the parity table gives the max absolute and relative error per size. With ``--latency``, each check size is then
+timed (batch 1, medians of interleaved calls after warm-up): PyTorch eager, PyTorch compiled
+(``linvit.fast.compile_model``, one static graph per size) and onnxruntime (``linvit.export.ort_session``). The timing
+is opt-in because compiling one graph per size takes about a minute even for a tiny model.
 
-    python tools/export_onnx.py linvit_small_patch16_224 --img-size 512 --check-sizes 512,768x1024
-    python tools/export_onnx.py runs/demo_seg --out seg.onnx                   # a trained segmentation run
-    python tools/export_onnx.py runs/demo/best.pt --dtype float16 --out cls_fp16.onnx
-    python tools/export_onnx.py vit_small_patch16_224 --img-size 1024 --no-latency   # timm's softmax ViT alike
+    python tools/export_onnx.py linvit_small_patch16_224 --img-size 512 --check-sizes 512,768x1024 --latency
+    python tools/export_onnx.py runs/seg_demo --out seg.onnx                   # a trained segmentation run
+    python tools/export_onnx.py runs/cls_demo/best.pt --dtype float16 --out cls_fp16.onnx
+    python tools/export_onnx.py vit_small_patch16_224 --img-size 1024          # timm's softmax ViT alike
 
 The file records its task, class names, normalisation and input multiple (``linvit.export.read_metadata``), which
 ``tools/predict.py`` reads. A run's classifier is exported with ``dynamic_img_size=True`` (same weights) unless
@@ -62,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                              'size and, when dynamic, a smaller non-square and a larger size)')
     parser.add_argument('--tolerance', type=float, help='largest max relative error accepted (default: 1e-4 float32, '
                                                         '1e-2 float16)')
-    parser.add_argument('--no-latency', action='store_true', help='skip the latency table')
+    parser.add_argument('--latency', action=argparse.BooleanOptionalAction, default=False,
+                        help='time PyTorch eager, PyTorch compiled and onnxruntime at each check size (compiles one '
+                             'graph per size: minutes); --no-latency: parity only')
     parser.add_argument('--warmup', type=int, default=2, help='untimed calls of each runtime per size (the first '
                                                               'compiles)')
     parser.add_argument('--repeats', type=int, default=5, help='timed rounds: one call of each runtime per round')
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 1
     print(report.table())
-    if not args.no_latency:
+    if args.latency:
         sizes = [(c.height, c.width) for c in report.checks]
         rows = measure_latency(source.model, out, sizes, args.dtype, args.warmup, args.repeats)
         print(format_latency(rows, report.dtype))

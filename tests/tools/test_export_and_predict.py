@@ -1,7 +1,7 @@
 """tools/export_onnx.py and tools/predict.py (over linvit.export and linvit.predict) on tiny trained runs
-(classification and segmentation): the export from a run directory, the parity and latency tables, predictions from
-PyTorch and from ONNX against the model run directly, masks at the input's size, a corrupt file named and skipped,
-the old --fp16 flag."""
+(classification and segmentation): the export from a run directory, the parity table and the opt-in latency table,
+predictions from PyTorch and from ONNX against the model run directly, masks at the input's size, a corrupt file
+named and skipped, the old --fp16 flag."""
 import csv
 
 import albumentations as A
@@ -110,8 +110,8 @@ def read_class_names(run_dir):
 
 def test_export_of_a_trained_classifier_and_onnx_predictions(export_tool, predict_tool, cls_run, tmp_path, capsys):
     onnx_path = tmp_path / 'cls.onnx'
-    status = export_tool.main([str(cls_run), '--out', str(onnx_path), '--check-sizes', '32,24x40', '--repeats', '1',
-                               '--warmup', '1'])
+    status = export_tool.main([str(cls_run), '--out', str(onnx_path), '--check-sizes', '32,24x40', '--latency',
+                               '--repeats', '1', '--warmup', '1'])
     captured = capsys.readouterr()
     out = captured.out
     assert status == 0, out + captured.err
@@ -186,6 +186,23 @@ def test_export_tool_from_a_model_spec_and_its_errors(export_tool, tmp_path, cap
     assert export_tool.main(['no_such_model_xyz', '--out', str(tmp_path / 'x.onnx')]) == 2
     assert 'no_such_model_xyz' in capsys.readouterr().err
     assert export_tool.main([str(tmp_path / 'missing_run'), '--out', str(tmp_path / 'y.onnx')]) == 2
+
+
+def test_export_tool_times_latency_only_when_asked(export_tool, tmp_path, capsys, monkeypatch):
+    """The latency table compiles a graph per check size (about a minute for a tiny model): --latency asks for it."""
+    def no_timing(*args, **kwargs):
+        raise AssertionError('measure_latency was called without --latency')
+
+    monkeypatch.setattr(export_tool, 'measure_latency', no_timing)
+    path = tmp_path / 'tiny.onnx'
+    status = export_tool.main(['linvit_tiny_patch16_224:depth=1,patch_size=8,num_classes=4', '--img-size', '32',
+                               '--check-sizes', '32', '--out', str(path)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.out + captured.err
+    assert path.is_file() and 'latency per image' not in captured.out  # format_latency's title
+    assert export_tool.parse_args(['m']).latency is False
+    assert export_tool.parse_args(['m', '--latency']).latency is True
+    assert export_tool.parse_args(['m', '--no-latency']).latency is False  # the old spelling still parses
 
 
 def test_predict_without_images_or_model_fails_with_a_reason(predict_tool, cls_run, tmp_path, capsys):
