@@ -24,11 +24,14 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	touch $(STAMP)
 
 # the main job: train a small linvit segmentation model on the built-in shapes task, evaluate it, write runs/seg_demo
+# (a new make demo replaces it: --overwrite)
 demo: $(STAMP)
-	$(PY) train.py --config configs/seg_demo.yaml
-	@echo "demo run: runs/seg_demo (metrics.json, curves.png, model.safetensors; tensorboard --logdir runs/seg_demo)"
+	$(PY) train.py --config configs/seg_demo.yaml --overwrite
+	@echo "demo run: runs/seg_demo (metrics.json, curves.png, model.safetensors; $(VENV)/bin/tensorboard --logdir runs/seg_demo)"
 	@echo "pictures (image | ground truth | prediction): runs/seg_demo/pictures/"
-	@echo "next: python train.py --config configs/seg_folder.yaml data.root=/path/to/images_and_masks; make demo-cls"
+	@echo "next (the tools live in $(VENV); or: source $(VENV)/bin/activate):"
+	@echo "  $(PY) train.py --config configs/seg_folder.yaml data.root=/path/to/images_and_masks output_dir=runs/my_set"
+	@echo "  make demo-cls"
 	@$(PY) -c "$$DEMO_VERDICT" runs/seg_demo/metrics.json
 
 # the demo's last line: its numbers and what they mean
@@ -44,9 +47,11 @@ export DEMO_VERDICT
 
 # the classification demo: a small linvit classifier on the built-in two-marks task, writes runs/cls_demo
 demo-cls: $(STAMP)
-	$(PY) train.py --config configs/cls_demo.yaml
-	@echo "demo run: runs/cls_demo (metrics.json, curves.png, pictures/, model.safetensors; tensorboard --logdir runs/cls_demo)"
-	@echo "next: python train.py --config configs/cls_folder.yaml data.root=/path/to/imagefolder; make bench"
+	$(PY) train.py --config configs/cls_demo.yaml --overwrite
+	@echo "demo run: runs/cls_demo (metrics.json, curves.png, pictures/, model.safetensors; $(VENV)/bin/tensorboard --logdir runs/cls_demo)"
+	@echo "next (the tools live in $(VENV); or: source $(VENV)/bin/activate):"
+	@echo "  $(PY) train.py --config configs/cls_folder.yaml data.root=/path/to/imagefolder output_dir=runs/my_set"
+	@echo "  make bench"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check linvit tests tools train.py

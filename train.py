@@ -30,7 +30,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 import linvit  # noqa: F401  (registers the linvit_* models with timm)
-from linvit.data import DataError
+from linvit.data import DataError, LayoutError
 from linvit.engine import (
     TASKS,
     ConfigError,
@@ -177,8 +177,14 @@ def run_training(args: argparse.Namespace) -> dict:
         return metrics
     metrics = train(cfg, overwrite=args.overwrite)
     logging.info("run directory %s: metrics.json, curves.png, pictures/, last.pt, best.pt, "
-                 "model.safetensors, tb/ (tensorboard --logdir %s)", cfg.output_dir, cfg.output_dir)
+                 "model.safetensors, tb/ (%s --logdir %s)", cfg.output_dir, _tensorboard_command(), cfg.output_dir)
     return metrics
+
+
+def _tensorboard_command() -> str:
+    """The tensorboard of this interpreter's environment (its bin/ is not on PATH unless the venv is active)."""
+    here = os.path.join(os.path.dirname(sys.executable), 'tensorboard')
+    return os.path.relpath(here) if os.path.isfile(here) else 'tensorboard'
 
 
 def one_line(error: BaseException) -> str:
@@ -203,7 +209,7 @@ def main(argv=None) -> int:
             metrics = run_eval_only(args)
         else:
             metrics = run_training(args)
-    except ConfigError as error:
+    except (ConfigError, LayoutError) as error:
         print(f"train.py: config error: {one_line(error)}", file=sys.stderr)
         return EXIT_CONFIG
     except (DataError, CheckpointError, NonFiniteLossError, FileNotFoundError) as error:

@@ -16,7 +16,7 @@ import os
 # Set before any submodule imports it (every submodule import runs this file first).
 os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')
 
-from .base import DataError, KeyedImageDataset, sample_seed  # noqa: E402
+from .base import DataError, KeyedImageDataset, LayoutError, sample_seed  # noqa: E402
 from .build import DATASET_BUILDERS, build_classification_datasets  # noqa: E402
 from .folder import ImageFolderDataset, load_rgb  # noqa: E402
 from .segmentation import (  # noqa: E402
@@ -31,6 +31,6 @@ from .synthetic_seg import SyntheticShapesSeg, render_shapes  # noqa: E402
 from .transforms import build_seg_transforms, build_transforms  # noqa: E402
 
 __all__ = ['build_classification_datasets', 'DATASET_BUILDERS', 'build_transforms', 'ImageFolderDataset', 'load_rgb',
-           'DataError', 'SyntheticMarks', 'render_marks', 'KeyedImageDataset', 'sample_seed',
+           'DataError', 'LayoutError', 'SyntheticMarks', 'render_marks', 'KeyedImageDataset', 'sample_seed',
            'build_segmentation_datasets', 'SEG_DATASET_BUILDERS', 'build_seg_transforms', 'KeyedSegDataset',
            'SegFolderDataset', 'read_mask', 'SyntheticShapesSeg', 'render_shapes']

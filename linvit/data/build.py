@@ -19,7 +19,8 @@ _SAFE_MARK_CROP_SCALE = 0.6   # below this area fraction a random crop often cut
 Datasets = tuple[Dataset, Dataset, list[str]]
 
 
-def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> Datasets:
+def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence[float],
+                                  with_train: bool = True) -> Datasets:
     """Train and validation datasets for classification, and the class names.
 
     Args:
@@ -27,6 +28,8 @@ def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence
             ``img_size``, ``max_bad_fraction``, ``synthetic.{train_size, val_size, seed}``,
             ``aug.{random_resized_crop, scale, hflip, vflip, color_jitter}``.
         mean, std: per-channel normalisation in [0, 1] (the model's ``pretrained_cfg``).
+        with_train: False builds the validation set only (evaluating saved weights): train is then None and its
+            files are not read.
 
     Returns:
         ``(train, val, class_names)``; ``dataset[index]`` or ``dataset[(index, seed)]`` ->
@@ -36,10 +39,10 @@ def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence
         builder = DATASET_BUILDERS[cfg.name]
     except KeyError:
         raise ValueError(f"unknown data.name {cfg.name!r}; choose one of {sorted(DATASET_BUILDERS)}") from None
-    return builder(cfg, mean, std)
+    return builder(cfg, mean, std, with_train)
 
 
-def build_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> Datasets:
+def build_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> Datasets:
     """The two-marks task (``linvit.data.synthetic``) at ``cfg.img_size``."""
     if cfg.aug.random_resized_crop and to_pair(cfg.aug.scale, 'aug.scale')[0] < _SAFE_MARK_CROP_SCALE:
         _logger.warning("data.aug.scale=%s on synthetic marks: small random crops can cut a mark off the image and "
@@ -49,13 +52,14 @@ def build_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> Da
     train_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=True, save_applied_params=True)
     val_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=False)
     syn = cfg.synthetic
-    train = SyntheticMarks(syn.train_size, cfg.img_size, syn.seed, 'train', train_tf)
+    train = SyntheticMarks(syn.train_size, cfg.img_size, syn.seed, 'train', train_tf) if with_train else None
     val = SyntheticMarks(syn.val_size, cfg.img_size, syn.seed, 'val', val_tf)
-    return train, val, train.class_names
+    return train, val, val.class_names
 
 
-def build_folder(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> Datasets:
-    """ImageFolder datasets from ``cfg.root/train`` and ``cfg.root/val`` (same class folders in both)."""
+def build_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> Datasets:
+    """ImageFolder datasets from ``cfg.root/train`` and ``cfg.root/val`` (same class folders in both; without
+    the train set, the class names are the val folders')."""
     if not cfg.root:
         raise ValueError("data.root must be set when data.name is 'folder': a folder holding train/<class>/ and "
                          "val/<class>/")
@@ -64,19 +68,20 @@ def build_folder(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> Datas
         raise FileNotFoundError(f"data.root {root} is not a folder; expected {root}/train/<class>/<images> and "
                                 f"{root}/val/<class>/<images>")
     train_dir, val_dir = root / 'train', root / 'val'
-    for split_dir in (train_dir, val_dir):
+    for split_dir in (train_dir, val_dir) if with_train else (val_dir,):
         if not split_dir.is_dir():
             raise FileNotFoundError(f"{split_dir} is missing; expected {split_dir}/<class>/<images> under data.root")
-    class_names = class_folders(train_dir)
-    check_same_classes(class_names, class_folders(val_dir), val_dir)
+    class_names = class_folders(train_dir if with_train else val_dir)
+    if with_train:
+        check_same_classes(class_names, class_folders(val_dir), val_dir)
     train_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=True)
     val_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=False)
-    train = ImageFolderDataset(train_dir, train_tf, class_names, cfg.max_bad_fraction)
+    train = ImageFolderDataset(train_dir, train_tf, class_names, cfg.max_bad_fraction) if with_train else None
     val = ImageFolderDataset(val_dir, val_tf, class_names, cfg.max_bad_fraction)
     return train, val, class_names
 
 
-DATASET_BUILDERS: dict[str, Callable[[Any, Sequence[float], Sequence[float]], Datasets]] = {
+DATASET_BUILDERS: dict[str, Callable[[Any, Sequence[float], Sequence[float], bool], Datasets]] = {
     'synthetic': build_synthetic,
     'folder': build_folder,
 }

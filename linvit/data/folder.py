@@ -21,7 +21,7 @@ import albumentations as A
 import numpy as np
 from PIL import Image, ImageOps
 
-from .base import DataError, KeyedImageDataset
+from .base import DataError, KeyedImageDataset, LayoutError
 
 __all__ = ['ImageFolderDataset', 'class_folders', 'check_same_classes', 'list_images', 'load_rgb', 'to_rgb_array',
            'readable_extensions']
@@ -31,6 +31,10 @@ _NAMED_BAD_FILES = 20        # warnings name this many bad files one by one, the
 _VERIFY_CHUNK = 256          # files per thread-pool task: per-file futures would cost more than a PNG check
 _HIGH_DEPTH_MODES = frozenset({'I', 'I;16', 'I;16B', 'I;16L', 'I;16N', 'I;16S', 'F'})
 _ALPHA_MODES = frozenset({'RGBA', 'RGBa', 'LA', 'La', 'PA'})
+
+
+#: the sub-folders of a segmentation split (linvit.data.segmentation), sorted
+SEGMENTATION_FOLDERS = ('images', 'masks')
 
 
 def readable_extensions() -> frozenset[str]:
@@ -45,6 +49,9 @@ def class_folders(split_dir: Path) -> list[str]:
         raise FileNotFoundError(f"{split_dir} is not a folder; expected the ImageFolder layout "
                                 f"{split_dir}/<class name>/<images>")
     names = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith('.'))
+    if names == list(SEGMENTATION_FOLDERS):
+        raise LayoutError(f"{split_dir} holds images/ and masks/, a segmentation folder, not one folder per class: "
+                          f"train it with --config configs/seg_folder.yaml (task=segmentation)")
     if not names:
         raise DataError(f"no class folders in {split_dir}; expected one folder of images per class, "
                          f"{split_dir}/<class name>/<images>")

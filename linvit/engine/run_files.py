@@ -17,7 +17,7 @@ from timm.layers import resample_abs_pos_embed
 from .checkpoint import CheckpointError, load_checkpoint, load_safetensors
 from .config import ConfigError
 
-__all__ = ['RUN_WEIGHTS', 'RUN_ENTRIES', 'RunExistsError', 'run_entries_in', 'claim_run_dir', 'RunFiles',
+__all__ = ['RUN_WEIGHTS', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError', 'run_entries_in', 'claim_run_dir', 'RunFiles',
            'find_run_files', 'saved_config_text', 'read_weights',
            'evaluated_weights',
            'load_weights', 'resample_position_embeddings', 'WeightsMismatchError']
@@ -27,10 +27,12 @@ _logger = logging.getLogger(__name__)
 #: the weights a run directory offers, in order of preference
 RUN_WEIGHTS = ('model.safetensors', 'best.pt', 'last.pt')
 _CHECKPOINTS = ('best.pt', 'last.pt')
-#: what train.py writes into a run directory (a linearization adds its stage folders and state); a folder holding
-#: any of these holds a run
+#: what train.py writes into a run directory (a linearization adds its stage folders and state)
 RUN_ENTRIES = ('config.yaml', 'train.log', 'metrics.csv', 'metrics.json', 'last.pt', 'best.pt', 'model.safetensors',
                'curves.png', 'pictures', 'tb', 'linearize.json', 'stage1', 'stage2')
+#: the entries that make a folder hold a run: something to resume or a result (the rest alone is what a run that
+#: stopped before its first checkpoint leaves: nothing that --resume could use)
+RUN_RESULTS = ('last.pt', 'best.pt', 'model.safetensors', 'metrics.json', 'linearize.json', 'stage1', 'stage2')
 #: how many differing keys a WeightsMismatchError names before '(and N more)'
 _NAMED_KEYS = 3
 
@@ -56,10 +58,11 @@ def _free_sibling(directory: str) -> str:
 
 def claim_run_dir(directory: str, found: Sequence[str], overwrite: bool, is_main: bool) -> None:
     """Make ``directory`` ready for a new run whose check found ``found`` (``run_entries_in``, read by every
-    process before any of them wrote): RunExistsError when it holds a run, unless ``overwrite``, in which case the
-    main process deletes that run's entries (other files in the folder stay). A second run never mixes its
-    checkpoints, CSV rows, logs, events or pictures with the first's."""
-    if found and not overwrite:
+    process before any of them wrote): RunExistsError when it holds a run (any of RUN_RESULTS), unless
+    ``overwrite``. The main process then deletes the entries found (other files in the folder stay): those of the
+    run replaced, or of a run that stopped before its first checkpoint. A second run never mixes its checkpoints,
+    CSV rows, logs, events or pictures with the first's."""
+    if set(found) & set(RUN_RESULTS) and not overwrite:
         raise RunExistsError(f"{directory} already holds a run ({', '.join(found[:4])}): continue it with "
                              f"--resume {directory}, start a new one with output_dir={_free_sibling(directory)}, or "
                              f"replace it with --overwrite")
@@ -71,7 +74,8 @@ def claim_run_dir(directory: str, found: Sequence[str], overwrite: bool, is_main
             shutil.rmtree(path)
         else:
             os.remove(path)
-    _logger.info("--overwrite: removed the previous run's %s from %s", ', '.join(found), directory)
+    why = "--overwrite" if overwrite else "a run that stopped before its first checkpoint"
+    _logger.info("%s: removed the previous run's %s from %s", why, ', '.join(found), directory)
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Iterator, Tuple
 import torch
 from torch.utils.data import Sampler
 
+from .config import ConfigError
+
 __all__ = ['ResumableSampler', 'ShardSampler', 'augmentation_seed']
 
 _MIX = 0x9E3779B1  # odd constant: distinct (seed, epoch, position) triples give distinct 32-bit seeds in practice
@@ -36,8 +38,8 @@ class ResumableSampler(Sampler[Tuple[int, int]]):
             raise ValueError("the training set is empty")
         per_rank = -(-size // world_size)
         if per_rank < batch_size:
-            raise ValueError(f"the training set has {size} samples, {per_rank} per process, fewer than one batch of "
-                             f"data.batch_size={batch_size}; lower data.batch_size")
+            raise ConfigError(f"the training set has {size} samples, {per_rank} per process, fewer than one batch of "
+                              f"data.batch_size={batch_size}; lower data.batch_size")
         self.size = size
         self.batch_size = batch_size
         self.seed = seed

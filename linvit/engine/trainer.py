@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -87,7 +88,7 @@ class Run:
     task: Task
     model: nn.Module  # the bare model, on info.device
     class_names: List[str]
-    train_set: Dataset
+    train_set: Optional[Dataset]  # None when only evaluating
     val_set: Dataset
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
@@ -160,20 +161,28 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
     return model
 
 
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[.*?\])\) from "
+                            r"checkpoint, the shape in current model is torch\.Size\((\[.*?\])\)\.?")
+
+
 def _first_load_errors(message: str, count: int = 3) -> str:
-    """The first lines of torch's load_state_dict error ('size mismatch for pos_embed: ...'), on one line."""
+    """The first problems of torch's load_state_dict error, shortened, on one line: 'pos_embed is [1, 65, 48] in
+    the file, [1, 65, 96] in the model; ...'."""
     lines = [line.strip() for line in message.splitlines()[1:] if line.strip()]
+    lines = [_SIZE_MISMATCH.sub(r"\1 is \2 in the file, \3 in the model", line) for line in lines]
     more = f" (and {len(lines) - count} more)" if len(lines) > count else ''
     return '; '.join(lines[:count]) + more
 
 
-def _build_run(cfg: DictConfig, info: DistInfo) -> Run:
-    """The task, its datasets and its model (seeded with cfg.seed, so every rank starts from the same weights)."""
+def _build_run(cfg: DictConfig, info: DistInfo, with_train: bool = True) -> Run:
+    """The task, its datasets and its model (seeded with cfg.seed, so every rank starts from the same weights);
+    with_train=False (evaluating saved weights) builds no training set (``Run.train_set`` is None)."""
     task = build_task(cfg)
     mean, std = normalization_of(cfg.model.name)
-    train_set, val_set, class_names = task.build_datasets(mean, std)
+    train_set, val_set, class_names = task.build_datasets(mean, std, with_train)
     if info.is_main:
-        _logger.info("train data: %s", train_set.describe())
+        if train_set is not None:
+            _logger.info("train data: %s", train_set.describe())
         _logger.info("val data: %s", val_set.describe())
         bad = getattr(train_set, 'num_bad', 0) + getattr(val_set, 'num_bad', 0)
         if bad:
@@ -798,7 +807,11 @@ def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, floa
     info = setup_distributed(cfg.device)
     _use_threads(cfg.threads, info.device)
     loaded = _load_weights(weights_path)
-    c = _build_run(cfg, info)
+    if loaded['class_names'] is not None and cfg.data.num_classes is None:
+        # the class count the weights were trained with: a segmentation folder without classes.txt need not read
+        # its train masks to find it
+        cfg = OmegaConf.merge(cfg, {'data': {'num_classes': len(loaded['class_names'])}})
+    c = _build_run(cfg, info, with_train=False)
     if loaded['class_names'] is not None and list(loaded['class_names']) != list(c.class_names):
         raise DataError(f"{weights_path} was trained on classes {loaded['class_names']} but the validation data has "
                         f"{c.class_names}")

@@ -152,9 +152,10 @@ class AutoregressiveTask(Task):
         super().__init__(cfg)
         self.patch_size: Optional[Tuple[int, int]] = None
 
-    def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
+    def build_datasets(self, mean: Sequence[float], std: Sequence[float],
+                       with_train: bool = True) -> Tuple[Optional[Dataset], Dataset, List[str]]:
         from ...data import build_classification_datasets  # here: albumentations is a heavy import
-        return build_classification_datasets(self.cfg.data, mean, std)
+        return build_classification_datasets(self.cfg.data, mean, std, with_train)
 
     def _check_model_config(self) -> None:
         name = self.cfg.model.name

@@ -257,8 +257,9 @@ class LinearizeTask(Task):
 
     # ---------------------------------------------------------------- data and models
 
-    def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
-        return self.base.build_datasets(mean, std)
+    def build_datasets(self, mean: Sequence[float], std: Sequence[float],
+                       with_train: bool = True) -> Tuple[Optional[Dataset], Dataset, List[str]]:
+        return self.base.build_datasets(mean, std, with_train)
 
     def teacher_size(self) -> Optional[int]:
         """The size the teacher is fed at: its training size when its model has a fixed size; None when it takes
