@@ -29,6 +29,11 @@ class DataError(ValueError, RuntimeError):
     errors had in earlier releases (like io.UnsupportedOperation, which is both OSError and ValueError)."""
 
 
+class LayoutError(DataError):
+    """A data folder laid out for another task (images/ + masks/ given to classification, class folders given to
+    segmentation); the message names the config that reads it. A mistake in the command, not in the data."""
+
+
 def seed_words(seed: int) -> list[int]:
     """A seed as two 32-bit words (any int, taken modulo 2**64).
 
@@ -118,14 +123,19 @@ class KeyedSegDataset(KeyedImageDataset):
     Attributes:
         class_names: ``list[str]``, position = class id.
         ignore_index: the mask value of unlabelled pixels.
+        palette: ``np.ndarray`` uint8 [K, 3], the RGB colour in which pictures draw each class id (as the PALETTE
+            of mmsegmentation's dataset metainfo), or None: pictures use ``linvit.engine.plots.class_palette(K)``.
+            A subclass whose class names are colours sets matching ones (the built-in shapes: red-key in red).
         targets: empty (a segmentation sample has no single label).
         num_bad: files found undecodable so far.
     """
 
-    def __init__(self, transform: A.Compose, class_names: Sequence[str], num_samples: int, ignore_index: int):
+    def __init__(self, transform: A.Compose, class_names: Sequence[str], num_samples: int, ignore_index: int,
+                 palette: np.ndarray | None = None):
         super().__init__(transform, class_names, targets=())
         self.num_samples = int(num_samples)
         self.ignore_index = int(ignore_index)
+        self.palette = None if palette is None else _checked_palette(palette, len(self.class_names))
 
     def __len__(self) -> int:
         return self.num_samples
@@ -140,3 +150,15 @@ class KeyedSegDataset(KeyedImageDataset):
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw sample ``(image uint8 [H, W, 3] RGB, mask [H, W] class ids)`` at a valid, non-negative index."""
         raise NotImplementedError
+
+
+def _checked_palette(palette: np.ndarray, num_classes: int) -> np.ndarray:
+    """palette [num_classes, 3] of integers in 0..255 -> a read-only uint8 copy; ValueError otherwise."""
+    array = np.asarray(palette)
+    if array.shape != (num_classes, 3) or not np.issubdtype(array.dtype, np.integer) or \
+            (array.size and (array.min() < 0 or array.max() > 255)):
+        raise ValueError(f"palette must be uint8 [K={num_classes}, 3] RGB, one colour per class, got {array.dtype} "
+                         f"{array.shape}")
+    array = array.astype(np.uint8)
+    array.flags.writeable = False   # shared by every picture of the run
+    return array

@@ -31,7 +31,7 @@ import albumentations as A
 import numpy as np
 from PIL import Image, ImageOps
 
-from .base import DataError, KeyedSegDataset, mask_dtype
+from .base import DataError, KeyedSegDataset, LayoutError, mask_dtype
 from .folder import list_images, load_rgb, readable_extensions
 from .synthetic_seg import SyntheticShapesSeg
 from .transforms import build_seg_transforms
@@ -144,11 +144,23 @@ def _largest_id(path: str, ignore_index: int) -> int:
 
 # ---------------------------------------------------------------- folders
 
+def _check_not_class_folders(split_dir: Path) -> None:
+    """LayoutError when ``split_dir`` is an ImageFolder split (class folders of images, no images/ or masks/)."""
+    if not split_dir.is_dir() or (split_dir / 'images').is_dir() or (split_dir / 'masks').is_dir():
+        return
+    folders = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith('.'))
+    if folders and all(list_images(split_dir / name, readable_extensions()) for name in folders[:3]):
+        shown = ', '.join(folders[:3]) + (', ...' if len(folders) > 3 else '')
+        raise LayoutError(f"{split_dir} holds class folders of images ({shown}), a classification folder, not "
+                          f"images/ and masks/: train it with --config configs/cls_folder.yaml (task=classification)")
+
+
 def pair_images_with_masks(split_dir: Path) -> tuple[list[str], list[str]]:
     """``(image paths, mask paths)`` of ``split_dir/images`` and ``split_dir/masks``, matched by relative path
     (mask extension .png), sorted. FileNotFoundError for an image without a mask; masks without an image are
     logged and left out."""
     images_dir, masks_dir = split_dir / 'images', split_dir / 'masks'
+    _check_not_class_folders(split_dir)
     for folder in (split_dir, images_dir, masks_dir):
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder} is not a folder; expected {split_dir}/images/<name>.<ext> and "
@@ -211,6 +223,20 @@ class SegFolderDataset(KeyedSegDataset):
         self.mask_dtype = mask_dtype(len(self.class_names), self.ignore_index)
         self._failed_at_load: set[int] = set()
 
+    def image_sizes(self, limit: int = 32) -> list[tuple[str, int, int]]:
+        """``(path, width, height)`` of up to ``limit`` images spread over the split, read from the file headers
+        (nothing decoded; unreadable files are left out)."""
+        count = min(limit, len(self.image_paths))
+        picked = [self.image_paths[i * len(self.image_paths) // count] for i in range(count)]
+        sizes = []
+        for path in picked:
+            try:
+                with Image.open(path) as img:
+                    sizes.append((path, *img.size))
+            except Exception:  # noqa: BLE001 (PIL raises many types; load() reports unreadable files)
+                continue
+        return sizes
+
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The pair at ``index``: image uint8 [H, W, 3] RGB, mask [H, W] class ids (``mask_dtype``). If a file
         cannot be decoded, the next pair that can (deterministic, so a seeded key still gives the same output).
@@ -266,7 +292,8 @@ class SegFolderDataset(KeyedSegDataset):
 
 # ---------------------------------------------------------------- config -> datasets
 
-def build_segmentation_datasets(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> SegDatasets:
+def build_segmentation_datasets(cfg: Any, mean: Sequence[float], std: Sequence[float],
+                                with_train: bool = True) -> SegDatasets:
     """Train and validation datasets for semantic segmentation, and the class names.
 
     Args:
@@ -274,6 +301,8 @@ def build_segmentation_datasets(cfg: Any, mean: Sequence[float], std: Sequence[f
             ``root``, ``img_size`` (training crop), ``ignore_index``, ``num_classes``, ``max_bad_fraction``,
             ``synthetic.{train_size, val_size, seed}``, ``aug.{scale_range, hflip, vflip, color_jitter}``.
         mean, std: per-channel normalisation in [0, 1] (the backbone's ``pretrained_cfg``).
+        with_train: False builds the validation set only (evaluating saved weights): train is then None and its
+            images are not read (its masks only when neither classes.txt nor num_classes gives the classes).
 
     Returns:
         ``(train, val, class_names)``; ``dataset[index]`` or ``dataset[(index, seed)]`` -> ``(image float32
@@ -284,10 +313,10 @@ def build_segmentation_datasets(cfg: Any, mean: Sequence[float], std: Sequence[f
     except KeyError:
         raise ValueError(f"unknown data.name {cfg.name!r} for segmentation; choose one of "
                          f"{sorted(SEG_DATASET_BUILDERS)}") from None
-    return builder(cfg, mean, std)
+    return builder(cfg, mean, std, with_train)
 
 
-def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> SegDatasets:
+def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> SegDatasets:
     """Datasets from ``cfg.root/{train,val}/{images,masks}``; class names as the module docstring says."""
     if not cfg.root:
         raise ValueError("data.root must be set when data.name is 'folder': a folder holding train/images/, "
@@ -299,22 +328,26 @@ def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> S
     class_names = read_class_names(root, cfg.num_classes)
     train_tf = build_seg_transforms(cfg.aug, cfg.img_size, mean, std, cfg.ignore_index, train=True)
     val_tf = build_seg_transforms(cfg.aug, cfg.img_size, mean, std, cfg.ignore_index, train=False)
-    train = SegFolderDataset(root / 'train', train_tf, class_names, cfg.ignore_index, cfg.max_bad_fraction)
-    val = SegFolderDataset(root / 'val', val_tf, train.class_names, cfg.ignore_index, cfg.max_bad_fraction)
-    return train, val, train.class_names
+    train = None
+    if with_train or class_names is None:  # the class count is read off the train masks
+        train = SegFolderDataset(root / 'train', train_tf, class_names, cfg.ignore_index, cfg.max_bad_fraction)
+        class_names = train.class_names
+    val = SegFolderDataset(root / 'val', val_tf, class_names, cfg.ignore_index, cfg.max_bad_fraction)
+    return (train if with_train else None), val, class_names
 
 
-def build_seg_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> SegDatasets:
+def build_seg_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> SegDatasets:
     """The built-in shapes-and-key task (``linvit.data.synthetic_seg``) rendered at ``cfg.img_size``."""
     train_tf = build_seg_transforms(cfg.aug, cfg.img_size, mean, std, cfg.ignore_index, train=True)
     val_tf = build_seg_transforms(cfg.aug, cfg.img_size, mean, std, cfg.ignore_index, train=False)
     syn = cfg.synthetic
-    train = SyntheticShapesSeg(syn.train_size, cfg.img_size, syn.seed, 'train', train_tf, cfg.ignore_index)
+    train = SyntheticShapesSeg(syn.train_size, cfg.img_size, syn.seed, 'train', train_tf, cfg.ignore_index) \
+        if with_train else None
     val = SyntheticShapesSeg(syn.val_size, cfg.img_size, syn.seed, 'val', val_tf, cfg.ignore_index)
-    return train, val, train.class_names
+    return train, val, val.class_names
 
 
-SEG_DATASET_BUILDERS: dict[str, Callable[[Any, Sequence[float], Sequence[float]], SegDatasets]] = {
+SEG_DATASET_BUILDERS: dict[str, Callable[[Any, Sequence[float], Sequence[float], bool], SegDatasets]] = {
     'synthetic': build_seg_synthetic,
     'folder': build_seg_folder,
 }

@@ -31,7 +31,7 @@ from .base import KeyedSegDataset, mask_dtype, seed_words
 from .synthetic import MARK_COLOURS, _noisy_background
 
 __all__ = ['SHAPE_KINDS', 'KEY_COLOURS', 'Shape', 'ShapesLayout', 'SyntheticShapesSeg', 'seg_class_names',
-           'render_shapes', 'shape_label']
+           'seg_palette', 'render_shapes', 'shape_label']
 
 SHAPE_KINDS = ('circle', 'square')
 KEY_COLOURS = tuple(MARK_COLOURS)          # ('red', 'blue'): far from any grey, like the classification marks
@@ -45,6 +45,9 @@ _PLACEMENT_TRIES = 30     # per shape; a shape that finds no free place is left 
 # shape greys avoid the background's range ([60, 190], see synthetic._noisy_background) so shapes always stand out
 _DARK_GREYS, _BRIGHT_GREYS = (0, 40), (215, 255)
 _MIN_IMG_SIZE = 32
+#: the colour of class 0 in pictures: darker than any background pixel, and neither a key colour nor white (which
+#: pictures use for ignore_index)
+_BACKGROUND_RGB = (64, 64, 64)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,12 @@ class ShapesLayout:
 def seg_class_names() -> list[str]:
     """``['background', 'red-key', 'blue-key']``."""
     return ['background'] + [f'{colour}-key' for colour in KEY_COLOURS]
+
+
+def seg_palette() -> np.ndarray:
+    """uint8 [3, 3]: the picture colour of each class, background dark grey and each ``<colour>-key`` class the
+    colour its key is drawn in (``MARK_COLOURS``), so that red-key reads red in a picture's masks and legend."""
+    return np.array([_BACKGROUND_RGB, *(MARK_COLOURS[colour] for colour in KEY_COLOURS)], dtype=np.uint8)
 
 
 def shape_label(key_colour: int) -> int:
@@ -144,6 +153,7 @@ class SyntheticShapesSeg(KeyedSegDataset):
 
     ``dataset[key] -> (image float32 [3, H, W], mask int64 [H, W])`` after ``transform`` (from
     ``build_seg_transforms``). If the transform cropped the key out, shape pixels become ``ignore_index``.
+    ``palette`` (``seg_palette()``) colours each class as its name says.
     """
 
     def __init__(self, num_samples: int, img_size: int, seed: int, split: str, transform: A.Compose,
@@ -158,7 +168,7 @@ class SyntheticShapesSeg(KeyedSegDataset):
         if 0 <= ignore_index < NUM_CLASSES:
             raise ValueError(f"ignore_index={ignore_index} is a class id of the synthetic shapes (0..{NUM_CLASSES - 1})"
                              f"; use a value outside, e.g. 255")
-        super().__init__(transform, seg_class_names(), num_samples, ignore_index)
+        super().__init__(transform, seg_class_names(), num_samples, ignore_index, palette=seg_palette())
         self.img_size, self.seed, self.split = img_size, seed, split
         self._entropy = [*seed_words(seed), _SPLIT_IDS[split]]
         key_rng = np.random.default_rng([*self._entropy, _KEY_STREAM, 0])

@@ -6,15 +6,16 @@ no host sync); ``reduce_`` once, on every process, sums the counters over the pr
 the guard against reducing twice, and the device a process without data reduces on. Each meter keeps only its
 statistic.
 
-Classification: top-k accuracy and mean loss.
+Classification: top-k accuracy and mean loss, and with ``num_classes`` a confusion matrix.
 
-    meter = ClassificationMeter(ks=(1, 5))
+    meter = ClassificationMeter(ks=(1, 5), num_classes=C)
     for images, targets, valid in loader:           # valid: bool [B], False for the sampler's padded duplicates
         logits = model(images)                       # [B, C]
         losses = F.cross_entropy(logits, targets, reduction='none')    # [B]
         meter.update(logits, targets, losses, valid=valid)
     meter.reduce_()                                  # all_reduce(SUM) when torch.distributed is initialized
     meter.compute()                                  # {'top1': 0.71, 'top5': 0.93, 'loss': 1.02, 'count': 10000}
+    meter.confusion()                                # int64 [C, C] on the CPU: rows true class, columns top-1 class
 
 ``update`` only queues device work (no ``.item()``, no host sync); ``compute`` reads the counters back once.
 
@@ -143,12 +144,14 @@ def _check_batch(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f'targets must be integer class indices, got {targets.dtype} (soft targets: pass argmax)')
 
 
-def _topk_hits(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
-    """hits[b, i] is True when targets[b] is among the top-ks[i] logits of row b. logits [B, C], targets [B] ->
-    hits bool [B, len(ks)]. k > C is clamped to C."""
-    num_classes = logits.shape[1]
-    max_k = min(max(ks), num_classes)
-    top_indices = logits.topk(max_k, dim=1, largest=True, sorted=True).indices       # [B, max_k]
+def _top_indices(logits: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """The classes of the largest logits, best first: logits [B, C] -> int64 [B, min(max(ks), C)]."""
+    return logits.topk(min(max(ks), logits.shape[1]), dim=1, largest=True, sorted=True).indices
+
+
+def _topk_hits(top_indices: torch.Tensor, targets: torch.Tensor, ks: Sequence[int], num_classes: int) -> torch.Tensor:
+    """hits[b, i] is True when targets[b] is among the first ks[i] of ``top_indices`` [B, max_k] (``_top_indices``)
+    of a batch with ``num_classes`` classes; targets [B] -> hits bool [B, len(ks)]. k > C is clamped to C."""
     # a running count along the ranks turns "target at rank r" into "target within the first r+1 ranks"
     hit_within = top_indices.eq(targets[:, None]).cumsum(dim=1) > 0                  # [B, max_k]
     # column slices, not an index tensor: building one from a list would be a host-to-device copy per batch
@@ -164,25 +167,36 @@ def topk_correct(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] 
     """
     _check_ks(ks)
     _check_batch(logits, targets)
-    return _topk_hits(logits, targets, ks).sum(dim=0, dtype=torch.int64)
+    return _topk_hits(_top_indices(logits, ks), targets, ks, logits.shape[1]).sum(dim=0, dtype=torch.int64)
 
 
 class ClassificationMeter(Meter):
-    """Top-k accuracy and mean loss over many batches, accumulated on the logits' device without host syncs.
+    """Top-k accuracy and mean loss over many batches, accumulated on the logits' device without host syncs; with
+    ``num_classes``, also the confusion matrix of the top-1 predictions.
 
     Counters (all on one device): correct int64 [len(ks)], count int64 [], loss_sum float64 [] (float32 on MPS,
-    which has no float64). Use: ``update`` per batch, then ``reduce_`` once (sums over processes), then ``compute``.
+    which has no float64), and with ``num_classes`` = C: confusion int64 [C, C] (rows: target, columns: top-1
+    class, the same class ``top1`` counts, ties included). C is given up front rather than read off the first
+    logits: a process that sees no batch still allocates a counter of the same size for ``reduce_``. Use: ``update``
+    per batch, then ``reduce_`` once (sums over processes), then ``compute`` and ``confusion``.
     """
 
-    def __init__(self, ks: Sequence[int] = (1, 5), device: Optional[torch.device] = None):
+    def __init__(self, ks: Sequence[int] = (1, 5), device: Optional[torch.device] = None,
+                 num_classes: Optional[int] = None):
         _check_ks(ks)
+        if num_classes is not None and int(num_classes) < 1:
+            raise ValueError(f'num_classes must be >= 1 (or None: no confusion matrix), got {num_classes}')
         self.ks = tuple(int(k) for k in ks)
+        self.num_classes = None if num_classes is None else int(num_classes)
         super().__init__(device)
 
     def _zeros(self, device: torch.device) -> Counters:
-        return {'correct': torch.zeros(len(self.ks), dtype=torch.int64, device=device),
-                'count': torch.zeros((), dtype=torch.int64, device=device),
-                'loss_sum': torch.zeros((), dtype=float_counter_dtype(device), device=device)}
+        counters = {'correct': torch.zeros(len(self.ks), dtype=torch.int64, device=device),
+                    'count': torch.zeros((), dtype=torch.int64, device=device),
+                    'loss_sum': torch.zeros((), dtype=float_counter_dtype(device), device=device)}
+        if self.num_classes is not None:
+            counters['confusion'] = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64, device=device)
+        return counters
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor,
@@ -191,17 +205,24 @@ class ClassificationMeter(Meter):
 
         logits [B, C]; targets [B] int64 class indices; loss: per-sample losses [B], or a 0-d tensor holding the SUM
         of the per-sample losses over the batch's valid samples (not the mean); valid: optional bool [B], False for
-        samples to leave out (a distributed sampler's padded duplicates). All on the same device.
+        samples to leave out (a distributed sampler's padded duplicates). All on the same device. With
+        ``num_classes``, C must equal it; a target outside 0..C-1 is left out of the confusion matrix only.
         """
         self._check_open()
         _check_batch(logits, targets)
+        if self.num_classes is not None and logits.shape[1] != self.num_classes:
+            raise ValueError(f'logits must be [B, C={self.num_classes}] (the meter\'s num_classes), got shape '
+                             f'{tuple(logits.shape)}')
         if loss.ndim not in (0, 1) or (loss.ndim == 1 and loss.shape != targets.shape):
             raise ValueError(f'loss must be a 0-d sum or per-sample [B={targets.shape[0]}], got {tuple(loss.shape)}')
         if valid is not None and (valid.dtype != torch.bool or valid.shape != targets.shape):
             raise ValueError(f'valid must be bool [B={targets.shape[0]}], got {valid.dtype} {tuple(valid.shape)}')
         counters = self._counters_on(logits.device)
 
-        hits = _topk_hits(logits, targets, self.ks)                                  # [B, len(ks)]
+        top_indices = _top_indices(logits, self.ks)                                  # [B, max_k]
+        hits = _topk_hits(top_indices, targets, self.ks, logits.shape[1])            # [B, len(ks)]
+        if self.num_classes is not None:
+            counters['confusion'] += _classification_confusion(top_indices[:, 0], targets, valid, self.num_classes)
         if valid is not None:
             hits = hits & valid[:, None]
             if loss.ndim == 1:
@@ -221,6 +242,33 @@ class ClassificationMeter(Meter):
         if count == 0:
             return {**{f'top{k}': math.nan for k in self.ks}, 'loss': math.nan, 'count': 0}
         return {**{f'top{k}': c / count for k, c in zip(self.ks, correct)}, 'loss': loss_sum / count, 'count': count}
+
+    def confusion(self) -> torch.Tensor:
+        """The counted samples as int64 [C, C] on the CPU: row = target class, column = top-1 predicted class (its
+        trace is top1's correct count); zeros before the first batch. After ``reduce_``: over every process.
+        ValueError when the meter was built without ``num_classes``."""
+        if self.num_classes is None:
+            raise ValueError('this ClassificationMeter keeps no confusion matrix: build it with num_classes=C')
+        if self._counters is None:
+            return torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64)
+        return self._counters['confusion'].cpu().clone()
+
+
+def _classification_confusion(predictions: torch.Tensor, targets: torch.Tensor, valid: Optional[torch.Tensor],
+                              num_classes: int) -> torch.Tensor:
+    """One batch's confusion counts, device-only (no host sync): predictions [B] and targets [B] class indices,
+    valid optional bool [B] -> int64 [C, C], row = target, column = prediction. Samples that are not valid, or whose
+    target is outside 0..C-1, land in a discarded extra bin (indexing with them would be out of bounds)."""
+    targets = targets.long()
+    keep = (targets >= 0) & (targets < num_classes)
+    if valid is not None:
+        keep = keep & valid
+    cells = num_classes * num_classes
+    bins = torch.where(keep, targets * num_classes + predictions, cells)
+    # scatter_add_ rather than bincount: CUDA's bincount reads the input's min and max back to the host
+    counts = torch.zeros(cells + 1, dtype=torch.int64, device=targets.device)
+    counts.scatter_add_(0, bins, torch.ones((), dtype=torch.int64, device=targets.device).expand_as(bins))
+    return counts[:cells].reshape(num_classes, num_classes)
 
 
 # --- semantic segmentation --------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""PNG pictures for a run directory: training curves from ``metrics.csv``, a grid of predictions, and segmentation
-masks overlaid on their images.
+"""PNG pictures for a run directory: training curves from ``metrics.csv``, a grid of predictions, segmentation masks
+in solid class colours beside their images, and a confusion matrix.
 
 Figures are drawn on ``matplotlib.figure.Figure`` objects, never through pyplot (``linvit.plotting`` holds the
 helpers this module shares with the benchmarks' plots). Files are written atomically
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from ..plotting import cycle_colour, save_png
 from .checkpoint import atomic_write
 
-__all__ = ['CORRECT_COLOUR', 'WRONG_COLOUR', 'plot_curves', 'plot_prediction_grid', 'class_palette', 'overlay_mask',
-           'plot_segmentation_grid']
+__all__ = ['CORRECT_COLOUR', 'WRONG_COLOUR', 'IGNORE_COLOUR', 'plot_curves', 'plot_prediction_grid', 'class_palette',
+           'ignore_colour', 'colour_mask', 'overlay_mask', 'plot_segmentation_grid', 'plot_confusion_matrix']
 
 CORRECT_COLOUR = '#1a7f37'
 WRONG_COLOUR = '#cf222e'
@@ -269,6 +269,9 @@ _TAB20_REORDERED = (
 _MAX_DISPLAY_SIDE = 512
 #: above this many classes the legend lists only the classes present in the drawn masks
 _LEGEND_ALL_UP_TO = 20
+#: the colour of ignore_index pixels in the mask panels: a neutral that ``class_palette`` never gives a class (its
+#: channels are never all 255); ``ignore_colour`` picks another grey when a dataset's own palette uses white
+IGNORE_COLOUR = (255, 255, 255)
 
 
 def _bit_interleaved_colour(index: int) -> Tuple[int, int, int]:
@@ -288,6 +291,7 @@ def class_palette(num_classes: int) -> np.ndarray:
 
     Class 0 is black (often the background); classes 1..20 get matplotlib's tab20 colours (the ten strong ones
     first); classes from 21 on get PASCAL VOC's bit-interleaved colour of (id - 20). All distinct up to 4116 classes.
+    The default of a dataset without a ``palette`` of its own (see ``plot_segmentation_grid``).
     """
     if num_classes < 0:
         raise ValueError(f'num_classes must be >= 0, got {num_classes}')
@@ -297,27 +301,69 @@ def class_palette(num_classes: int) -> np.ndarray:
     return np.asarray(colours[:num_classes], dtype=np.uint8).reshape(num_classes, 3)
 
 
+def ignore_colour(palette: np.ndarray) -> Tuple[int, int, int]:
+    """The neutral colour for ignore_index pixels next to ``palette`` (uint8 [K, 3]): white, else black, else the
+    brightest grey that no class uses (white again in the unlikely case that every grey is a class colour)."""
+    used = {tuple(int(v) for v in colour) for colour in np.asarray(palette).reshape(-1, 3)}
+    for level in (255, 0, *range(254, 0, -1)):
+        if (level, level, level) not in used:
+            return level, level, level
+    return IGNORE_COLOUR
+
+
 def _as_numpy(array: Union[np.ndarray, torch.Tensor]) -> np.ndarray:
     return array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
 
 
+def _check_palette(palette: Union[np.ndarray, Sequence], num_classes: int) -> np.ndarray:
+    """palette [P, 3] with integer values 0..255 (array, tensor or nested lists), P >= num_classes -> uint8 [P, 3]."""
+    array = _as_numpy(palette)
+    if array.ndim != 2 or array.shape[1] != 3 or array.shape[0] < num_classes:
+        raise ValueError(f'palette must be [K >= {num_classes}, 3] RGB colours, one per class, got shape {array.shape}')
+    if array.size and (array.min() < 0 or array.max() > 255 or not np.all(array == np.round(array))):
+        raise ValueError('palette values must be integers in 0..255 (uint8 RGB)')
+    return array.astype(np.uint8)
+
+
+def _check_mask_values(mask: np.ndarray, num_colours: int, ignore_index: int) -> np.ndarray:
+    """bool [H, W], True where ``mask`` is labelled (not ``ignore_index``); ValueError naming a labelled value
+    outside 0..num_colours-1."""
+    labelled = mask != ignore_index
+    bad = labelled & ((mask < 0) | (mask >= num_colours))
+    if bad.any():
+        raise ValueError(f'mask value {int(mask[bad][0])} is outside 0..{num_colours - 1} and is not ignore_index='
+                         f'{ignore_index}')
+    return labelled
+
+
+def colour_mask(mask: Union[np.ndarray, torch.Tensor], palette: np.ndarray, ignore_index: int = 255,
+                ignored_rgb: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Paint class ids in solid colours: mask int [H, W], palette uint8 [K, 3] -> uint8 [H, W, 3], a pixel of class
+    c exactly ``palette[c]``, an ``ignore_index`` pixel ``ignored_rgb`` (default ``ignore_colour(palette)``). A mask
+    value outside 0..K-1 (and not ``ignore_index``) raises ValueError naming it."""
+    mask = _as_numpy(mask).astype(np.int64, copy=False)
+    if mask.ndim != 2:
+        raise ValueError(f'mask must be [H, W] class ids, got shape {mask.shape}')
+    palette = np.asarray(palette, dtype=np.uint8)
+    labelled = _check_mask_values(mask, len(palette), ignore_index)
+    ignored_rgb = ignore_colour(palette) if ignored_rgb is None else ignored_rgb
+    colours = palette[np.where(labelled, mask, 0)] if len(palette) else np.zeros(mask.shape + (3,), np.uint8)
+    return np.where(labelled[..., None], colours, np.asarray(ignored_rgb, dtype=np.uint8))
+
+
 def overlay_mask(image_rgb: Union[np.ndarray, torch.Tensor], mask: Union[np.ndarray, torch.Tensor],
                  palette: np.ndarray, alpha: float = 0.5, ignore_index: int = 255) -> np.ndarray:
-    """Blend class colours into an image: image_rgb float [H, W, 3] in [0, 1], mask int [H, W] class ids, palette
-    uint8 [K, 3] -> float [H, W, 3]. A pixel of class c becomes (1 - alpha) * image + alpha * palette[c] / 255;
-    pixels whose mask is ``ignore_index`` keep the image unchanged. A mask value outside 0..K-1 (and not
-    ``ignore_index``) raises ValueError naming it."""
+    """Blend class colours into an image (``linvit.predict``'s overlay files): image_rgb float [H, W, 3] in [0, 1],
+    mask int [H, W] class ids, palette uint8 [K, 3] -> float [H, W, 3]. A pixel of class c becomes
+    (1 - alpha) * image + alpha * palette[c] / 255; pixels whose mask is ``ignore_index`` keep the image unchanged.
+    A mask value outside 0..K-1 (and not ``ignore_index``) raises ValueError naming it."""
     image = _as_numpy(image_rgb)
     mask = _as_numpy(mask).astype(np.int64, copy=False)
     if image.ndim != 3 or image.shape[-1] != 3 or mask.shape != image.shape[:2]:
         raise ValueError(f'image_rgb must be [H, W, 3] and mask [H, W] of the same size, got {image.shape} and '
                          f'{mask.shape}')
     palette = np.asarray(palette)
-    labelled = mask != ignore_index
-    bad = labelled & ((mask < 0) | (mask >= len(palette)))
-    if bad.any():
-        raise ValueError(f'mask value {int(mask[bad][0])} is outside 0..{len(palette) - 1} and is not ignore_index='
-                         f'{ignore_index}')
+    labelled = _check_mask_values(mask, len(palette), ignore_index)
     image = image.astype(np.result_type(image.dtype, np.float32), copy=False)
     colours = palette[np.where(labelled, mask, 0)].astype(image.dtype) / 255
     return np.where(labelled[..., None], (1 - alpha) * image + alpha * colours, image)
@@ -368,22 +414,73 @@ def _count_classes(class_names: Optional[Sequence[str]], masks: List[np.ndarray]
     return max(labels, default=0) + 1
 
 
+@dataclass
+class _SegRow:
+    """One row of the grid: the image and its two masks, painted at display size (all [h, w, 3])."""
+    image: np.ndarray        # float in [0, 1]
+    truth: np.ndarray        # uint8, solid class colours
+    prediction: np.ndarray   # uint8, solid class colours
+    accuracy_text: str
+
+
+def _segmentation_row(row: int, image: torch.Tensor, true_mask: np.ndarray, pred_mask: np.ndarray,
+                      mean: Sequence[float], std: Sequence[float], palette: np.ndarray, ignore_index: int,
+                      ignored_rgb: Tuple[int, int, int]) -> _SegRow:
+    if true_mask.shape != tuple(image.shape[-2:]) or pred_mask.shape != true_mask.shape:
+        raise ValueError(f'image {row} is {tuple(image.shape[-2:])} but its masks are {true_mask.shape} (truth) '
+                         f'and {pred_mask.shape} (prediction)')
+    size = _display_size(*true_mask.shape)
+    return _SegRow(_display_image(image, mean, std, size),
+                   colour_mask(_shrink_mask(true_mask, size), palette, ignore_index, ignored_rgb),
+                   colour_mask(_shrink_mask(pred_mask, size), palette, ignore_index, ignored_rgb),
+                   # from the full-size masks: shrinking would drop thin structures
+                   _pixel_accuracy_text(true_mask, pred_mask, ignore_index))
+
+
+def _show_panel(ax, pixels: np.ndarray, title: str) -> None:
+    # a thin frame instead of no axes: a mask region in the page's own white (ignored pixels) keeps its edge
+    ax.set_axis_on()
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_linewidth(0.5)
+    # nearest: every screen pixel is one mask pixel's colour, exactly the legend's patch
+    ax.imshow(pixels, interpolation='nearest', resample=False)
+    ax.set_title(title, fontsize=9)
+
+
+def _legend_entries(class_names: Optional[Sequence[str]], masks: List[np.ndarray], num_classes: int,
+                    palette: np.ndarray, ignore_index: int,
+                    ignored_rgb: Tuple[int, int, int]) -> List[Tuple[str, np.ndarray]]:
+    """(label, uint8 RGB) per legend patch: every class when K <= 20, else those in ``masks``; then 'ignored (255)'
+    when a drawn mask has ignore_index pixels."""
+    shown = range(num_classes) if num_classes <= _LEGEND_ALL_UP_TO else _present_classes(masks, num_classes,
+                                                                                         ignore_index)
+    entries = [(_class_name(class_names, c), palette[c]) for c in shown]
+    if any((mask == ignore_index).any() for mask in masks):
+        entries.append((f'ignored ({ignore_index})', np.asarray(ignored_rgb, dtype=np.uint8)))
+    return entries
+
+
 def plot_segmentation_grid(images: Union[torch.Tensor, Sequence[torch.Tensor]], mean: Sequence[float],
                            std: Sequence[float], true_masks: Union[torch.Tensor, Sequence], pred_masks:
                            Union[torch.Tensor, Sequence], class_names: Optional[Sequence[str]],
                            png_path: os.PathLike, ignore_index: int = 255, max_images: int = 4,
-                           alpha: float = 0.5) -> List[str]:
+                           palette: Optional[Union[np.ndarray, Sequence]] = None) -> List[str]:
     """Draw the first ``max_images`` images with their ground truth and predicted masks into ``png_path``
     (atomically).
 
     images: [N, C, H, W] tensor or a list of [C, H, W] tensors (sizes may differ), normalised as (x - mean) / std
     (C = 3, or 1 for grey); true_masks, pred_masks: [N, H, W] or lists of [H, W] integer class ids (tensors or
-    arrays), each the size of its image; class_names: id -> name (None: ids, K from the largest id). One row per
-    image: the image, the ground truth overlaid (``overlay_mask`` with ``class_palette`` colours, ``alpha``), the
-    prediction overlaid and titled with its pixel accuracy. Pixels whose ground truth is ``ignore_index`` are left
-    uncoloured (the plain image) in the ground-truth panel. Images with a side above 512 px are shrunk for display
-    (area average; masks nearest). A legend below the grid shows a colour patch and name per class: every class when
-    K <= 20, else those present in the drawn ground truth or predictions. Returns the legend labels, in order.
+    arrays), each the size of its image; class_names: id -> name (None: ids, K from the largest id); palette: uint8
+    [K, 3] RGB per class id, e.g. a dataset's ``palette`` attribute (None: ``class_palette(K)``).
+
+    One row per image: the image | the ground truth | the prediction, titled with its pixel accuracy. The two mask
+    panels are solid class colours, not blended with the image, so a region's colour is exactly its legend patch;
+    ground-truth ``ignore_index`` pixels are painted ``ignore_colour(palette)`` (white unless the palette uses it).
+    Images with a side above 512 px are shrunk for display (area average; masks nearest). The legend below the grid
+    shows a patch and name per class (every class when K <= 20, else those present in the drawn masks), then
+    'ignored (<ignore_index>)' when a drawn ground truth has such pixels. Returns the legend labels, in order.
     """
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -392,36 +489,109 @@ def plot_segmentation_grid(images: Union[torch.Tensor, Sequence[torch.Tensor]], 
     true_list = [_as_numpy(true_masks[i]).astype(np.int64, copy=False) for i in range(count)]
     pred_list = [_as_numpy(pred_masks[i]).astype(np.int64, copy=False) for i in range(count)]
     num_classes = _count_classes(class_names, true_list + pred_list, ignore_index)
-    palette = class_palette(num_classes)
+    palette = class_palette(num_classes) if palette is None else _check_palette(palette, num_classes)
+    ignored_rgb = ignore_colour(palette)
 
     fig = Figure(figsize=(3 * 2.6, 0.9 + 2.6 * max(count, 1)), layout='constrained')
     axes = fig.subplots(max(count, 1), 3, squeeze=False)
     for ax in axes.ravel():
         ax.set_axis_off()
-    for row, (image, true_mask, pred_mask) in enumerate(zip(images, true_list, pred_list)):
-        if true_mask.shape != tuple(image.shape[-2:]) or pred_mask.shape != true_mask.shape:
-            raise ValueError(f'image {row} is {tuple(image.shape[-2:])} but its masks are {true_mask.shape} (truth) '
-                             f'and {pred_mask.shape} (prediction)')
-        size = _display_size(*true_mask.shape)
-        picture = _display_image(image, mean, std, size)
-        panels = [(picture, 'image'),
-                  (overlay_mask(picture, _shrink_mask(true_mask, size), palette, alpha, ignore_index), 'ground truth'),
-                  # accuracy from the full-size masks: shrinking would drop thin structures
-                  (overlay_mask(picture, _shrink_mask(pred_mask, size), palette, alpha, ignore_index),
-                   f'prediction ({_pixel_accuracy_text(true_mask, pred_mask, ignore_index)})')]
-        for ax, (pixels, title) in zip(axes[row], panels):
-            ax.imshow(np.clip(pixels, 0, 1), interpolation='nearest')
-            ax.set_title(title, fontsize=9)
+    for row in range(count):
+        drawn = _segmentation_row(row, images[row], true_list[row], pred_list[row], mean, std, palette, ignore_index,
+                                  ignored_rgb)
+        _show_panel(axes[row, 0], np.clip(drawn.image, 0, 1), 'image')
+        _show_panel(axes[row, 1], drawn.truth, 'ground truth')
+        _show_panel(axes[row, 2], drawn.prediction, f'prediction ({drawn.accuracy_text})')
     if count == 0:
         axes[0, 1].text(0.5, 0.5, 'no images', ha='center', va='center')
 
-    shown = range(num_classes) if num_classes <= _LEGEND_ALL_UP_TO else \
-        _present_classes(true_list + pred_list, num_classes, ignore_index)
-    labels = [_class_name(class_names, c) for c in shown]
-    if labels:
-        handles = [Patch(facecolor=palette[c] / 255, edgecolor='black', linewidth=0.5, label=label)
-                   for c, label in zip(shown, labels)]
+    entries = _legend_entries(class_names, true_list + pred_list, num_classes, palette, ignore_index, ignored_rgb)
+    if entries:
+        handles = [Patch(facecolor=rgb / 255, edgecolor='black', linewidth=0.5, label=label) for label, rgb in entries]
         fig.legend(handles=handles, loc='outside lower center', ncol=min(len(handles), 5), fontsize=8, frameon=False,
-                   title=f'classes (ignore_index {ignore_index}: uncoloured)', title_fontsize=8)
+                   title='classes', title_fontsize=8)
     _save_png(fig, png_path, dpi=100)
-    return labels
+    return [label for label, _ in entries]
+
+
+# --- confusion matrix --------------------------------------------------------------------------------------------
+
+#: counts are written into the cells up to this many classes, class names on the axes up to _NAMED_UP_TO
+_ANNOTATED_UP_TO = 20
+_NAMED_UP_TO = 50
+#: the colour map of the row fractions (0: near white, 1: dark blue), and of rows without samples
+_CONFUSION_CMAP = 'Blues'
+_EMPTY_ROW_COLOUR = '#d9d9d9'
+
+
+def _row_fractions(matrix: np.ndarray) -> np.ndarray:
+    """counts [K, K] -> float64 [K, K], each row divided by its sum (the diagonal is each class's recall); NaN in a
+    row without samples."""
+    totals = matrix.sum(axis=1, keepdims=True)
+    with np.errstate(invalid='ignore', divide='ignore'):
+        return np.where(totals > 0, matrix / np.maximum(totals, 1), math.nan)
+
+
+def _compact_count(count: int) -> str:
+    """12, 3.4k, 56M: a pixel count of segmentation must fit in a cell."""
+    for limit, suffix in ((10 ** 9, 'G'), (10 ** 6, 'M'), (10 ** 3, 'k')):
+        if count >= limit:
+            value = count / limit
+            return f'{value:.1f}{suffix}' if value < 10 else f'{value:.0f}{suffix}'
+    return str(count)
+
+
+def _annotate_counts(ax, matrix: np.ndarray, fractions: np.ndarray) -> None:
+    size = 9 if len(matrix) <= 10 else 7
+    for (true, predicted), count in np.ndenumerate(matrix):
+        # white on dark cells, black on light ones and on the grey of empty rows
+        dark = fractions[true, predicted] > 0.5
+        ax.text(predicted, true, _compact_count(int(count)), ha='center', va='center', fontsize=size,
+                color='white' if dark else 'black')
+
+
+def _name_axes(ax, class_names: Optional[Sequence[str]], num_classes: int) -> None:
+    ax.set_xlabel('predicted class')
+    ax.set_ylabel('true class')
+    if num_classes > _NAMED_UP_TO:
+        return
+    names = [_class_name(class_names, c) for c in range(num_classes)]
+    ax.set_xticks(range(num_classes), names, rotation=45, ha='right', rotation_mode='anchor', fontsize=8)
+    ax.set_yticks(range(num_classes), names, fontsize=8)
+
+
+def plot_confusion_matrix(matrix: Union[np.ndarray, torch.Tensor], class_names: Optional[Sequence[str]],
+                          png_path: os.PathLike) -> None:
+    """Draw a confusion matrix into ``png_path`` (atomically).
+
+    matrix: int [K, K] counts (tensor or array), row = true class, column = predicted class (as
+    ``ClassificationMeter.confusion()`` and ``SegmentationMeter.confusion()`` give it); class_names: K names (None:
+    ids). A cell's colour is its fraction of the row (of the true class's samples: the diagonal is each class's
+    recall), so rare classes read as well as common ones; a row without samples is grey. The counts are written in
+    the cells when K <= 20, the class names on the axes when K <= 50.
+    """
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    matrix = _as_numpy(matrix)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f'matrix must be a square [K, K] of counts, got shape {matrix.shape}')
+    num_classes = matrix.shape[0]
+    if class_names is not None and len(class_names) != num_classes:
+        raise ValueError(f'{len(class_names)} class names for a {num_classes} x {num_classes} matrix')
+    matrix = matrix.astype(np.int64)
+    fractions = _row_fractions(matrix)
+
+    side = min(max(2.5 + 0.45 * num_classes, 4.5), 14.0)
+    fig = Figure(figsize=(side + 1.2, side), layout='constrained')
+    ax = fig.add_subplot()
+    cmap = colormaps[_CONFUSION_CMAP].with_extremes(bad=_EMPTY_ROW_COLOUR)
+    shown = ax.imshow(fractions, cmap=cmap, vmin=0, vmax=1, interpolation='nearest')
+    fig.colorbar(shown, ax=ax, shrink=0.8, label='fraction of the true class')
+    if 0 < num_classes <= _ANNOTATED_UP_TO:
+        _annotate_counts(ax, matrix, fractions)
+    _name_axes(ax, class_names, num_classes)
+    total = int(matrix.sum())
+    accuracy = f', accuracy {100 * np.trace(matrix) / total:.1f}%' if total else ''
+    ax.set_title(f'confusion matrix ({_compact_count(total)} counted{accuracy})', fontsize=11)
+    _save_png(fig, png_path, dpi=100)

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from linvit.data import SyntheticShapesSeg, build_seg_transforms, build_segmentation_datasets, render_shapes
+from linvit.data import (
+    KeyedSegDataset,
+    SyntheticShapesSeg,
+    build_seg_transforms,
+    build_segmentation_datasets,
+    render_shapes,
+)
 
 IGNORE = 255
 IDENTITY = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
@@ -27,6 +33,30 @@ def dataset(split='train', seed=0, size=64, n=16, **kwargs):
 
 def test_class_names():
     assert dataset().class_names == ['background', 'red-key', 'blue-key']
+
+
+def test_palette_colours_each_class_as_its_name_says():
+    palette = dataset().palette
+    assert palette.dtype == np.uint8 and palette.shape == (3, 3)
+    (r, g, b), (r_red, g_red, b_red), (r_blue, g_blue, b_blue) = palette.astype(int).tolist()
+    assert r_red > 150 and g_red < 100 and b_red < 100, 'red-key is red'
+    assert b_blue > 150 and r_blue < 100 and g_blue < 100, 'blue-key is blue'
+    assert r == g == b and r < 128, 'background is a dark grey'
+    # the very colours the keys are drawn in (before jitter)
+    for colour, label in EXPECTED_CLASS.items():
+        image, _, layout = render_shapes(np.random.default_rng(0), 64, COLOURS.index(colour))
+        top, left = layout.key
+        key_pixel = image[top + layout.key_size // 2, left + layout.key_size // 2].astype(int)
+        assert np.abs(key_pixel - palette[label]).max() <= 25, colour
+
+
+def test_a_segmentation_dataset_without_colours_of_its_own_has_no_palette():
+    assert KeyedSegDataset(transform(), ['a', 'b'], 1, IGNORE).palette is None   # pictures use class_palette(K)
+    given = KeyedSegDataset(transform(), ['a', 'b'], 1, IGNORE, palette=[[1, 2, 3], [4, 5, 6]])
+    assert given.palette.dtype == np.uint8 and given.palette.tolist() == [[1, 2, 3], [4, 5, 6]]
+    for bad in ([[1, 2, 3]], [[1, 2, 3], [4, 5, 256]], [[0.5, 0, 0], [0, 0, 0]]):
+        with pytest.raises(ValueError, match='palette'):
+            KeyedSegDataset(transform(), ['a', 'b'], 1, IGNORE, palette=bad)
 
 
 @pytest.mark.parametrize('size', [32, 64, 128])
@@ -158,3 +188,5 @@ def test_built_from_the_data_config():
     assert len(train) == 10 and len(val) == 4 and names[0] == 'background' and val.split == 'val'
     assert train[(0, 0)][0].shape == (3, 48, 48) and val[0][1].shape == (48, 48)
     assert 'synthetic shapes train' in train.describe()
+    # the validation set the engine's pictures receive carries the class colours
+    np.testing.assert_array_equal(val.palette, train.palette)

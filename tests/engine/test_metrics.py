@@ -1,4 +1,5 @@
-"""Top-k counts against hand-computed tables, the meter against direct computation, and a 2-process gloo reduction."""
+"""Top-k counts and confusion matrices against hand-computed tables, the meter against direct computation, and a
+2-process gloo reduction."""
 import math
 
 import pytest
@@ -151,7 +152,7 @@ def test_meter_update_does_not_synchronise_with_the_host():
     expected = {'top1': 3 * correct[0] / 102, 'top5': 3 * correct[1] / 102, 'loss': 3 * loss_sum / 102, 'count': 102}
 
     logits, targets, losses, valid = (t.cuda() for t in (logits, targets, losses, valid))
-    meter = ClassificationMeter(ks=(1, 5), device='cuda')
+    meter = ClassificationMeter(ks=(1, 5), device='cuda', num_classes=logits.shape[1])   # the confusion counts too
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode('error')   # any synchronising call raises
     try:
@@ -161,6 +162,7 @@ def test_meter_update_does_not_synchronise_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode('default')
     assert_metrics_equal(meter.compute(), expected)
+    assert int(meter.confusion().trace()) == 3 * correct[0]
 
 
 def test_empty_meter_computes_nan():
@@ -196,6 +198,78 @@ def test_meter_rejects_bad_input(loss, valid, message):
         ClassificationMeter().update(HAND_LOGITS, HAND_TARGETS, loss, valid=valid)
 
 
+# --- confusion matrix -------------------------------------------------------------------------------------------
+
+# Three classes, clear winners (no ties); row = target, column = the largest logit.
+CONFUSION_LOGITS = torch.tensor([
+    [2.0, 0.1, 0.3],     # target 0 -> 0
+    [0.2, 1.5, 0.1],     # target 0 -> 1
+    [0.0, 0.1, 3.0],     # target 2 -> 2
+    [1.0, 0.0, 0.5],     # target 1 -> 0
+    [0.3, 0.2, 0.9],     # target 1 -> 2, a padded duplicate (valid False): not counted
+    [0.1, 0.9, 0.0],     # target 1 -> 1
+])
+CONFUSION_TARGETS = torch.tensor([0, 0, 2, 1, 1, 1])
+CONFUSION_VALID = torch.tensor([True, True, True, True, False, True])
+HAND_CONFUSION = [[1, 1, 0],
+                  [1, 1, 0],
+                  [0, 0, 1]]
+
+
+def reference_confusion(logits, targets, num_classes):
+    """Sample by sample, in plain Python: row target, column argmax."""
+    matrix = [[0] * num_classes for _ in range(num_classes)]
+    for row, target in zip(logits.tolist(), targets.tolist()):
+        matrix[target][row.index(max(row))] += 1
+    return matrix
+
+
+def test_confusion_matches_the_hand_count_over_split_batches():
+    meter = ClassificationMeter(ks=(1, 2), num_classes=3)
+    assert meter.confusion().tolist() == [[0] * 3] * 3, 'empty before the first batch'
+    losses = F.cross_entropy(CONFUSION_LOGITS, CONFUSION_TARGETS, reduction='none')
+    for part in (slice(0, 2), slice(2, 6)):
+        meter.update(CONFUSION_LOGITS[part], CONFUSION_TARGETS[part], losses[part], valid=CONFUSION_VALID[part])
+    confusion = meter.confusion()
+    assert confusion.dtype == torch.int64 and confusion.device.type == 'cpu'
+    assert confusion.tolist() == HAND_CONFUSION
+    # the existing metrics are unchanged by the extra counter
+    result = meter.compute()
+    assert set(result) == {'top1', 'top2', 'loss', 'count'} and result['count'] == 5 and result['top1'] == 3 / 5
+
+
+def test_confusion_trace_is_top1_even_with_ties():
+    # HAND_LOGITS has ties for first place: the confusion's column must be the class top1 counted
+    meter = ClassificationMeter(ks=(1,), num_classes=4)
+    meter.update(HAND_LOGITS, HAND_TARGETS, torch.tensor(1.0))
+    confusion = meter.confusion()
+    assert int(confusion.trace()) == HAND_COUNTS[0] and int(confusion.sum()) == 7
+    assert confusion.sum(dim=1).tolist() == [2, 2, 2, 1], 'row sums: samples per target'
+
+
+def test_confusion_on_random_batches_matches_the_sample_loop():
+    logits, targets = random_batch(50)
+    meter = ClassificationMeter(ks=(1,), num_classes=7)
+    meter.update(logits, targets, torch.tensor(0.0))
+    assert meter.confusion().tolist() == reference_confusion(logits, targets, 7)
+
+
+def test_confusion_leaves_out_targets_that_are_not_classes():
+    meter = ClassificationMeter(ks=(1,), num_classes=3)
+    meter.update(CONFUSION_LOGITS[:3], torch.tensor([0, 7, -1]), torch.tensor(0.0))
+    assert meter.confusion().tolist() == [[1, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert meter.compute()['count'] == 3
+
+
+def test_confusion_needs_num_classes_and_logits_of_that_width():
+    with pytest.raises(ValueError, match='num_classes=C'):
+        ClassificationMeter().confusion()
+    with pytest.raises(ValueError, match='num_classes'):
+        ClassificationMeter(num_classes=0)
+    with pytest.raises(ValueError, match='C=5'):
+        ClassificationMeter(num_classes=5).update(CONFUSION_LOGITS, CONFUSION_TARGETS, torch.tensor(0.0))
+
+
 # --- two processes ----------------------------------------------------------------------------------------------
 
 NUM_SAMPLES, KS = 15, (1, 3)
@@ -223,12 +297,14 @@ def sampler_shards(logits, targets, empty_rank=None):
     return shards
 
 
-def reduce_on_rank(rank, shards):
-    meter = ClassificationMeter(ks=KS)
+def reduce_on_rank(rank, shards, num_classes=None):
+    meter = ClassificationMeter(ks=KS, num_classes=num_classes)
     for logits, targets, losses, valid in shards[rank]:
         meter.update(logits, targets, losses, valid=valid)
     meter.reduce_()
-    return meter.compute()
+    if num_classes is None:
+        return meter.compute()
+    return {'metrics': meter.compute(), 'confusion': meter.confusion().tolist()}
 
 
 @pytest.mark.parametrize('empty_rank', [None, 1], ids=['padded-duplicate', 'rank1-without-data'])
@@ -242,3 +318,16 @@ def test_two_processes_reduce_to_the_single_process_result(tmp_path, empty_rank)
     assert_metrics_equal(expected, direct_metrics(logits, targets, KS))
     for result in results:
         assert_metrics_equal(result, expected)
+
+
+@pytest.mark.parametrize('empty_rank', [None, 1], ids=['padded-duplicate', 'rank1-without-data'])
+def test_two_processes_reduce_the_confusion_matrix(tmp_path, empty_rank):
+    logits, targets = random_batch(NUM_SAMPLES, seed=1)
+    num_classes = logits.shape[1]
+    results = run_two_ranks(tmp_path, reduce_on_rank, sampler_shards(logits, targets, empty_rank), num_classes)
+    # every sample once: the padded duplicate is not counted, and a rank without data still takes part
+    expected = reference_confusion(logits, targets, num_classes)
+    assert sum(map(sum, expected)) == NUM_SAMPLES
+    for result in results:
+        assert result['confusion'] == expected
+        assert_metrics_equal(result['metrics'], direct_metrics(logits, targets, KS))

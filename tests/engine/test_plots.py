@@ -1,20 +1,30 @@
-"""Curves from metrics.csv and the prediction grid: valid PNGs, the right panels and series, the right pixels."""
+"""Curves from metrics.csv, the prediction grid and the confusion matrix: valid PNGs, the right panels and series,
+the right pixels; the tasks' evaluation pictures."""
 import csv
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from matplotlib import colormaps
 from PIL import Image
+from tiny_run import TINY_MODEL, TINY_SEG
 
+from linvit.engine import load_config, plots
 from linvit.engine.plots import (
     CORRECT_COLOUR,
     WRONG_COLOUR,
     _centred_moving_average,
+    _compact_count,
     _curve_panels,
     _read_metrics_csv,
+    plot_confusion_matrix,
     plot_curves,
     plot_prediction_grid,
 )
+from linvit.engine.tasks.base import Task
+from linvit.engine.tasks.classification import CONFUSION_UP_TO, ClassificationTask
+from linvit.engine.tasks.segmentation import SegmentationTask
 
 COLUMNS = ['epoch', 'step', 'split', 'loss', 'lr', 'img_per_s', 'top1', 'top5']
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -188,3 +198,132 @@ def test_prediction_grid_edge_cases(tmp_path):
     assert read_png(tmp_path / 'grey.png').size > 0
     assert plot_prediction_grid(grey[:0], [0.5], [0.25], [], [], None, tmp_path / 'empty.png') == []
     assert read_png(tmp_path / 'empty.png').size > 0
+
+
+# --- confusion matrix ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """The figures the plots module saves, in order: their axes say where a cell is in the PNG."""
+    figures = []
+    save = plots._save_png
+
+    def save_and_keep(fig, png_path, dpi):
+        save(fig, png_path, dpi)
+        figures.append(fig)
+
+    monkeypatch.setattr(plots, '_save_png', save_and_keep)
+    return figures
+
+
+def cell_colour(picture, ax, row, col) -> np.ndarray:
+    """The PNG's RGB inside cell (row, col) of the matrix shown in ``ax``, off its centre where the count is written."""
+    x, y = ax.transData.transform((col + 0.3, row - 0.3))
+    return picture[picture.shape[0] - 1 - int(y), int(x)]
+
+
+def cell_texts(ax) -> dict:
+    """{(row, col): (text, colour)} of the counts written in the cells."""
+    return {(int(t.get_position()[1]), int(t.get_position()[0])): (t.get_text(), t.get_color()) for t in ax.texts}
+
+
+def blues(fraction) -> np.ndarray:
+    return np.array([round(255 * c) for c in colormaps['Blues'](fraction)[:3]])
+
+
+def test_confusion_matrix_rows_are_true_classes_coloured_by_their_fraction(tmp_path, saved_figures):
+    matrix = torch.tensor([[2, 6],     # true cat: 2 called cat, 6 called dog
+                           [0, 8]])    # true dog: all 8 called dog
+    plot_confusion_matrix(matrix, ['cat', 'dog'], tmp_path / 'confusion.png')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['confusion.png']
+    picture = read_png(tmp_path / 'confusion.png')
+    fig, = saved_figures
+    ax = fig.axes[0]
+    # fractions of each row, by hand: 2/8, 6/8 and 0/8, 8/8 (a transposed or column-normalised picture differs)
+    for (row, col), fraction in {(0, 0): 0.25, (0, 1): 0.75, (1, 0): 0.0, (1, 1): 1.0}.items():
+        assert np.abs(cell_colour(picture, ax, row, col) - blues(fraction)).max() <= 1, (row, col)
+    assert cell_texts(ax) == {(0, 0): ('2', 'black'), (0, 1): ('6', 'white'),
+                              (1, 0): ('0', 'black'), (1, 1): ('8', 'white')}
+    assert [t.get_text() for t in ax.get_xticklabels()] == ['cat', 'dog']
+    assert [t.get_text() for t in ax.get_yticklabels()] == ['cat', 'dog']
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ('predicted class', 'true class')
+    assert ax.get_title() == 'confusion matrix (16 counted, accuracy 62.5%)'
+
+
+def test_large_confusion_matrix_is_not_annotated_and_empty_rows_are_grey(tmp_path, saved_figures):
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randint(1, 50, (30, 30), generator=generator)
+    matrix[4] = 0                                   # class 4 has no samples
+    plot_confusion_matrix(matrix.numpy(), [f'class {i}' for i in range(30)], tmp_path / 'thirty.png')
+    picture = read_png(tmp_path / 'thirty.png')
+    ax = saved_figures[-1].axes[0]
+    assert len(ax.texts) == 0 and len(ax.get_xticklabels()) == 30
+    assert cell_colour(picture, ax, 4, 7).tolist() == [217, 217, 217]
+    plot_confusion_matrix(torch.ones(60, 60, dtype=torch.long), None, tmp_path / 'sixty.png')
+    assert saved_figures[-1].axes[0].get_xticklabels()[0].get_text() != '0', 'no class names above 50 classes'
+    assert read_png(tmp_path / 'sixty.png').shape[0] < 1500
+
+
+def test_confusion_matrix_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError, match='square'):
+        plot_confusion_matrix(np.zeros((2, 3), dtype=int), None, tmp_path / 'a.png')
+    with pytest.raises(ValueError, match='3 class names'):
+        plot_confusion_matrix(np.zeros((2, 2), dtype=int), ['a', 'b', 'c'], tmp_path / 'b.png')
+    assert not list(tmp_path.iterdir())
+
+
+def test_compact_counts_fit_a_cell():
+    assert [_compact_count(n) for n in (0, 999, 1000, 1234, 56_000, 3_400_000, 56_000_000, 7 * 10 ** 9)] == \
+        ['0', '999', '1.0k', '1.2k', '56k', '3.4M', '56M', '7.0G']
+
+
+# --- the tasks' evaluation pictures -------------------------------------------------------------------------------
+
+CONFUSION_LOGITS = torch.tensor([[2.0, 0.1, 0.3], [0.2, 1.5, 0.1], [0.0, 0.1, 3.0], [1.0, 0.0, 0.5]])
+CONFUSION_TARGETS = torch.tensor([0, 0, 2, 1])   # -> confusion [[1, 1, 0], [1, 0, 0], [0, 0, 1]] (rows: target)
+
+
+def test_classification_task_draws_its_confusion_matrix(tmp_path, tiny_config, saved_figures):
+    task, png = ClassificationTask(tiny_config()), tmp_path / 'confusion.png'
+    names = ['a', 'b', 'c']
+    # before build_model the task does not know the class count: its meter keeps no matrix, so no picture
+    assert task.plot_evaluation(task.new_meter(torch.device('cpu')), names, str(png)) is False and not png.exists()
+
+    task.build_model(3)
+    meter = task.new_meter(torch.device('cpu'))
+    task.evaluate_batch(lambda images: CONFUSION_LOGITS, None, CONFUSION_TARGETS, meter)
+    meter.reduce_()
+    assert task.plot_evaluation(meter, names, str(png)) is True and png.exists()
+    texts = {cell: text for cell, (text, _) in cell_texts(saved_figures[-1].axes[0]).items()}
+    assert texts == {(0, 0): '1', (0, 1): '1', (0, 2): '0', (1, 0): '1', (1, 1): '0', (1, 2): '0',
+                     (2, 0): '0', (2, 1): '0', (2, 2): '1'}
+    assert task.final_metrics(meter.compute()) == {'top1': 0.5, 'top5': 1.0, 'count': 4, 'loss': pytest.approx(
+        F.cross_entropy(CONFUSION_LOGITS, CONFUSION_TARGETS).item())}
+
+    task.num_classes = CONFUSION_UP_TO + 1   # ImageNet-21k sized: no C x C counters
+    assert task.new_meter(torch.device('cpu')).num_classes is None
+
+
+def test_segmentation_task_draws_its_pixel_confusion_matrix(tmp_path, saved_figures):
+    task = SegmentationTask(load_config(None, [*TINY_MODEL, *TINY_SEG]))
+    task.build_model(3)
+    meter = task.new_meter(torch.device('cpu'))
+    logits = CONFUSION_LOGITS.T.reshape(1, 3, 2, 2)            # pixels in the same order as the rows above
+    targets = CONFUSION_TARGETS.reshape(1, 2, 2).clone()
+    targets[0, 1, 1] = 255                                    # the last pixel (target 1 -> 0) is ignored
+    meter.update(logits, targets, torch.tensor(1.0))
+    meter.reduce_()
+    png = tmp_path / 'pixels.png'
+    assert task.plot_evaluation(meter, ['background', 'x', 'y'], str(png)) is True and png.exists()
+    texts = {cell: text for cell, (text, _) in cell_texts(saved_figures[-1].axes[0]).items()}
+    assert texts == {(0, 0): '1', (0, 1): '1', (0, 2): '0', (1, 0): '0', (1, 1): '0', (1, 2): '0',
+                     (2, 0): '0', (2, 1): '0', (2, 2): '1'}
+    ax = saved_figures[-1].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ['background', 'x', 'y']
+
+
+def test_tasks_without_an_evaluation_picture_draw_nothing(tmp_path, tiny_config):
+    assert Task(tiny_config()).plot_evaluation(object(), [], str(tmp_path / 'none.png')) is False
+    task = ClassificationTask(tiny_config())
+    assert task.plot_evaluation(object(), [], str(tmp_path / 'none.png')) is False
+    assert not list(tmp_path.iterdir())

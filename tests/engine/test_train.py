@@ -29,7 +29,7 @@ def test_a_short_run_writes_everything_a_person_needs(tiny_config):
                  'curves.png'):
         assert os.path.isfile(os.path.join(run, name)), name
     assert os.listdir(os.path.join(run, 'tb')) and sorted(os.listdir(os.path.join(run, 'pictures'))) == [
-        'val_step000008.png', 'val_step000016.png']
+        'confusion_step000008.png', 'confusion_step000016.png', 'val_step000008.png', 'val_step000016.png']
     with open(os.path.join(run, 'metrics.json')) as f:
         written = json.load(f)
     assert written == metrics and set(written) == {'top1', 'top5', 'loss', 'count'}

@@ -55,7 +55,8 @@ def test_a_short_seg_run_writes_metrics_pictures_and_weights(seg_config):
     for name in ('config.yaml', 'metrics.csv', 'metrics.json', 'last.pt', 'best.pt', 'model.safetensors',
                  'curves.png'):
         assert os.path.isfile(os.path.join(run, name)), name
-    assert sorted(os.listdir(os.path.join(run, 'pictures'))) == ['val_step000004.png', 'val_step000008.png']
+    assert sorted(os.listdir(os.path.join(run, 'pictures'))) == ['confusion_step000004.png', 'confusion_step000008.png',
+                                                                 'val_step000004.png', 'val_step000008.png']
     written = _read_json(os.path.join(run, 'metrics.json'))
     assert written == metrics
     _assert_seg_metrics(written, ['background', 'red-key', 'blue-key'])

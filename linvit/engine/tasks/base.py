@@ -17,9 +17,11 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 
 from ...layers import make_floor
+from ..config import ConfigError
 from ..metrics import Meter
 
-__all__ = ['Task', 'TASKS', 'register_task', 'build_task', 'create_model_from_config', 'normalization_of']
+__all__ = ['Task', 'TASKS', 'register_task', 'input_multiple', 'nearest_multiples', 'build_task',
+           'create_model_from_config', 'normalization_of']
 
 
 class Task:
@@ -31,8 +33,10 @@ class Task:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
 
-    def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
-        """(train, val, class names); samples are keyed by (index, seed) (see ``linvit.data``)."""
+    def build_datasets(self, mean: Sequence[float], std: Sequence[float],
+                       with_train: bool = True) -> Tuple[Optional[Dataset], Dataset, List[str]]:
+        """(train, val, class names); samples are keyed by (index, seed) (see ``linvit.data``). with_train=False
+        (evaluating saved weights) builds val only: train is None and its files are not read."""
         raise NotImplementedError
 
     def build_model(self, num_classes: int) -> nn.Module:
@@ -50,6 +54,22 @@ class Task:
         """Validation samples per loader batch."""
         return self.cfg.data.eval_batch_size or self.cfg.data.batch_size
 
+    #: the file stem and TensorBoard tag of ``plot_evaluation``'s picture (pictures/<stem>_stepNNNNNN.png)
+    evaluation_picture: str = 'confusion'
+
+    def describe_evaluation(self) -> str:
+        """How the validation images are evaluated, for the log line of each evaluation."""
+        return f"validation images at {self.cfg.data.img_size} px"
+
+    def check_input_size(self, model: nn.Module) -> None:
+        """ConfigError when data.img_size (or another size the task feeds the model) is not a multiple of the
+        model's patch; called once the model is built, before any step."""
+        multiple = input_multiple(model)
+        size = self.cfg.data.img_size
+        if size % multiple:
+            raise ConfigError(f"data.img_size={size} is not a multiple of the patch size {multiple} of "
+                              f"model.name={self.cfg.model.name!r}: use {nearest_multiples(size, multiple)}")
+
     def new_meter(self, device: torch.device) -> Meter:
         """The task's meter: ``update`` per batch, ``reduce_()`` (sum over processes), ``compute() -> dict``."""
         raise NotImplementedError
@@ -66,6 +86,25 @@ class Task:
                       mean: Sequence[float], std: Sequence[float], device: torch.device,
                       autocast: Callable) -> None:
         """Draw a PNG of predictions on the first validation samples (rank 0 only)."""
+
+    def plot_evaluation(self, meter: Meter, class_names: List[str], png_path: str) -> bool:
+        """Draw a picture of a whole evaluation from its reduced meter (classification: the confusion matrix) into
+        png_path; False when the task has none. Called after ``meter.reduce_()`` (on rank 0); draws nothing and
+        returns False when this task, or this meter, has no such picture."""
+        return False
+
+
+def input_multiple(model: nn.Module) -> int:
+    """What an input side must be a multiple of: the model's own ``input_multiple``, a ViT's patch, else 1."""
+    if hasattr(model, 'input_multiple'):
+        return int(model.input_multiple)
+    patch = getattr(getattr(model, 'patch_embed', None), 'patch_size', 1)
+    return max(patch) if isinstance(patch, (tuple, list)) else int(patch)
+
+
+def nearest_multiples(size: int, multiple: int) -> str:
+    below, above = size // multiple * multiple, (size // multiple + 1) * multiple
+    return f"{below} or {above}" if below > 0 else str(above)
 
 
 TASKS: Dict[str, Type[Task]] = {}

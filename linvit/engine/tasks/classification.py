@@ -4,17 +4,21 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import DictConfig
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import Dataset
 
-from ..metrics import ClassificationMeter
-from ..plots import plot_prediction_grid
+from ..metrics import ClassificationMeter, Meter
+from ..plots import plot_confusion_matrix, plot_prediction_grid
 from .base import Task, create_model_from_config, register_task
 
 __all__ = ['ClassificationTask']
 
 PICTURE_COUNT = 16
+#: the evaluation keeps a confusion matrix up to this many classes: C x C int64 counters, 8 MB at 1000 classes,
+#: summed over processes (ImageNet-21k's 21841 classes would take 3.8 GB)
+CONFUSION_UP_TO = 1000
 
 
 @register_task
@@ -23,11 +27,17 @@ class ClassificationTask(Task):
     main_metric = 'top1'
     metric_columns = ('top1', 'top5')
 
-    def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
+    def __init__(self, cfg: DictConfig) -> None:
+        super().__init__(cfg)
+        self.num_classes: Optional[int] = None   # known from build_model (the classifier's width)
+
+    def build_datasets(self, mean: Sequence[float], std: Sequence[float],
+                       with_train: bool = True) -> Tuple[Optional[Dataset], Dataset, List[str]]:
         from ...data import build_classification_datasets  # here: albumentations is a heavy import
-        return build_classification_datasets(self.cfg.data, mean, std)
+        return build_classification_datasets(self.cfg.data, mean, std, with_train)
 
     def build_model(self, num_classes: int) -> nn.Module:
+        self.num_classes = num_classes   # the logits' width (config refuses model.kwargs.num_classes): sizes the meter
         return create_model_from_config(self.cfg.model, num_classes, self.cfg.data.img_size)
 
     def _mixing(self) -> bool:
@@ -50,7 +60,8 @@ class ClassificationTask(Task):
                      num_classes=num_classes)
 
     def new_meter(self, device: torch.device) -> ClassificationMeter:
-        return ClassificationMeter(ks=(1, 5), device=device)
+        confusion = self.num_classes is not None and self.num_classes <= CONFUSION_UP_TO
+        return ClassificationMeter(ks=(1, 5), device=device, num_classes=self.num_classes if confusion else None)
 
     def evaluate_batch(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
                        meter: ClassificationMeter) -> None:
@@ -74,3 +85,11 @@ class ClassificationTask(Task):
             probs = model(images.to(device)).float().softmax(dim=-1).cpu()
         plot_prediction_grid(images, mean, std, labels, probs.argmax(dim=-1), class_names, png_path, probs=probs,
                              max_images=count)
+
+    def plot_evaluation(self, meter: Meter, class_names: List[str], png_path: str) -> bool:
+        """The confusion matrix of the evaluation (rows: true class, columns: top-1 prediction); False when the
+        meter kept none (built before ``build_model``, or more than ``CONFUSION_UP_TO`` classes)."""
+        if not isinstance(meter, ClassificationMeter) or meter.num_classes is None:
+            return False
+        plot_confusion_matrix(meter.confusion(), class_names, png_path)
+        return True

@@ -438,3 +438,9 @@ class LinearizeTask(Task):
     def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
                       mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Callable) -> None:
         self.base.save_pictures(student_of(model), dataset, class_names, png_path, mean, std, device, autocast)
+
+    def describe_evaluation(self) -> str:
+        return self.base.describe_evaluation()
+
+    def plot_evaluation(self, meter: Meter, class_names: List[str], png_path: str) -> bool:
+        return self.base.plot_evaluation(meter, class_names, png_path)

@@ -6,6 +6,7 @@ on full-resolution validation images, one image at a time, as a whole (``seg.eva
 ``linvit.inference``). The metrics come from a confusion matrix summed over processes: mIoU, per-class IoU, pixel
 accuracy, and the mean cross-entropy per labelled pixel.
 """
+import logging
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -17,11 +18,14 @@ from torch.utils.data import Dataset
 
 from ...inference import segment
 from ...models.segmentation import SegmentationModel
-from ..metrics import SegmentationMeter
-from ..plots import plot_segmentation_grid
-from .base import Task, create_model_from_config, register_task
+from ..config import ConfigError
+from ..metrics import Meter, SegmentationMeter
+from ..plots import plot_confusion_matrix, plot_segmentation_grid
+from .base import Task, create_model_from_config, input_multiple, nearest_multiples, register_task
 
 __all__ = ['SegmentationTask', 'SegmentationLoss', 'dice_loss', 'create_segmentation_model']
+
+_logger = logging.getLogger(__name__)
 
 PICTURE_COUNT = 4
 
@@ -84,10 +88,6 @@ def create_segmentation_model(model_cfg: DictConfig, seg_cfg: DictConfig, num_cl
                              head_dim=seg_cfg.head_dim, feature_blocks=list(seg_cfg.feature_blocks))
 
 
-def _input_multiple(model: nn.Module) -> int:
-    return int(getattr(model, 'input_multiple', 1))
-
-
 @register_task
 class SegmentationTask(Task):
     name = 'segmentation'
@@ -99,10 +99,25 @@ class SegmentationTask(Task):
         self.num_classes: Optional[int] = None
         self.class_names: Optional[List[str]] = None
 
-    def build_datasets(self, mean: Sequence[float], std: Sequence[float]) -> Tuple[Dataset, Dataset, List[str]]:
+    def build_datasets(self, mean: Sequence[float], std: Sequence[float],
+                       with_train: bool = True) -> Tuple[Optional[Dataset], Dataset, List[str]]:
         from ...data import build_segmentation_datasets  # here: albumentations is a heavy import
-        train, val, self.class_names = build_segmentation_datasets(self.cfg.data, mean, std)
+        train, val, self.class_names = build_segmentation_datasets(self.cfg.data, mean, std, with_train)
+        if train is not None:
+            self._warn_small_images(train)
         return train, val, self.class_names
+
+    def _warn_small_images(self, train: Dataset) -> None:
+        """Warn when the training images are mostly smaller than the crop: each crop is then largely padding that
+        no loss counts, at the full cost of a data.img_size step."""
+        sizes = train.image_sizes() if hasattr(train, 'image_sizes') else []
+        crop = self.cfg.data.img_size
+        small = [(path, w, h) for path, w, h in sizes if min(w, h) < crop]
+        if len(small) * 2 > len(sizes):
+            path, w, h = small[0]
+            _logger.warning("%d of %d training images checked are smaller than the data.img_size=%d crop (e.g. %s, "
+                            "%dx%d): crops are mostly padding; set data.img_size to about %d (a multiple of the "
+                            "patch)", len(small), len(sizes), crop, path, w, h, min(min(w, h) for _, w, h in small))
 
     def build_model(self, num_classes: int) -> nn.Module:
         self.num_classes = num_classes
@@ -118,10 +133,32 @@ class SegmentationTask(Task):
     def new_meter(self, device: torch.device) -> SegmentationMeter:
         return SegmentationMeter(self.num_classes, ignore_index=self.cfg.data.ignore_index, device=device)
 
+    def describe_evaluation(self) -> str:
+        ev = self.cfg.seg.eval
+        if ev.mode == 'whole':
+            return "whole validation images, one forward each"
+        window = ev.window or self.cfg.data.img_size
+        stride = f"{ev.stride} px" if ev.stride else "2/3 of the window"
+        return f"sliding {window} px windows, stride {stride}"
+
+    def check_input_size(self, model: nn.Module) -> None:
+        """The training crop and the sliding window must be multiples of the patch; the stride must fit the window
+        (whole-mode images of any size are padded to the patch)."""
+        super().check_input_size(model)
+        ev, multiple = self.cfg.seg.eval, input_multiple(model)
+        if ev.mode != 'slide':
+            return
+        window = ev.window or self.cfg.data.img_size
+        if window % multiple:
+            raise ConfigError(f"seg.eval.window={window} is not a multiple of the patch size {multiple}: use "
+                              f"{nearest_multiples(window, multiple)}")
+        if ev.stride is not None and not 0 < ev.stride <= window:
+            raise ConfigError(f"seg.eval.stride={ev.stride} must be between 1 and the window ({window} px)")
+
     def predict(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """Full-resolution logits float32 [B, K, H, W] for images [B, 3, H, W], as ``seg.eval`` says."""
         ev = self.cfg.seg.eval
-        multiple = _input_multiple(model)
+        multiple = input_multiple(model)
         window = ev.window or self.cfg.data.img_size
         return segment(model, images, ev.mode, window=window, stride=ev.stride,
                        batch_size=self.cfg.data.eval_batch_size or self.cfg.data.batch_size,
@@ -157,5 +194,17 @@ class SegmentationTask(Task):
             images.append(image)
             masks.append(mask)
             predictions.append(logits[0].argmax(dim=0).cpu())
+        # a dataset may bring colours that match its class names (the built-in shapes: red-key in red)
         plot_segmentation_grid(images, mean, std, masks, predictions, class_names, png_path,
-                               ignore_index=self.cfg.data.ignore_index, max_images=count)
+                               ignore_index=self.cfg.data.ignore_index, max_images=count,
+                               palette=getattr(dataset, 'palette', None))
+
+    def plot_evaluation(self, meter: Meter, class_names: List[str], png_path: str) -> bool:
+        """The pixel confusion matrix of the evaluation (rows: ground truth, columns: prediction; a row's colours
+        are fractions of that class's pixels, the diagonal its recall)."""
+        if not isinstance(meter, SegmentationMeter):
+            return False
+        names = class_names if class_names is not None and len(class_names) == meter.num_classes \
+            else self._class_names(meter.num_classes)
+        plot_confusion_matrix(meter.confusion().cpu(), names, png_path)
+        return True
