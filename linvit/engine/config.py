@@ -33,7 +33,7 @@ from ..deprecation import warn_renamed
 from ..precision import PRECISION_ALIASES, PRECISIONS
 
 __all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'SegConfig',
-           'SegEvalConfig', 'LinearizeConfig', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys',
+           'SegEvalConfig', 'LinearizeConfig', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys', 'check_runs_here',
            'load_config', 'config_to_yaml', 'config_from_yaml', 'MISSING']
 
 _logger = logging.getLogger(__name__)
@@ -309,9 +309,10 @@ def _check_model_name(cfg: DictConfig) -> None:
                       f"timm.list_models() all)")
 
 
-def _check_device(cfg: DictConfig) -> None:
+def check_runs_here(cfg: DictConfig) -> None:
     """ConfigError for a device word torch does not know or a device this machine lacks, and for train.precision=
-    float16 off CUDA (its gradient scaler is CUDA's)."""
+    float16 off CUDA (its gradient scaler is CUDA's). Asked when a run starts, not when a config loads: a config
+    saved on a GPU machine still loads on a laptop (to predict, export or look at)."""
     device = cfg.device
     if device != 'auto':
         try:
@@ -498,7 +499,6 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     _check_required(cfg, [*files, *command_line])
     _check_choices(cfg)
     _check_model_name(cfg)
-    _check_device(cfg)
     _check_model_keys(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..bench.timing import time_interleaved
 from .checkpoint import atomic_write, load_checkpoint
-from .config import ConfigError, RunConfig, config_from_yaml, config_to_yaml, load_config
+from .config import ConfigError, RunConfig, check_runs_here, config_from_yaml, config_to_yaml, load_config
 from .distributed import barrier, setup_distributed
 from .run_files import find_run_files, saved_config_text
 from .tasks import TASKS, build_task
@@ -240,6 +240,7 @@ def linearize(cfg: DictConfig, resume: bool = False, overwrite: bool = False) ->
     resume: continue the run in cfg.output_dir: finished stages are kept, an interrupted one continues from its
     last.pt (the same losses as an uninterrupted run), and what was measured before the stages is read back.
     Without resume, cfg.output_dir must not hold a run (RunExistsError) unless ``overwrite`` (its files deleted)."""
+    check_runs_here(cfg)
     cfg = resolve_teacher(cfg)
     out_dir = cfg.output_dir
     info = setup_distributed(cfg.device)

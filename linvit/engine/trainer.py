@@ -45,7 +45,7 @@ from .checkpoint import (
     save_checkpoint,
     save_model_safetensors,
 )
-from .config import ConfigError, config_from_yaml, config_to_yaml, differing_keys
+from .config import ConfigError, check_runs_here, config_from_yaml, config_to_yaml, differing_keys
 from .distributed import DistInfo, all_reduce_max, all_reduce_mean, barrier, setup_distributed
 from .plots import plot_curves
 from .run_files import claim_run_dir, load_weights, read_weights, run_entries_in
@@ -129,11 +129,9 @@ def _autocast_factory(device: torch.device, amp_dtype: Optional[torch.dtype]) ->
     return lambda: torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
 
-def _check_amp(precision: str, device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype of train.precision (None for float32: no autocast)."""
-    if precision == 'float16' and device.type != 'cuda':
-        raise ValueError(f"train.precision=float16 needs CUDA (a gradient scaler guards float16 there); on "
-                         f"{device.type} use train.precision=bfloat16")
+def _autocast_dtype(precision: str) -> Optional[torch.dtype]:
+    """The autocast dtype of train.precision (None for float32: no autocast; float16 off CUDA was refused when the
+    run started, ``check_runs_here``)."""
     return None if precision == 'float32' else PRECISIONS[precision]
 
 
@@ -190,7 +188,7 @@ def _build_run(cfg: DictConfig, info: DistInfo, with_train: bool = True) -> Run:
     _seed_everything(cfg.seed)  # the same initial weights on every rank
     model = _build_model(task, len(class_names)).to(info.device)
     return Run(cfg=cfg, info=info, task=task, model=model, class_names=class_names, train_set=train_set,
-               val_set=val_set, mean=mean, std=std, amp_dtype=_check_amp(cfg.train.precision, info.device))
+               val_set=val_set, mean=mean, std=std, amp_dtype=_autocast_dtype(cfg.train.precision))
 
 
 def _loader(run: Run, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool) -> DataLoader:
@@ -763,6 +761,7 @@ def train(cfg: DictConfig, resume: Optional[Dict[str, Any]] = None, overwrite: b
     if cfg.task == 'linearize' and cfg.linearize.stage == 'all':
         raise ConfigError("task=linearize runs two stages and a report: call linvit.engine.linearize(cfg) (train.py "
                           "does), which runs each stage through train()")
+    check_runs_here(cfg)
     info = setup_distributed(cfg.device)
     if resume is None:
         prepare_new_run(cfg.output_dir, info, overwrite)
@@ -804,6 +803,7 @@ def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, floa
 
     A model built for another image size than the weights' gets their position embeddings resampled (as timm's
     checkpoint_filter_fn); weights that do not fit otherwise raise WeightsMismatchError naming the first keys."""
+    check_runs_here(cfg)
     info = setup_distributed(cfg.device)
     _use_threads(cfg.threads, info.device)
     loaded = _load_weights(weights_path)

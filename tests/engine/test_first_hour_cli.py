@@ -277,3 +277,10 @@ def test_make_demo_prints_commands_that_run_from_the_venv():
     shown = subprocess.run(['make', '-n', 'demo'], cwd=ROOT, capture_output=True, text=True).stdout
     assert '.venv/bin/python train.py --config configs/seg_demo.yaml --overwrite' in shown
     assert 'python train.py --config configs/seg_folder.yaml' not in shown.replace('.venv/bin/python train.py', '')
+
+
+def test_a_config_saved_on_a_gpu_machine_loads_anywhere_and_is_checked_when_it_runs():
+    from linvit.engine.config import ConfigError, check_runs_here, load_config
+    cfg = load_config(None, ['device=cuda:99', 'train.precision=float16'])  # e.g. to predict with its weights
+    with pytest.raises(ConfigError, match="device='cuda:99'"):
+        check_runs_here(cfg)
