@@ -116,6 +116,8 @@ gpu-stack-test:
 		$(GPU_STACK_VENV)/bin/python -m pip install --quiet -c $(GPU_STACK_VENV)/constraints.txt \
 			torch==$(GPU_TORCH) torchvision==$(GPU_TORCHVISION) numpy==$(GPU_NUMPY) -e '.[dev]' && \
 		touch $(GPU_STACK_VENV)/.installed )
+	test $(GPU_STACK_VENV)/.installed -nt pyproject.toml || ( $(GPU_STACK_VENV)/bin/python -m pip install --quiet \
+		--no-deps -e . && touch $(GPU_STACK_VENV)/.installed )
 	$(GPU_STACK_VENV)/bin/python -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', \
 		triton.__version__, 'numpy', numpy.__version__)"
 	$(GPU_STACK_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider tests $(PYTEST_ARGS)
