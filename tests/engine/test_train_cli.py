@@ -34,7 +34,7 @@ def test_run_stop_resume_and_eval_only_from_the_command_line(tmp_path):
     first = _run('train.py', '--config', 'configs/cls_demo.yaml', *TINY, f'output_dir={run}', 'train.max_steps=3')
     assert first.returncode == 0, first.stderr[-3000:]
     assert f'continue with: train.py --resume {run} train.max_steps=null' in first.stderr
-    resumed = _run('train.py', '--resume', str(run))
+    resumed = _run('train.py', '--resume', str(run), 'train.max_steps=null')  # the command the stop printed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert 'resumed at step 3' in resumed.stderr
     final = _metrics(run / 'metrics.json')
