@@ -10,7 +10,7 @@ from matplotlib import colormaps
 from PIL import Image
 from tiny_run import TINY_MODEL, TINY_SEG
 
-from linvit.engine import load_config, plots
+from linvit.engine import load_config
 from linvit.engine.plots import (
     CORRECT_COLOUR,
     WRONG_COLOUR,
@@ -201,20 +201,6 @@ def test_prediction_grid_edge_cases(tmp_path):
 
 
 # --- confusion matrix ---------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def saved_figures(monkeypatch):
-    """The figures the plots module saves, in order: their axes say where a cell is in the PNG."""
-    figures = []
-    save = plots._save_png
-
-    def save_and_keep(fig, png_path, dpi):
-        save(fig, png_path, dpi)
-        figures.append(fig)
-
-    monkeypatch.setattr(plots, '_save_png', save_and_keep)
-    return figures
-
 
 def cell_colour(picture, ax, row, col) -> np.ndarray:
     """The PNG's RGB inside cell (row, col) of the matrix shown in ``ax``, off its centre where the count is written."""

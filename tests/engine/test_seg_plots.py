@@ -10,7 +10,7 @@ from PIL import Image
 from tiny_run import TINY_MODEL, TINY_SEG
 
 from linvit.data.synthetic import MARK_COLOURS
-from linvit.engine import load_config, plots
+from linvit.engine import load_config
 from linvit.engine.plots import (
     IGNORE_COLOUR,
     _display_size,
@@ -40,20 +40,6 @@ def pixels_near(picture: np.ndarray, rgb, tolerance: int) -> int:
 def normalised_grey(height, width, level=0.5):
     """A [3, H, W] image of one grey ``level`` in [0, 1], normalised with MEAN / STD."""
     return torch.full((3, height, width), (level - MEAN[0]) / STD[0])
-
-
-@pytest.fixture
-def saved_figures(monkeypatch):
-    """The figures the plots module saves, in order: their axes and legend say where a panel or patch is in the PNG."""
-    figures = []
-    save = plots._save_png
-
-    def save_and_keep(fig, png_path, dpi):
-        save(fig, png_path, dpi)
-        figures.append(fig)
-
-    monkeypatch.setattr(plots, '_save_png', save_and_keep)
-    return figures
 
 
 def png_pixel(picture: np.ndarray, display_xy) -> list:
