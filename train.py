@@ -159,6 +159,8 @@ def run_eval_only(args: argparse.Namespace) -> dict:
     _check_task(cfg)
     stem = os.path.splitext(os.path.basename(weights))[0]
     out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(weights)), f'eval_{stem}')
+    if os.path.isfile(os.path.join(out_dir, 'metrics.json')):
+        logging.warning("%s holds an earlier evaluation: its metrics.json is replaced (--out DIR keeps both)", out_dir)
     try:
         metrics = evaluate(cfg, weights, out_dir)
     except WeightsMismatchError as error:

@@ -248,6 +248,8 @@ def test_eval_only_takes_a_run_folder_and_reads_only_the_validation_data(tmp_pat
     result = _ok(_run('--eval-only', run))
     metrics = json.load(open(os.path.join(run, 'eval_model', 'metrics.json')))
     assert metrics['count'] == 16 and f"top1={metrics['top1']:.4f}" in result.stdout
+    again = _ok(_run('--eval-only', run))
+    assert 'eval_model holds an earlier evaluation: its metrics.json is replaced' in again.stderr
 
 
 # ---------------------------------------------------------------------------------------------------- outputs
