@@ -18,7 +18,8 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     import albumentations as A
 
-__all__ = ['DataError', 'KeyedImageDataset', 'KeyedSegDataset', 'mask_dtype', 'sample_seed', 'seed_words']
+__all__ = ['DataError', 'LayoutError', 'KeyedImageDataset', 'KeyedSegDataset', 'mask_dtype', 'sample_seed',
+           'seed_words', 'seed_transform']
 
 _WORD = 2 ** 32
 
@@ -42,6 +43,19 @@ def seed_words(seed: int) -> list[int]:
     """
     seed %= _WORD * _WORD
     return [seed % _WORD, seed // _WORD]
+
+
+def seed_transform(transform: A.Compose, seed: int) -> None:
+    """Seed ``transform`` for one sample, each of its steps with its own seed drawn from ``seed``.
+
+    albumentations' ``Compose.set_random_seed`` gives every step the same seed, so each step's first random number is
+    the same: reseeded per sample, a flip with p=0.5 and ColorJitter's brightness factor would always move together
+    (flipped images darker), and so would RandomResizedCrop's scale. Separate seeds keep the steps independent.
+    """
+    transform.set_random_seed(seed)
+    words = np.random.SeedSequence(seed_words(seed)).generate_state(len(transform.transforms))
+    for step, word in zip(transform.transforms, words):
+        step.set_random_seed(int(word))
 
 
 def sample_seed(index: int, seed: int) -> int:
@@ -76,7 +90,7 @@ class KeyedImageDataset(Dataset):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
         index, seed = self._parse_key(key)
         image, label = self.load(index)
-        self.transform.set_random_seed(sample_seed(index, seed))
+        seed_transform(self.transform, sample_seed(index, seed))
         out = self.transform(image=image)
         return out['image'], self.label_after_transform(label, out)
 
@@ -143,7 +157,7 @@ class KeyedSegDataset(KeyedImageDataset):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         index, seed = self._parse_key(key)
         image, mask = self.load(index)
-        self.transform.set_random_seed(sample_seed(index, seed))
+        seed_transform(self.transform, sample_seed(index, seed))
         out = self.transform(image=image, mask=mask)
         return out['image'], self.label_after_transform(out['mask'], out)
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 from torch.utils.data import Dataset
 
+from .cache import CachedImageDataset, DecodedCache
 from .folder import ImageFolderDataset, check_same_classes, class_folders
 from .synthetic import SyntheticMarks
 from .transforms import build_transforms, to_pair
@@ -74,11 +75,30 @@ def build_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_tra
     class_names = class_folders(train_dir if with_train else val_dir)
     if with_train:
         check_same_classes(class_names, class_folders(val_dir), val_dir)
+    if getattr(cfg, 'cache', False):
+        return _cached_folder(cfg, root, class_names, mean, std, with_train)
     train_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=True)
     val_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=False)
     train = ImageFolderDataset(train_dir, train_tf, class_names, cfg.max_bad_fraction) if with_train else None
     val = ImageFolderDataset(val_dir, val_tf, class_names, cfg.max_bad_fraction)
     return train, val, class_names
+
+
+def _cached_folder(cfg: Any, root: Path, class_names: list[str], mean: Sequence[float], std: Sequence[float],
+                   with_train: bool) -> Datasets:
+    """The ImageFolder splits through decoded-image caches (``data.cache``): no per-image decoding after the first
+    pass, augmentation batched on the training device."""
+    cache_dir = Path(cfg.cache_dir).expanduser() if getattr(cfg, 'cache_dir', None) else root / '.linvit_cache'
+    splits = {}
+    for split, train in (('train', True), ('val', False)):
+        if split == 'train' and not with_train:
+            splits[split] = None
+            continue
+        # listed, not verified: the cache's one decoding pass replaces unreadable files as loading does
+        folder = ImageFolderDataset(root / split, None, class_names, cfg.max_bad_fraction, verify=False)
+        cache = DecodedCache.open_or_build(folder, cfg.img_size, cache_dir, split)
+        splits[split] = CachedImageDataset(cache, cfg.aug, mean, std, train=train, source=str(root / split))
+    return splits['train'], splits['val'], class_names
 
 
 DATASET_BUILDERS: dict[str, Callable[[Any, Sequence[float], Sequence[float], bool], Datasets]] = {

@@ -532,6 +532,17 @@ def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
     return max(group['lr'] for group in optimizer.param_groups)
 
 
+def _on_device(dataset: Dataset, batch: Sequence[torch.Tensor], device: torch.device) -> Tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """A loader batch on the device: the dataset's ``on_device`` when it has one (a cached dataset augments the
+    batch there), else (images, targets) copied."""
+    on_device = getattr(dataset, 'on_device', None)
+    if on_device is not None:
+        return on_device(batch, device)
+    images, targets = batch
+    return images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+
 class TrainingLoop:
     """Epochs of accumulated optimizer steps with logging, checkpoints and evaluations, from ``progress`` (a fresh
     run, or ``resume``'s checkpoint) to ``training.stop_at``; ``fit()`` returns the final evaluation."""
@@ -616,10 +627,9 @@ class TrainingLoop:
         """The next training batch on the device, mixed by the task's mixer; the wait for it counts as data wait."""
         device = self.run.info.device
         waited = time.perf_counter()
-        images, targets = next(batches)
+        batch = next(batches)
         window.data_wait += time.perf_counter() - waited
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
+        images, targets = _on_device(self.run.train_set, batch, device)
         if self.training.mixer is not None:
             images, targets = self.training.mixer(images, targets)
         return images, targets

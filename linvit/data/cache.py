@@ -1,0 +1,175 @@
+"""A decoded-image cache: a split's images decoded once, resized to the training size, kept as a uint8 memory map.
+
+Decoding a PNG or JPEG and resizing it costs more CPU time than a small ViT spends on the image on a GPU. The cache
+pays that once per split, image size and file listing; every later epoch and run reads uint8 rows from a
+memory-mapped ``.npy`` file (no decode), and the augmentation runs batched on the training device
+(``linvit.data.batch_augment``).
+
+    cache = DecodedCache.open_or_build(folder_dataset, size=512, cache_dir='data/x/.linvit_cache', name='train')
+    cache.images      # uint8 [N, S, S, 3] RGB (np.memmap), resized as albumentations' Resize(S, S) does
+    cache.labels      # int64 [N]
+
+The folder name holds a key: a hash of the file listing (relative paths, sizes and modification times), the class
+names and labels, the size and the resize rule. A changed folder (a file added, removed, replaced or touched) has
+another key, so stale data is never read; ``meta.json``, written last, marks a finished cache, so a build cut short
+is rebuilt. Unreadable files are replaced by the next readable image, as the per-image path does at load time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import cv2
+import numpy as np
+import torch
+
+from .base import KeyedImageDataset, sample_seed
+from .batch_augment import augment_batch, draw_params, normalise
+
+__all__ = ['DecodedCache', 'CachedImageDataset', 'cache_key', 'RESIZE_RULE']
+
+_logger = logging.getLogger(__name__)
+
+#: how an image becomes S x S: the same call as albumentations' Resize(S, S) (bilinear, aspect not kept), so the
+#: cached validation images equal the per-image path's
+RESIZE_RULE = 'cv2.resize INTER_LINEAR to S x S'
+CACHE_VERSION = 1
+_META = 'meta.json'
+#: images decoded per task of the thread pool (PIL and cv2 release the GIL while they decode and resize)
+_CHUNK = 64
+
+
+def _listing(paths: Sequence[str], root: Path) -> list[list]:
+    """[relative path, size in bytes, modification time in ns] of every file: what makes two listings the same."""
+    entries = []
+    for path in paths:
+        stat = os.stat(path)
+        entries.append([os.path.relpath(path, root), stat.st_size, stat.st_mtime_ns])
+    return entries
+
+
+def cache_key(paths: Sequence[str], root: Path, labels: Sequence[int], class_names: Sequence[str], size: int) -> str:
+    """The hex digest naming a cache of ``paths`` at ``size``: it changes with any file, label, class or rule."""
+    described = {'version': CACHE_VERSION, 'rule': RESIZE_RULE, 'size': int(size), 'classes': list(class_names),
+                 'labels': [int(label) for label in labels], 'files': _listing(paths, root)}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+def _resized(image: np.ndarray, size: int) -> np.ndarray:
+    """uint8 [H, W, 3] -> uint8 [size, size, 3], as albumentations' Resize(size, size)."""
+    if image.shape[:2] == (size, size):
+        return image
+    return cv2.resize(image, (size, size), interpolation=cv2.INTER_LINEAR)
+
+
+class DecodedCache:
+    """One split decoded at one size: ``images`` uint8 [N, S, S, 3] and ``labels`` int64 [N], memory-mapped."""
+
+    def __init__(self, folder: Path) -> None:
+        meta = json.loads((folder / _META).read_text())
+        self.folder = folder
+        self.key = meta['key']
+        self.size = int(meta['size'])
+        self.class_names = list(meta['class_names'])
+        self.labels = np.load(folder / 'labels.npy')
+        self._images: np.ndarray | None = None
+
+    @property
+    def images(self) -> np.ndarray:
+        """uint8 [N, S, S, 3], mapped on first use in each process (a DataLoader worker maps the file itself
+        rather than receiving a pickled copy of it)."""
+        if self._images is None:
+            self._images = np.load(self.folder / 'images.npy', mmap_mode='r')
+        return self._images
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, '_images': None}
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @classmethod
+    def open_or_build(cls, source, size: int, cache_dir: str | os.PathLike, name: str,
+                      workers: int | None = None) -> DecodedCache:
+        """The cache of ``source`` (an ``ImageFolderDataset``: ``paths``, ``targets``, ``class_names``,
+        ``split_dir``, ``load(i)``) at ``size``, built (decoding every image once) unless a finished cache with the
+        same key exists in ``cache_dir``."""
+        key = cache_key(source.paths, source.split_dir, source.targets, source.class_names, size)
+        folder = Path(cache_dir) / f"{name}-{size}px-{key[:16]}"
+        if (folder / _META).is_file() and json.loads((folder / _META).read_text()).get('key') == key:
+            _logger.info("decoded-image cache %s: %d images of %d px (no decoding)", folder, len(source.paths), size)
+            return cls(folder)
+        _build(source, size, folder, key, workers or min(8, os.cpu_count() or 1))
+        return cls(folder)
+
+
+def _build(source, size: int, folder: Path, key: str, workers: int) -> None:
+    """Decode every image of ``source`` into ``folder`` (a fresh one: a partial earlier build is removed)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    count = len(source.paths)
+    _logger.info("building the decoded-image cache %s: %d images at %d px (once per listing and size)", folder,
+                 count, size)
+    images = np.lib.format.open_memmap(folder / 'images.npy', mode='w+', dtype=np.uint8, shape=(count, size, size, 3))
+    labels = np.empty(count, dtype=np.int64)
+
+    def fill(start: int) -> None:
+        for index in range(start, min(start + _CHUNK, count)):
+            image, label = source.load(index)
+            images[index] = _resized(image, size)
+            labels[index] = label
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(fill, range(0, count, _CHUNK)))
+    images.flush()
+    np.save(folder / 'labels.npy', labels)
+    meta = {'key': key, 'size': size, 'count': count, 'rule': RESIZE_RULE, 'class_names': list(source.class_names),
+            'source': str(source.split_dir)}
+    (folder / _META).write_text(json.dumps(meta, indent=1))  # last: marks the cache finished
+
+
+class CachedImageDataset(KeyedImageDataset):
+    """A classification split read from a DecodedCache, keyed as every linvit dataset (index or (index, seed)).
+
+    train: ``dataset[key] -> (image uint8 [3, S, S], label, params float32 [PARAM_COUNT])``: the augmentation is
+    drawn here (seeded by the key) and applied batched on the device by ``on_device``. Validation:
+    ``dataset[key] -> (image float32 [3, S, S] normalised, label)``, equal to the per-image path's Resize + Normalize.
+    """
+
+    def __init__(self, cache: DecodedCache, aug_cfg: Any, mean: Sequence[float], std: Sequence[float], train: bool,
+                 source: str = '') -> None:
+        super().__init__(None, cache.class_names, cache.labels.tolist())
+        self.cache, self.aug_cfg, self.train = cache, aug_cfg, train
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.source = source
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple:
+        index, seed = self._parse_key(key)
+        image = torch.from_numpy(np.array(self.cache.images[index])).permute(2, 0, 1)  # a copy: the map is read-only
+        label = self.targets[index]
+        if not self.train:
+            return normalise(image[None], self.mean, self.std)[0], label
+        rng = np.random.default_rng(sample_seed(index, seed))
+        params = draw_params(self.aug_cfg, rng, self.cache.size, self.cache.size)
+        return image, label, torch.from_numpy(params)
+
+    def on_device(self, batch: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A collated training batch (uint8 images, labels, params) -> (float32 images [B, 3, S, S], labels) on
+        ``device``, augmented there in one batched call."""
+        images, labels, params = batch
+        images = images.to(device, non_blocking=True)
+        augmented = augment_batch(images, params, self.cache.size, self.mean, self.std,
+                                  jitter=float(self.aug_cfg.color_jitter) > 0)
+        return augmented, labels.to(device, non_blocking=True)
+
+    def describe(self) -> str:
+        return (f"cached {self.source or self.cache.folder}: {len(self)} images of {self.cache.size} px decoded once "
+                f"({self.cache.folder}), {len(self.class_names)} classes, augmented on the training device"
+                if self.train else f"cached {self.source or self.cache.folder}: {len(self)} images of "
+                f"{self.cache.size} px ({self.cache.folder})")
