@@ -45,6 +45,8 @@ def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence
 
 def build_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> Datasets:
     """The two-marks task (``linvit.data.synthetic``) at ``cfg.img_size``."""
+    if getattr(cfg, 'cache', False):
+        _logger.warning("data.cache=true: synthetic data is rendered, not decoded; it keeps the per-image path")
     if cfg.aug.random_resized_crop and to_pair(cfg.aug.scale, 'aug.scale')[0] < _SAFE_MARK_CROP_SCALE:
         _logger.warning("data.aug.scale=%s on synthetic marks: small random crops can cut a mark off the image and "
                         "make its label unlearnable; a minimum of %.1f or more keeps most marks", list(cfg.aug.scale),

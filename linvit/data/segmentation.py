@@ -318,6 +318,9 @@ def build_segmentation_datasets(cfg: Any, mean: Sequence[float], std: Sequence[f
 
 def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> SegDatasets:
     """Datasets from ``cfg.root/{train,val}/{images,masks}``; class names as the module docstring says."""
+    if getattr(cfg, 'cache', False):
+        _logger.warning("data.cache=true: the decoded-image cache serves classification folders so far; this "
+                        "segmentation folder keeps the per-image path (decoded and augmented in the workers)")
     if not cfg.root:
         raise ValueError("data.root must be set when data.name is 'folder': a folder holding train/images/, "
                          "train/masks/, val/images/ and val/masks/")
