@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from .transforms import to_pair
 
-__all__ = ['PARAM_COUNT', 'draw_params', 'augment_batch', 'crop_box', 'normalise']
+__all__ = ['PARAM_COUNT', 'draw_params', 'draw_seg_params', 'augment_batch', 'augment_seg_batch', 'crop_box',
+           'normalise']
 
 #: top, left, height, width (fractions of the image), flip x, flip y (0/1), brightness, contrast, saturation, the
 #: index into COLOUR_ORDERS
@@ -67,6 +68,22 @@ def draw_params(aug_cfg: Any, rng: np.random.Generator, height: int, width: int,
     if aug_cfg.random_resized_crop:
         top, left, h, w = crop_box(rng, height, width, to_pair(aug_cfg.scale, 'aug.scale'))
         params[:4] = (top / height, left / width, h / height, w / width)
+    return _flips_and_colour(aug_cfg, rng, params)
+
+
+def draw_seg_params(aug_cfg: Any, rng: np.random.Generator) -> np.ndarray:
+    """One segmentation crop's augmentation, float32 [PARAM_COUNT], as the per-image path's RandomScale (factor f
+    uniform in ``scale_range``), PadIfNeeded at a random place and RandomCrop of the image's own size: the crop sees
+    1/f of the image side at a random offset (beyond the image where f < 1: padding, ignored in the mask)."""
+    low, high = to_pair(aug_cfg.scale_range, 'aug.scale_range')
+    extent = 1 / rng.uniform(low, high)
+    top, left = (rng.uniform(min(0.0, 1 - extent), max(0.0, 1 - extent)) for _ in range(2))
+    params = np.array([top, left, extent, extent, 0, 0, 1, 1, 1, 0], dtype=np.float32)
+    return _flips_and_colour(aug_cfg, rng, params)
+
+
+def _flips_and_colour(aug_cfg: Any, rng: np.random.Generator, params: np.ndarray) -> np.ndarray:
+    """``params`` with the flips and colour factors drawn (``hflip``, ``vflip``, ``color_jitter``)."""
     params[4] = rng.random() < float(aug_cfg.hflip)
     params[5] = rng.random() < float(aug_cfg.vflip)
     strength = float(aug_cfg.color_jitter)
@@ -120,12 +137,26 @@ def augment_batch(images: torch.Tensor, params: torch.Tensor, size: int, mean: S
     [B, 3, size, size], cropped, resized, flipped, jittered (unless ``jitter`` is False: data.aug.color_jitter=0)
     and normalised as ``(x / 255 - mean) / std``."""
     params = params.to(images.device, torch.float32)
-    pixels = images.float() / 255
-    pixels = F.grid_sample(pixels, _sampling_grid(params, size), mode='bilinear', padding_mode='border',
-                           align_corners=False)
+    grid = _sampling_grid(params, size)
+    # outside the image (a zoomed-out segmentation crop) the image is black, as the per-image path pads it
+    pixels = F.grid_sample(images.float() / 255, grid, mode='bilinear', padding_mode='zeros', align_corners=False)
     if jitter:
         pixels = _jitter(pixels, params)
     return _normalised(pixels, mean, std)
+
+
+def augment_seg_batch(images: torch.Tensor, masks: torch.Tensor, params: torch.Tensor, size: int,
+                      mean: Sequence[float], std: Sequence[float], ignore_index: int,
+                      jitter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``augment_batch`` for images uint8 [B, 3, H, W] with their class-id masks [B, H, W] (``draw_seg_params``):
+    the masks take the same geometry with nearest-neighbour sampling, ``ignore_index`` where the crop leaves the
+    image -> (float32 [B, 3, size, size], int64 [B, size, size])."""
+    augmented = augment_batch(images, params, size, mean, std, jitter)
+    grid = _sampling_grid(params.to(images.device, torch.float32), size)
+    # shifted by one so that grid_sample's zero padding stands for 'outside', then mapped to ignore_index
+    shifted = F.grid_sample(masks.float()[:, None] + 1, grid, mode='nearest', padding_mode='zeros',
+                            align_corners=False)[:, 0].long() - 1
+    return augmented, torch.where(shifted < 0, torch.full_like(shifted, ignore_index), shifted)
 
 
 def normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:

@@ -29,10 +29,10 @@ import cv2
 import numpy as np
 import torch
 
-from .base import KeyedImageDataset, sample_seed
-from .batch_augment import augment_batch, draw_params, normalise
+from .base import KeyedImageDataset, KeyedSegDataset, sample_seed
+from .batch_augment import augment_batch, augment_seg_batch, draw_params, draw_seg_params, normalise
 
-__all__ = ['DecodedCache', 'CachedImageDataset', 'cache_key', 'RESIZE_RULE']
+__all__ = ['DecodedCache', 'CachedImageDataset', 'CachedSegDataset', 'cache_key', 'RESIZE_RULE']
 
 _logger = logging.getLogger(__name__)
 
@@ -78,7 +78,9 @@ class DecodedCache:
         self.size = int(meta['size'])
         self.class_names = list(meta['class_names'])
         self.labels = np.load(folder / 'labels.npy')
+        self.has_masks = bool(meta.get('masks', False))
         self._images: np.ndarray | None = None
+        self._masks: np.ndarray | None = None
 
     @property
     def images(self) -> np.ndarray:
@@ -88,8 +90,15 @@ class DecodedCache:
             self._images = np.load(self.folder / 'images.npy', mmap_mode='r')
         return self._images
 
+    @property
+    def masks(self) -> np.ndarray:
+        """The class-id masks [N, S, S] of a segmentation split (nearest-neighbour resized), mapped on first use."""
+        if self._masks is None:
+            self._masks = np.load(self.folder / 'masks.npy', mmap_mode='r')
+        return self._masks
+
     def __getstate__(self) -> dict:
-        return {**self.__dict__, '_images': None}
+        return {**self.__dict__, '_images': None, '_masks': None}
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -97,40 +106,58 @@ class DecodedCache:
     @classmethod
     def open_or_build(cls, source, size: int, cache_dir: str | os.PathLike, name: str,
                       workers: int | None = None) -> DecodedCache:
-        """The cache of ``source`` (an ``ImageFolderDataset``: ``paths``, ``targets``, ``class_names``,
-        ``split_dir``, ``load(i)``) at ``size``, built (decoding every image once) unless a finished cache with the
-        same key exists in ``cache_dir``."""
-        key = cache_key(source.paths, source.split_dir, source.targets, source.class_names, size)
+        """The cache of ``source`` at ``size``, built (decoding every image once) unless a finished cache with the
+        same key exists in ``cache_dir``. ``source``: an ``ImageFolderDataset`` (``paths``, ``targets``) or a
+        ``SegFolderDataset`` (``image_paths``, ``mask_paths``: its masks are cached too), with ``class_names``,
+        ``split_dir`` and ``load(i)``."""
+        files, labels = _files_and_labels(source)
+        key = cache_key(files, source.split_dir, labels, source.class_names, size)
         folder = Path(cache_dir) / f"{name}-{size}px-{key[:16]}"
         if (folder / _META).is_file() and json.loads((folder / _META).read_text()).get('key') == key:
-            _logger.info("decoded-image cache %s: %d images of %d px (no decoding)", folder, len(source.paths), size)
+            _logger.info("decoded-image cache %s: %d images of %d px (no decoding)", folder, len(source), size)
             return cls(folder)
         _build(source, size, folder, key, workers or min(8, os.cpu_count() or 1))
         return cls(folder)
 
 
+def _files_and_labels(source) -> tuple[list[str], list[int]]:
+    """What a cache key covers: every file read (images, and masks for segmentation) and the labels."""
+    if hasattr(source, 'mask_paths'):
+        return [*source.image_paths, *source.mask_paths], []
+    return list(source.paths), list(source.targets)
+
+
 def _build(source, size: int, folder: Path, key: str, workers: int) -> None:
-    """Decode every image of ``source`` into ``folder`` (a fresh one: a partial earlier build is removed)."""
+    """Decode every image (and mask) of ``source`` into ``folder`` (a fresh one: a partial earlier build is
+    removed)."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    count = len(source.paths)
+    count, with_masks = len(source), hasattr(source, 'mask_paths')
     _logger.info("building the decoded-image cache %s: %d images at %d px (once per listing and size)", folder,
                  count, size)
     images = np.lib.format.open_memmap(folder / 'images.npy', mode='w+', dtype=np.uint8, shape=(count, size, size, 3))
-    labels = np.empty(count, dtype=np.int64)
+    masks = np.lib.format.open_memmap(folder / 'masks.npy', mode='w+', dtype=source.mask_dtype,
+                                      shape=(count, size, size)) if with_masks else None
+    labels = np.zeros(count, dtype=np.int64)
 
     def fill(start: int) -> None:
         for index in range(start, min(start + _CHUNK, count)):
-            image, label = source.load(index)
+            image, target = source.load(index)
             images[index] = _resized(image, size)
-            labels[index] = label
+            if with_masks:
+                # pixel centres sampled as the image's bilinear resize does, so mask and image stay aligned
+                masks[index] = cv2.resize(target, (size, size), interpolation=cv2.INTER_NEAREST_EXACT)
+            else:
+                labels[index] = target
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         list(pool.map(fill, range(0, count, _CHUNK)))
     images.flush()
+    if with_masks:
+        masks.flush()
     np.save(folder / 'labels.npy', labels)
     meta = {'key': key, 'size': size, 'count': count, 'rule': RESIZE_RULE, 'class_names': list(source.class_names),
-            'source': str(source.split_dir)}
+            'source': str(source.split_dir), 'masks': with_masks}
     (folder / _META).write_text(json.dumps(meta, indent=1))  # last: marks the cache finished
 
 
@@ -173,3 +200,37 @@ class CachedImageDataset(KeyedImageDataset):
                 f"({self.cache.folder}), {len(self.class_names)} classes, augmented on the training device"
                 if self.train else f"cached {self.source or self.cache.folder}: {len(self)} images of "
                 f"{self.cache.size} px ({self.cache.folder})")
+
+
+class CachedSegDataset(KeyedSegDataset):
+    """A segmentation training split read from a DecodedCache with masks: ``dataset[key] -> (image uint8
+    [3, S, S], mask [S, S], params float32 [PARAM_COUNT])``, the random scale, crop, flips and colour drawn here
+    (seeded by the key) and applied batched on the device by ``on_device``. Validation stays on the per-image path
+    (full-resolution images)."""
+
+    def __init__(self, cache: DecodedCache, aug_cfg: Any, mean: Sequence[float], std: Sequence[float],
+                 ignore_index: int, palette: np.ndarray | None = None, source: str = '') -> None:
+        super().__init__(None, cache.class_names, len(cache), ignore_index, palette)
+        self.cache, self.aug_cfg = cache, aug_cfg
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.source = source
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple:
+        index, seed = self._parse_key(key)
+        image = torch.from_numpy(np.array(self.cache.images[index])).permute(2, 0, 1)  # a copy: the map is read-only
+        mask = torch.from_numpy(np.array(self.cache.masks[index]))
+        params = draw_seg_params(self.aug_cfg, np.random.default_rng(sample_seed(index, seed)))
+        return image, mask, torch.from_numpy(params)
+
+    def on_device(self, batch: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A collated batch (uint8 images, masks, params) -> (float32 images [B, 3, S, S], int64 masks [B, S, S])
+        on ``device``, augmented there in one batched call."""
+        images, masks, params = batch
+        return augment_seg_batch(images.to(device, non_blocking=True), masks.to(device, non_blocking=True), params,
+                                 self.cache.size, self.mean, self.std, self.ignore_index,
+                                 jitter=float(self.aug_cfg.color_jitter) > 0)
+
+    def describe(self) -> str:
+        return (f"cached {self.source or self.cache.folder}: {len(self)} image/mask pairs of {self.cache.size} px "
+                f"decoded once ({self.cache.folder}), {len(self.class_names)} classes, augmented on the training "
+                f"device")

@@ -318,9 +318,6 @@ def build_segmentation_datasets(cfg: Any, mean: Sequence[float], std: Sequence[f
 
 def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> SegDatasets:
     """Datasets from ``cfg.root/{train,val}/{images,masks}``; class names as the module docstring says."""
-    if getattr(cfg, 'cache', False):
-        _logger.warning("data.cache=true: the decoded-image cache serves classification folders so far; this "
-                        "segmentation folder keeps the per-image path (decoded and augmented in the workers)")
     if not cfg.root:
         raise ValueError("data.root must be set when data.name is 'folder': a folder holding train/images/, "
                          "train/masks/, val/images/ and val/masks/")
@@ -336,7 +333,19 @@ def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with
         train = SegFolderDataset(root / 'train', train_tf, class_names, cfg.ignore_index, cfg.max_bad_fraction)
         class_names = train.class_names
     val = SegFolderDataset(root / 'val', val_tf, class_names, cfg.ignore_index, cfg.max_bad_fraction)
+    if with_train and getattr(cfg, 'cache', False):
+        train = _cached_train(cfg, root, train, mean, std)
     return (train if with_train else None), val, class_names
+
+
+def _cached_train(cfg: Any, root: Path, train: SegFolderDataset, mean: Sequence[float],
+                  std: Sequence[float]) -> KeyedSegDataset:
+    """The training split through the decoded-image cache (``data.cache``): images and masks decoded once at
+    data.img_size, augmented on the training device. Validation stays at full resolution, from the files."""
+    from .cache import CachedSegDataset, DecodedCache
+    cache_dir = Path(cfg.cache_dir).expanduser() if getattr(cfg, 'cache_dir', None) else root / '.linvit_cache'
+    cache = DecodedCache.open_or_build(train, cfg.img_size, cache_dir, 'train')
+    return CachedSegDataset(cache, cfg.aug, mean, std, cfg.ignore_index, source=str(root / 'train'))
 
 
 def build_seg_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> SegDatasets:

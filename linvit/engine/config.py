@@ -91,7 +91,7 @@ class DataConfig:
     num_workers: int = 2
     max_bad_fraction: float = 0.01
     # folder data: decode every image once at data.img_size into a memory-mapped cache, augment batches on the
-    # training device (linvit.data.cache, linvit.data.batch_augment); classification folders
+    # training device (linvit.data.cache, linvit.data.batch_augment); segmentation: the training split
     cache: bool = False
     cache_dir: Optional[str] = None  # where the caches live (default: <data.root>/.linvit_cache)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)

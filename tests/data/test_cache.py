@@ -224,3 +224,61 @@ def test_train_py_trains_from_the_cache_and_the_next_run_decodes_nothing(tmp_pat
     assert second == pytest.approx(first)  # the same seed, the same data: the same run
     cache = DecodedCache.open_or_build(folder_split(root), 32, root / '.linvit_cache', 'train')
     assert len(pickle.dumps(cache)) < 10_000  # a worker maps the file: the pixels are not pickled
+
+
+# ---------------------------------------------------------------------------------------------------- segmentation
+
+def blocks(size=32, block=4, seed=0):
+    """A mask of 4 x 4 px blocks of class ids 0..2 and an image whose red channel is 100 x the id (uint8 [3, S, S],
+    int [S, S]): after any geometry, a pixel's image value says which class it came from."""
+    rng = np.random.default_rng(seed)
+    mask = np.kron(rng.integers(0, 3, (size // block, size // block)), np.ones((block, block), dtype=np.int64))
+    image = np.zeros((3, size, size), np.uint8)
+    image[0] = mask * 100
+    return torch.from_numpy(image), torch.from_numpy(mask.astype(np.uint8))
+
+
+def test_masks_keep_the_image_geometry_through_scale_crop_and_flips():
+    from linvit.data.batch_augment import augment_seg_batch, draw_seg_params
+    cfg = aug(scale_range=[0.5, 2.0], hflip=0.5, vflip=0.5)
+    images, masks, params = [], [], []
+    for seed in range(24):
+        image, mask = blocks(seed=seed)
+        images.append(image)
+        masks.append(mask)
+        params.append(torch.from_numpy(draw_seg_params(cfg, np.random.default_rng(seed))))
+    out, out_masks = augment_seg_batch(torch.stack(images), torch.stack(masks), torch.stack(params), 32, (0, 0, 0),
+                                       (1, 1, 1), ignore_index=255, jitter=False)
+    red = out[:, 0] * 255  # the mean is 0 and the std 1: the red channel in 0..255
+    labelled = out_masks != 255
+    # inside blocks the bilinear image and the nearest mask agree exactly; only block edges may blend
+    agree = ((red / 100).round().long() == out_masks) & labelled
+    assert agree.sum() >= 0.9 * labelled.sum()
+    # outside the image: black and ignored (the bilinear image blends with the black only along the edge)
+    assert (red[~labelled].abs() < 1e-4).float().mean() > 0.9
+    assert (~labelled).any() and labelled.any()  # zoomed out and in both happened
+    assert set(out_masks.unique().tolist()) <= {0, 1, 2, 255}
+
+
+def test_segmentation_training_runs_from_the_cache_and_its_key_covers_the_masks(tmp_path):
+    from linvit.data import build_segmentation_datasets
+    root = tmp_path / 'seg'
+    rng = np.random.default_rng(0)
+    for split in ('train', 'val'):
+        for i in range(4):
+            os.makedirs(root / split / 'images', exist_ok=True)
+            os.makedirs(root / split / 'masks', exist_ok=True)
+            pixels = rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / split / 'images' / f'{i}.png')
+            Image.fromarray(rng.integers(0, 3, (40, 48), dtype=np.uint8)).save(root / split / 'masks' / f'{i}.png')
+    cfg = SimpleNamespace(name='folder', root=str(root), img_size=32, max_bad_fraction=0.0, cache=True, cache_dir=None,
+                          num_classes=None, ignore_index=255, aug=aug(scale_range=[0.5, 2.0], hflip=0.5))
+    train, val, names = build_segmentation_datasets(cfg, MEAN, STD)
+    assert names == ['class_0', 'class_1', 'class_2'] and train.cache.masks.shape == (4, 32, 32)
+    images, targets = train.on_device(torch.utils.data.default_collate([train[(i, 0)] for i in range(4)]),
+                                      torch.device('cpu'))
+    assert images.shape == (4, 3, 32, 32) and targets.dtype == torch.int64 and targets.shape == (4, 32, 32)
+    assert val[(0, 0)][0].shape == (3, 40, 48)  # validation stays at full resolution
+    Image.fromarray(np.zeros((40, 48), np.uint8)).save(root / 'train' / 'masks' / '0.png')  # a mask edited
+    again, _, _ = build_segmentation_datasets(cfg, MEAN, STD)
+    assert again.cache.folder != train.cache.folder and not again.cache.masks[0].any()
