@@ -13,7 +13,7 @@ MUTATION_WORKERS ?= 2
 # mutant name patterns for make mutation (empty: every module of the target), e.g. 'linvit.layers.families.*'
 MUTANTS ?=
 
-.PHONY: setup demo demo-cls test lint bench gpu-check gpu-prep triton-compat gpu-stack-test mutation clean
+.PHONY: setup demo demo-cls test lint bench gpu-check gpu-quality gpu-prep triton-compat gpu-stack-test mutation clean
 
 setup: $(STAMP)
 
@@ -62,16 +62,23 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py
 
-# the GPU check (README: GPU check): kernel parity and speed, ViT-S/B speed against timm's softmax ViT and the floor
-# (GPU_CHECK_ARGS='--sections parity op models quality' adds linvit-Tiny vs ViT-Tiny quality), on the first CUDA
-# device in at most 6 minutes -> runs/gpu_check/. It installs
+# the GPU check (docs/benchmarks.md: GPU check): kernel parity and speed, ViT-S/B speed against timm's softmax ViT and
+# the floor, on the first CUDA device in at most 6 minutes -> runs/gpu_check/. It installs
 # nothing: it runs .venv's python when there is one, else python3 (on a GPU machine: make gpu-check PY=python3).
 FMNIST_DIR ?= /usr/share/datasets/fashion-mnist
 GPU_CHECK_ARGS ?=
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_check.py --device cuda:0 \
-		--fmnist-dir $(FMNIST_DIR) $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_check.py --device cuda:0 $(GPU_CHECK_ARGS)
+
+# quality at high resolution (docs/benchmarks.md: GPU check): linvit against timm's softmax ViT trained by train.py
+# (Tiny and Small at 512 px, equal steps; at 1024 px, equal seconds; a ViT-S teacher linearized at 1024 px) on
+# Fashion-MNIST canvases rendered from the IDX files in FMNIST_DIR, in at most 5 minutes -> runs/quality_check/.
+# Installs nothing; the same python as gpu-check.
+GPU_QUALITY_ARGS ?=
+gpu-quality:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/quality_check.py --device cuda:0 \
+		--fmnist-dir $(FMNIST_DIR) $(GPU_QUALITY_ARGS)
 
 # what a GPU machine lacks, for the device's run to carry (git-ignored via .git/info/exclude): .whl/ holds the cp312
 # wheels of the training stack the GPU image does not ship (versions from the constraints), .gpudata/ the

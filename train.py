@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--out', help='--eval-only: directory for metrics.json (default: next to WEIGHTS, in '
                                       'eval_<name>/)')
     parser.add_argument('overrides', nargs='*', metavar='key=value', help='config overrides, e.g. train.epochs=3')
-    args = parser.parse_args(argv)
+    # intermixed: options may follow the key=value overrides (train.py --eval-only RUN data.img_size=512 --out DIR)
+    args = parser.parse_intermixed_args(argv)
     if not (args.config or args.resume or args.eval_only):
         parser.error('give --config FILE, --resume RUN_DIR or --eval-only WEIGHTS')
     if args.overwrite and (args.resume or args.eval_only):

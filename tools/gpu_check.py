@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""The GPU check: the linear-attention kernel's parity and speed, whole-model speed, and quality, in one short run.
+"""The GPU check: the linear-attention kernel's parity and speed, and whole-model speed, in one short run.
 
-Four sections, each in its own process under a hard time budget; whatever does not fit in its budget is written as
-'skipped (time budget)', never estimated:
+Three sections, each in its own process under a hard time budget; whatever does not fit in its budget is written as
+'skipped (time budget)', never estimated (quality, trained by train.py, is tools/quality_check.py: make gpu-quality):
 
 1. parity: ``linvit.ops.linear_attention_op`` (the Triton kernel) in float32, bfloat16 and float16, output and
    gradients, against ``linvit.ops.linear_attention`` on float64 copies of the same inputs, at 1k, 16k and 64k
@@ -11,18 +11,15 @@ Four sections, each in its own process under a hard time budget; whatever does n
    against the op's PyTorch path;
 3. models: ViT-S and ViT-B at 512, 1024 and 2048 px, linvit, its floor (attention without token mixing) and timm's
    softmax ViT: compiled training steps (img/s, peak memory) and CUDA-graph inference (img/s); last, linvit with
-   attn_backend='torch'. A compile cache (--cache-dir) makes a rerun on the same machine reach further down the list;
-4. quality: linvit-Tiny and timm's ViT-Tiny trained by train.py with the same recipe and step budget
-   (configs/cls_fmnist_hires.yaml and its _softmax twin) on Fashion-MNIST items scattered on 512 px canvases
-   (rendered from the IDX files in --fmnist-dir); top-1 of both on its validation set.
+   attn_backend='torch'. A compile cache (--cache-dir) makes a rerun on the same machine reach further down the list.
 
-Sections 1 and 4 run side by side, then 2 and 3 alone; their budgets are shares of --budget. Output in --out:
-gpu_check.csv (one row per measurement), gpu_check.md (the tables, also printed), gpu_check_throughput.png (img/s
-against image size), logs/<section>.log, quality/<model>/ (the train.py runs). The exit status is 1 when a parity
-row FAILs or a measurement errors, else 0. The library, with the details: linvit.bench.gpu_check.
+The sections run one after the other; their budgets are shares of --budget. Output in --out: gpu_check.csv (one row
+per measurement), gpu_check.md (the tables, also printed), gpu_check_throughput.png (img/s against image size),
+logs/<section>.log. The exit status is 1 when a parity row FAILs or a measurement errors, else 0. The library, with
+the details: linvit.bench.gpu_check.
 
     make gpu-check                                       # the first CUDA device, about 6 minutes
-    python tools/gpu_check.py --device cuda:0 --fmnist-dir .gpudata/fashion-mnist
+    python tools/gpu_check.py --device cuda:0
     python tools/gpu_check.py --device cpu --quick       # the same code at tiny sizes (two minutes on 2 cores)
     python tools/gpu_check.py --sections parity op --budget 120
 """
@@ -34,8 +31,6 @@ from typing import List, Optional
 from linvit.bench.cli import HelpFormatter
 from linvit.bench.gpu_check import (
     COMPILE_BACKENDS,
-    DEFAULT_FMNIST_DIR,
-    DEFAULT_SECTIONS,
     FULL,
     QUICK,
     SECTIONS,
@@ -50,16 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--device', default='cuda:0', help="torch device: the first CUDA device, or 'cpu'")
     parser.add_argument('--quick', action='store_true',
                         help='tiny sizes (one-block models, a few tokens, a few images), the same code: for a CPU')
-    parser.add_argument('--out', default='runs/gpu_check', help='output folder: tables, CSV, plot, logs, train runs')
+    parser.add_argument('--out', default='runs/gpu_check', help='output folder: tables, CSV, plot, logs')
     parser.add_argument('--budget', type=float,
                         help=f'total seconds (default: {FULL.budget_s:.0f}; with --quick: {QUICK.budget_s:.0f})')
-    parser.add_argument('--sections', nargs='+', choices=SECTIONS, default=list(DEFAULT_SECTIONS),
-                        help='what to run (quality only when named: it is moving to a command of its own)')
-    parser.add_argument('--fmnist-dir', default=DEFAULT_FMNIST_DIR,
-                        help='folder of the Fashion-MNIST IDX files (train-*-ubyte[.gz], t10k-*-ubyte[.gz]); the '
-                             'environment variable FMNIST_DIR sets the default')
+    parser.add_argument('--sections', nargs='+', choices=SECTIONS, default=list(SECTIONS), help='what to run')
     parser.add_argument('--cache-dir', default='build/gpu_check_cache',
-                        help='compile caches (inductor, Triton) and the rendered quality data, kept for reruns')
+                        help='compile caches (inductor, Triton), kept for reruns')
     parser.add_argument('--compile-backend', choices=COMPILE_BACKENDS,
                         help="torch.compile backend of section 3 (default: inductor; with --quick: aot_eager, which "
                              "traces the same forward and backward graphs without generating code: inductor's C++ "
@@ -72,7 +63,7 @@ def parse_args(argv: Optional[List[str]] = None) -> CheckSettings:
     parser = build_parser()
     args = parser.parse_args(argv)
     settings = CheckSettings(device=args.device, quick=args.quick, out=args.out, budget=args.budget,
-                             sections=tuple(args.sections), fmnist_dir=args.fmnist_dir, cache_dir=args.cache_dir,
+                             sections=tuple(args.sections), cache_dir=args.cache_dir,
                              compile_backend=args.compile_backend)
     try:
         return settings.resolved()

@@ -1,10 +1,11 @@
-"""The GPU check: the linear-attention kernel's parity and speed, whole-model speed, and quality, in one short run.
+"""The GPU check: the linear-attention kernel's parity and speed, and whole-model speed, in one short run.
 
     settings = CheckSettings(device='cuda:0').resolved()      # or CheckSettings(device='cpu', quick=True)
     status = run_check(settings, start=time.time())         # writes settings.out/gpu_check.{md,csv} and the plot
 
-Four sections, each in its own process under a hard time budget; whatever does not fit in its budget is written as
-'skipped (time budget)', never estimated:
+Three sections, each in its own process under a hard time budget; whatever does not fit in its budget is written as
+'skipped (time budget)', never estimated (quality, linvit against softmax ViTs trained by train.py, is the command of
+its own ``linvit.bench.quality``, ``make gpu-quality``):
 
 1. parity: ``linvit.ops.linear_attention_op`` (the Triton kernel, ``backend='triton'``) in float32, bfloat16 and
    float16, output and gradients dq, dk, dv, against ``linvit.ops.linear_attention`` on float64 copies of the same
@@ -20,22 +21,18 @@ Four sections, each in its own process under a hard time budget; whatever does n
    (CUDA-graph inference, ``linvit.fast.compile_model``, mode='reduce-overhead', bfloat16 weights; img/s). One batch
    size per resolution, static shapes, the most important rows first (ViT-S at 1024 px); last, linvit with
    ``attn_backend='torch'`` (the kernel's whole-model gain). Compilation is most of this section's time: a compile
-   cache (``cache_dir``) makes a rerun on the same machine reach further down the list;
-4. quality: linvit-Tiny and timm's ViT-Tiny trained by train.py with the same recipe and step budget
-   (configs/cls_fmnist_hires.yaml and its _softmax twin) on Fashion-MNIST items scattered on 512 px canvases
-   (``linvit.data.fmnist_hires``, from the IDX files in ``fmnist_dir``); top-1 of both on its validation set.
+   cache (``cache_dir``) makes a rerun on the same machine reach further down the list.
 
-Sections 1 and 4 time nothing, so they run side by side; then 2 and 3 run alone. Section budgets are shares of the
-budget (parity 14%, quality 30%, op 14%, models the rest, minus a few seconds to write the report); what parity,
-quality and op leave unused goes to the models. A section's process runs this module
-(``python -m linvit.bench.gpu_check SETTINGS_JSON``) and prints one result line per row, which the parent collects.
-Output in ``out``: gpu_check.csv (one row per measurement), gpu_check.md (the tables, also printed),
-gpu_check_throughput.png (img/s against image size), logs/<section>.log, quality/<model>/ (the train.py runs).
-``run_check`` returns 1 when a parity row FAILs or a measurement errors, else 0.
+The sections run one after the other. Section budgets are shares of the budget (parity 14%, op 14%, models the
+rest, minus a few seconds to write the report); what parity and op leave unused goes to the models. A section's
+process runs this module (``python -m linvit.bench.gpu_check SETTINGS_JSON``) and prints one result line per row,
+which the parent collects. Output in ``out``: gpu_check.csv (one row per measurement), gpu_check.md (the tables, also
+printed), gpu_check_throughput.png (img/s against image size), logs/<section>.log. ``run_check`` returns 1 when a
+parity row FAILs or a measurement errors, else 0.
 
 Imports at module level are torch, timm and linvit's model core only, so that the kernel sections run on a machine
-where the training stack (albumentations, omegaconf, ...) did not install; the quality section and the compiled
-training step import it when they run.
+where the training stack (albumentations, omegaconf, ...) did not install; the compiled training step imports it when
+it runs.
 """
 import csv
 import dataclasses
@@ -44,7 +41,6 @@ import gc
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -65,10 +61,8 @@ from linvit.bench.memory import MemoryWatch
 from linvit.layers import make_floor
 from linvit.precision import PRECISIONS
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: train.py and configs/ for the quality section
-SECTIONS = ('parity', 'op', 'models', 'quality')  # the report's order
-#: what runs without --sections: speed and parity; quality is asked for by name (it is moving to a command of its own)
-DEFAULT_SECTIONS = ('parity', 'op', 'models')
+ROOT = Path(__file__).resolve().parents[2]  # the repository (on the sections' PYTHONPATH)
+SECTIONS = ('parity', 'op', 'models')  # the report's order, and what runs without --sections
 #: the Triton kernels a compiled linvit step must launch, per workload (their absence is a silent fallback: a FAIL)
 LINVIT_KERNELS = {'training': ('_key_pass', '_query_pass', '_grad_query', '_grad_key'),
                   'inference': ('_key_pass', '_query_pass')}
@@ -83,7 +77,6 @@ MODEL_LABELS = {'small': 'ViT-S', 'base': 'ViT-B'}
 KINDS = ('linvit', 'softmax', 'floor')   # measured in this order at each (model, size, workload)
 TORCH_PATH = 'linvit_torch'              # linvit with attn_backend='torch', measured last
 WORKLOADS = ('training', 'inference')    # measured in this order
-DEFAULT_FMNIST_DIR = os.environ.get('FMNIST_DIR', '/usr/share/datasets/fashion-mnist')
 COMPILE_BACKENDS = ('inductor', 'aot_eager', 'eager')
 
 
@@ -96,11 +89,10 @@ class CheckSettings:
     the paths absolute; a section's process gets the resolved settings and its ``deadline`` (a time.time())."""
     device: str = 'cuda:0'
     quick: bool = False                  # tiny sizes, the same code: for a CPU
-    out: str = 'runs/gpu_check'          # tables, CSV, plot, logs, train runs
+    out: str = 'runs/gpu_check'          # tables, CSV, plot, logs
     budget: Optional[float] = None       # total seconds (default: the preset's)
-    sections: Tuple[str, ...] = DEFAULT_SECTIONS
-    fmnist_dir: str = DEFAULT_FMNIST_DIR  # the Fashion-MNIST IDX files
-    cache_dir: str = 'build/gpu_check_cache'  # compile caches and the rendered quality data, kept for reruns
+    sections: Tuple[str, ...] = SECTIONS
+    cache_dir: str = 'build/gpu_check_cache'  # compile caches (inductor, Triton), kept for reruns
     compile_backend: Optional[str] = None  # section 3's torch.compile backend (default: inductor; quick: aot_eager)
     deadline: Optional[float] = None     # a section's process: when it stops
 
@@ -121,25 +113,13 @@ class CheckSettings:
         if backend not in COMPILE_BACKENDS:
             raise ValueError(f'compile backend {backend!r} is not one of {list(COMPILE_BACKENDS)}')
         return dataclasses.replace(self, budget=budget, sections=tuple(self.sections), compile_backend=backend,
-                                   out=str(Path(self.out).resolve()), cache_dir=str(Path(self.cache_dir).resolve()),
-                                   fmnist_dir=str(Path(self.fmnist_dir).resolve()))
-
-
-@dataclass(frozen=True)
-class QualityPreset:
-    size: int                 # image side, px
-    train_per_class: int
-    val_per_class: int
-    epochs: int               # the step budget, the same for both models
-    batch: int
-    workers: int              # data-loader workers per train.py run
-    model_kwargs: Tuple[Tuple[str, Any], ...] = ()
+                                   out=str(Path(self.out).resolve()), cache_dir=str(Path(self.cache_dir).resolve()))
 
 
 @dataclass(frozen=True)
 class Preset:
     budget_s: float
-    shares: Dict[str, float]                   # of the budget: parity, quality (side by side), op; models: the rest
+    shares: Dict[str, float]                   # of the budget: parity, op; models: the rest
     parity_tokens: Tuple[int, ...]
     parity_shape: Tuple[int, int, int]         # B, H, D
     op_tokens: Tuple[int, ...]
@@ -154,26 +134,22 @@ class Preset:
     train_repeats: int
     infer_warmup: int
     infer_repeats: int
-    quality: QualityPreset
 
 
 FULL = Preset(
-    budget_s=360.0, shares={'parity': 0.14, 'quality': 0.30, 'op': 0.14},
+    budget_s=360.0, shares={'parity': 0.14, 'op': 0.14},
     parity_tokens=(1024, 16384, 65536), parity_shape=(1, 4, 64),
     op_tokens=(1024, 4096, 16384, 32768), op_shape=(8, 16, 64), op_warmup=3, op_repeats=20, op_max_s=1.0,
     models=(('small', 1024), ('small', 512), ('small', 2048), ('base', 1024), ('base', 2048), ('base', 512)),
     batches={'small': {512: 64, 1024: 16, 2048: 4}, 'base': {512: 32, 1024: 8, 2048: 2}}, model_kwargs=(),
-    train_warmup=2, train_repeats=8, infer_warmup=3, infer_repeats=10,
-    quality=QualityPreset(size=512, train_per_class=600, val_per_class=100, epochs=5, batch=32, workers=6))
+    train_warmup=2, train_repeats=8, infer_warmup=3, infer_repeats=10)
 QUICK = Preset(
     # on a CPU the sections' imports take a good part of their budget (5-10 s each on 2 busy cores)
-    budget_s=120.0, shares={'parity': 0.35, 'quality': 0.35, 'op': 0.2},
+    budget_s=120.0, shares={'parity': 0.35, 'op': 0.2},
     parity_tokens=(64, 200), parity_shape=(1, 2, 32),
     op_tokens=(64, 256), op_shape=(1, 2, 32), op_warmup=1, op_repeats=3, op_max_s=0.2,
     models=(('small', 64), ('base', 32)), batches={'small': {64: 2}, 'base': {32: 2}}, model_kwargs=(('depth', 1),),
-    train_warmup=1, train_repeats=2, infer_warmup=1, infer_repeats=2,
-    quality=QualityPreset(size=64, train_per_class=3, val_per_class=2, epochs=1, batch=8, workers=0,
-                          model_kwargs=(('depth', 1),)))
+    train_warmup=1, train_repeats=2, infer_warmup=1, infer_repeats=2)
 
 
 @dataclass(frozen=True)
@@ -234,9 +210,7 @@ def plan_keys(section: str, preset: Preset) -> List[str]:
         return [case.key for case in plan_parity(preset)]
     if section == 'op':
         return [case.key for case in plan_op(preset)]
-    if section == 'models':
-        return [case.key for case in plan_models(preset)]
-    return ['quality/linvit', 'quality/softmax']
+    return [case.key for case in plan_models(preset)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -526,131 +500,7 @@ def run_models(settings: CheckSettings, preset: Preset, device: torch.device) ->
         release_memory(device)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 4. quality
-
-def missing_idx_files(idx_dir: Path) -> List[str]:
-    """The Fashion-MNIST IDX stems not found (as stem or stem.gz) in idx_dir."""
-    # imported here: linvit.data brings the training stack, which the kernel sections must not need
-    from linvit.data.fmnist_hires import IDX_STEMS, find_idx_file
-    missing = []
-    for stems in IDX_STEMS.values():
-        for stem in stems:
-            try:
-                find_idx_file(idx_dir, stem)
-            except FileNotFoundError:
-                missing.append(stem)
-    return missing
-
-
-def quality_unavailable(fmnist_dir: str) -> Optional[str]:
-    """Why the quality section cannot run, known before it starts (the status of its rows), or None."""
-    try:
-        missing = missing_idx_files(Path(fmnist_dir))
-    except ImportError as exc:
-        return f"error: the training stack does not import ({type(exc).__name__}: {exc})"
-    if missing:
-        return f"skipped (no Fashion-MNIST IDX files in {fmnist_dir}: set FMNIST_DIR)"
-    return None
-
-
-def wait_or_kill(procs: Sequence[subprocess.Popen], deadline: float) -> List[Tuple[Optional[int], float]]:
-    """(return code, seconds until it exited) of each proc once all exited; the ones still running at the deadline
-    are killed (their process groups) and give (None, seconds until then)."""
-    start = time.time()
-    seconds: Dict[int, float] = {}
-    while len(seconds) < len(procs) and time.time() < deadline:
-        for i, proc in enumerate(procs):
-            if i not in seconds and proc.poll() is not None:
-                seconds[i] = time.time() - start
-        time.sleep(0.2)
-    results: List[Tuple[Optional[int], float]] = []
-    for i, proc in enumerate(procs):
-        if i in seconds:
-            results.append((proc.returncode, seconds[i]))
-            continue
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        results.append((None, time.time() - start))
-    return results
-
-
-def fmnist_data(settings: CheckSettings, q: QualityPreset) -> Tuple[Optional[Path], str]:
-    """(folder of the rendered ImageFolder set, '') or (None, why not). Rendered once into the cache folder, in
-    this process (the section's: at its deadline the whole process group is stopped), and reused by later runs; a
-    render cut short leaves only a .partial folder."""
-    from linvit.data.fmnist_hires import FmnistHiresSpec, write_dataset
-    data = Path(settings.cache_dir) / f"fmnist_hires_{q.size}px_{q.train_per_class}x{q.val_per_class}_seed0"
-    if (data / 'manifest.csv').is_file():
-        return data, ''
-    partial = data.with_name(data.name + '.partial')
-    shutil.rmtree(partial, ignore_errors=True)
-    spec = FmnistHiresSpec(out=partial, task='classification', size=q.size, train_per_class=q.train_per_class,
-                           val_per_class=q.val_per_class, seed=0, workers=min(16, os.cpu_count() or 1),
-                           idx_dir=Path(settings.fmnist_dir))
-    try:
-        print(write_dataset(spec), flush=True)
-    except (FileNotFoundError, ValueError) as err:
-        return None, f"error: rendering the quality data failed: {err}"[:300]
-    shutil.rmtree(data, ignore_errors=True)  # a folder without manifest.csv is not a finished set
-    partial.rename(data)
-    return data, ''
-
-
-def train_command(settings: CheckSettings, q: QualityPreset, data: Path, kind: str) -> List[str]:
-    """train.py with the shipped recipe (configs/cls_fmnist_hires*.yaml), the same overrides for both models."""
-    config = 'cls_fmnist_hires.yaml' if kind == 'linvit' else 'cls_fmnist_hires_softmax.yaml'
-    precision = 'bfloat16' if settings.device.startswith('cuda') else 'float32'
-    overrides = [f"data.root={data}", f"output_dir={quality_run_dir(settings, kind)}", f"device={settings.device}",
-                 f"data.img_size={q.size}", f"data.batch_size={q.batch}",
-                 f"data.num_workers={q.workers}", f"train.epochs={q.epochs}", f"train.precision={precision}",
-                 'train.pictures=false', 'seed=0']
-    overrides += [f"model.kwargs.{key}={value}" for key, value in q.model_kwargs]
-    return [sys.executable, str(ROOT / 'train.py'), '--config', str(ROOT / 'configs' / config), *overrides]
-
-
-def quality_run_dir(settings: CheckSettings, kind: str) -> Path:
-    return Path(settings.out) / 'quality' / kind
-
-
-def quality_record(settings: CheckSettings, q: QualityPreset, kind: str, code: Optional[int],
-                   seconds: float) -> Dict[str, Any]:
-    """top-1 / top-5 (fractions) and the optimizer steps of one finished train.py run."""
-    run_dir = quality_run_dir(settings, kind)
-    record: Dict[str, Any] = {'section': 'quality', 'key': f"quality/{kind}", 'kind': kind, 'px': q.size,
-                              'train_images': 10 * q.train_per_class, 'val_images': 10 * q.val_per_class,
-                              'epochs': q.epochs, 'batch': q.batch, 'train_s': seconds}
-    if code is None:
-        return {**record, 'status': SKIPPED}
-    metrics_path = run_dir / 'metrics.json'
-    if code != 0 or not metrics_path.is_file():
-        return {**record, 'status': f"error: train.py exited {code} (logs/quality_{kind}.log)"}
-    metrics = json.loads(metrics_path.read_text())
-    with open(run_dir / 'metrics.csv') as f:
-        steps = max((int(row['step']) for row in csv.DictReader(f) if row.get('step')), default=0)
-    return {**record, 'top1': metrics['top1'], 'top5': metrics['top5'], 'steps': steps, 'status': 'ok'}
-
-
-def run_quality(settings: CheckSettings, preset: Preset, device: torch.device) -> None:
-    q = preset.quality
-    data, why = None, quality_unavailable(settings.fmnist_dir)
-    if why is None:
-        data, why = fmnist_data(settings, q)
-    if data is None:
-        for kind in ('linvit', 'softmax'):
-            emit({'section': 'quality', 'key': f"quality/{kind}", 'kind': kind, 'px': q.size, 'status': why})
-        return
-    procs = {}
-    for kind in ('linvit', 'softmax'):  # side by side: quality, not speed, is measured here
-        shutil.rmtree(quality_run_dir(settings, kind), ignore_errors=True)
-        with open(Path(settings.out) / 'logs' / f"quality_{kind}.log", 'w') as log:
-            procs[kind] = subprocess.Popen(train_command(settings, q, data, kind), stdout=log,
-                                           stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    for kind, (code, seconds) in zip(procs, wait_or_kill(list(procs.values()), settings.deadline)):
-        emit(quality_record(settings, q, kind, code, seconds))
-
-
-SECTION_RUNNERS = {'parity': run_parity, 'op': run_op, 'models': run_models, 'quality': run_quality}
+SECTION_RUNNERS = {'parity': run_parity, 'op': run_op, 'models': run_models}
 
 
 def run_section(settings: CheckSettings, section: str) -> int:
@@ -747,31 +597,17 @@ def fill_missing(section: Section, keys: Iterable[str], records: Dict[str, Dict[
         records.setdefault(key, {'section': section.name, 'key': key, 'status': status})
 
 
-def quality_without_data(settings: CheckSettings, preset: Preset) -> Dict[str, Dict[str, Any]]:
-    """The quality rows when it cannot run (no IDX files in fmnist_dir; known before any process starts), else
-    nothing."""
-    status = quality_unavailable(settings.fmnist_dir)
-    if status is None:
-        return {}
-    return {key: {'section': 'quality', 'key': key, 'kind': key.split('/')[1], 'px': preset.quality.size,
-                  'status': status} for key in plan_keys('quality', preset)}
-
-
 def run_sections(settings: CheckSettings, preset: Preset, start: float) -> Tuple[Dict[str, Dict[str, Any]],
                                                                                   List[Section]]:
-    """parity and quality side by side, then op, then models; each under its deadline."""
+    """parity, then op, then models; each under its deadline."""
     budget, chosen = settings.budget, set(settings.sections)
-    records: Dict[str, Dict[str, Any]] = quality_without_data(settings, preset) if 'quality' in chosen else {}
+    records: Dict[str, Dict[str, Any]] = {}
     done: List[Section] = []
-    first = [start_section(settings, name, start + preset.shares[name] * budget) for name in ('parity', 'quality')
-             if name in chosen and not (name == 'quality' and records)]
-    wait_sections(first, records)
-    done += first
     final = start + budget - REPORT_RESERVE_S
-    for name in ('op', 'models'):
+    for name in SECTIONS:
         if name not in chosen:
             continue
-        deadline = final if name == 'models' else min(final, time.time() + preset.shares['op'] * budget)
+        deadline = final if name == 'models' else min(final, time.time() + preset.shares[name] * budget)
         section = start_section(settings, name, deadline)
         wait_sections([section], records)
         done.append(section)
@@ -802,7 +638,6 @@ OP_HEADER = ('tokens', 'pass', 'kernel', 'kernel ms', 'torch ms', 'SDPA ms', 'SD
 MODELS_HEADER = ('model', 'px (tokens)', 'workload', 'batch', 'linvit img/s', 'softmax img/s', 'floor img/s',
                  'linvit/softmax', 'linvit/floor', 'linvit/torch-path', 'peak GiB linvit, softmax, floor',
                  'first call s linvit', 'status')
-QUALITY_HEADER = ('data', 'steps', 'linvit-Ti top-1', 'ViT-Ti top-1', 'linvit - ViT', 'train s', 'status')
 
 
 def parity_rows(records: Dict[str, Dict[str, Any]], preset: Preset) -> List[List[str]]:
@@ -852,21 +687,6 @@ def models_rows(records: Dict[str, Dict[str, Any]], preset: Preset) -> List[List
     return rows
 
 
-def quality_rows(records: Dict[str, Dict[str, Any]], preset: Preset) -> List[List[str]]:
-    q = preset.quality
-    linvit, softmax = records['quality/linvit'], records['quality/softmax']
-    top = {name: _ok(r, 'top1') for name, r in (('linvit', linvit), ('softmax', softmax))}
-    steps = sorted({str(r['steps']) for r in (linvit, softmax) if r.get('steps') is not None}) or ['-']
-    diff = None if None in top.values() else 100 * (top['linvit'] - top['softmax'])
-    problems = [f"{name}: {r['status']}" for name, r in (('linvit', linvit), ('softmax', softmax))
-                if r['status'] != 'ok']
-    return [[f"Fashion-MNIST hi-res {q.size} px, {10 * q.train_per_class}/{10 * q.val_per_class} train/val",
-             '/'.join(steps), fmt(None if top['linvit'] is None else 100 * top['linvit'], '.1f'),
-             fmt(None if top['softmax'] is None else 100 * top['softmax'], '.1f'),
-             fmt(diff, '+.1f'), '/'.join(fmt(r.get('train_s'), '.0f') for r in (linvit, softmax)),
-             '; '.join(problems) or 'ok']]
-
-
 def header_lines(records: Dict[str, Dict[str, Any]], settings: CheckSettings, sections: Sequence[Section],
                  wall_s: float) -> List[str]:
     meta = next((r for k, r in records.items() if k.startswith('meta/')), None)
@@ -889,11 +709,9 @@ SECTION_TITLES = {
                "inference: compiled forward, bfloat16 weights, mode='reduce-overhead' (CUDA graphs); ratios of "
                'img/s; floor = linvit without token mixing; torch-path = linvit with attn_backend=torch; peak = '
                'timed steps'),
-    'quality': ('4. Quality', 'train.py, configs/cls_fmnist_hires.yaml and cls_fmnist_hires_softmax.yaml with the '
-                'same overrides; top-1 in % on the validation set'),
 }
 SECTION_TABLES = {'parity': (PARITY_HEADER, parity_rows), 'op': (OP_HEADER, op_rows),
-                  'models': (MODELS_HEADER, models_rows), 'quality': (QUALITY_HEADER, quality_rows)}
+                  'models': (MODELS_HEADER, models_rows)}
 
 
 def markdown(records: Dict[str, Dict[str, Any]], settings: CheckSettings, preset: Preset,

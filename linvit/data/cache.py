@@ -113,11 +113,17 @@ class DecodedCache:
         files, labels = _files_and_labels(source)
         key = cache_key(files, source.split_dir, labels, source.class_names, size)
         folder = Path(cache_dir) / f"{name}-{size}px-{key[:16]}"
-        if (folder / _META).is_file() and json.loads((folder / _META).read_text()).get('key') == key:
+        if _finished(folder, key):
             _logger.info("decoded-image cache %s: %d images of %d px (no decoding)", folder, len(source), size)
             return cls(folder)
-        _build(source, size, folder, key, workers or min(8, os.cpu_count() or 1))
+        _build_into(source, size, folder, key, workers or min(8, os.cpu_count() or 1))
         return cls(folder)
+
+
+def _finished(folder: Path, key: str) -> bool:
+    """Whether ``folder`` holds a finished cache with this key (its meta.json is written last)."""
+    meta = folder / _META
+    return meta.is_file() and json.loads(meta.read_text()).get('key') == key
 
 
 def _files_and_labels(source) -> tuple[list[str], list[int]]:
@@ -127,9 +133,23 @@ def _files_and_labels(source) -> tuple[list[str], list[int]]:
     return list(source.paths), list(source.targets)
 
 
+def _build_into(source, size: int, folder: Path, key: str, workers: int) -> None:
+    """Build the cache in a folder of this process's own, then rename it to ``folder``: two processes building the
+    same cache at once each finish a complete one, and the first rename wins (a partial build is never visible)."""
+    own = folder.with_name(f"{folder.name}.building-{os.getpid()}")
+    _build(source, size, own, key, workers)
+    if _finished(folder, key):  # another process was quicker: keep its cache, which it may be reading
+        shutil.rmtree(own, ignore_errors=True)
+        return
+    shutil.rmtree(folder, ignore_errors=True)  # an unfinished cache of an earlier, killed build
+    try:
+        os.rename(own, folder)
+    except OSError:  # another process renamed its finished build first
+        shutil.rmtree(own, ignore_errors=True)
+
+
 def _build(source, size: int, folder: Path, key: str, workers: int) -> None:
-    """Decode every image (and mask) of ``source`` into ``folder`` (a fresh one: a partial earlier build is
-    removed)."""
+    """Decode every image (and mask) of ``source`` into the new folder ``folder``."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     count, with_masks = len(source), hasattr(source, 'mask_paths')

@@ -11,7 +11,9 @@ def parsers(bench, prof, forward, export_tool, predict_tool, causal_bench):
             'profile_forward': forward.build_parser(), 'export_onnx': export_tool.build_parser(),
             'predict': predict_tool.build_parser(), 'bench_causal': causal_bench.build_parser(),
             'kernel_report': load_tool('kernel_report').build_parser(),
-            'bench_op_overhead': load_tool('bench_op_overhead').build_parser()}
+            'bench_op_overhead': load_tool('bench_op_overhead').build_parser(),
+            'quality_check': load_tool('quality_check').build_parser(),
+            'bench_data': load_tool('bench_data').build_parser()}
 
 
 def _options(parser):

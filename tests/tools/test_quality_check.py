@@ -1,0 +1,241 @@
+"""tools/quality_check.py over linvit.bench.quality: the quick run on the CPU end to end (probe, data, every train.py
+run, one of them cut by its deadline, the report files), and its parts in this process: the plan (equal steps, equal
+seconds, whole epochs), the timing read back from metrics.csv, the rows of cut and failed runs, the train.py
+commands and the rendered data."""
+import csv
+import gzip
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import load_tool
+from omegaconf import OmegaConf
+
+from linvit.bench import quality
+from linvit.engine import load_config
+
+CUT_RUN = 'small/high/softmax'  # the quick run stops this one a second after it started
+
+
+@pytest.fixture(scope='module')
+def tool():
+    return load_tool('quality_check')
+
+
+def write_idx(folder: Path, per_class: int) -> None:
+    """Tiny Fashion-MNIST IDX files (gzip): a solid bar per item whose position gives its class."""
+    folder.mkdir(parents=True)
+    labels = np.repeat(np.arange(10, dtype=np.uint8), per_class)
+    images = np.zeros((len(labels), 28, 28), dtype=np.uint8)
+    for i, label in enumerate(labels):
+        images[i, 4 + label:14 + label, 6:22] = 200
+    for prefix in ('train', 't10k'):
+        for stem, array in ((f'{prefix}-images-idx3-ubyte', images), (f'{prefix}-labels-idx1-ubyte', labels)):
+            header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f'>{array.ndim}I', *array.shape)
+            (folder / f'{stem}.gz').write_bytes(gzip.compress(header + array.tobytes()))
+
+
+def settings_for(tmp_path: Path, **changes) -> quality.QualitySettings:
+    values = dict(device='cpu', quick=True, out=str(tmp_path / 'out'), cache_dir=str(tmp_path / 'cache'),
+                  fmnist_dir=str(tmp_path / 'idx'))
+    return quality.QualitySettings(**{**values, **changes}).resolved()
+
+
+def test_quick_run_reports_every_run_and_the_one_its_deadline_cut(tool, tmp_path, monkeypatch, capsys):
+    write_idx(tmp_path / 'idx', per_class=4)
+    planned_deadline = quality.run_deadline
+
+    def cut_one(spec, plan, started, end, preset):
+        return started + 1.0 if spec.key == CUT_RUN else planned_deadline(spec, plan, started, end, preset)
+
+    monkeypatch.setattr(quality, 'run_deadline', cut_one)
+    out = tmp_path / 'out'
+    start = time.time()
+    code = tool.main(['--device', 'cpu', '--quick', '--out', str(out), '--cache-dir', str(tmp_path / 'cache'),
+                      '--fmnist-dir', str(tmp_path / 'idx')])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert time.time() - start < quality.QUICK.budget_s
+    assert (out / 'quality_check.md').read_text().strip() in printed
+    assert (out / 'quality_check.png').stat().st_size > 0
+    rows = {row['key']: row for row in csv.DictReader((out / 'quality_check.csv').open())}
+    assert list(rows) == [spec.key for spec in quality.RUNS]
+    cut = rows.pop(CUT_RUN)
+    assert cut['status'].startswith(quality.CUT) and cut['top1'] == ''
+    for key, row in rows.items():  # every other run finished: trained, evaluated, timed
+        assert row['status'] == 'ok', (key, row['status'])
+        assert 0 <= float(row['top1']) <= 1 and int(row['steps']) >= 1, (key, row)
+        if key != 'teacher/high':
+            assert float(row['train_s']) > 0 and float(row['img_per_s']) > 0 and float(row['peak_mem_mib']) > 0
+            assert (out / row['run_dir']).is_dir()
+    for size in ('tiny', 'small'):  # equal steps at the base size
+        assert rows[f"{size}/base/linvit"]['steps'] == rows[f"{size}/base/softmax"]['steps']
+    assert int(rows['linearized']['steps']) == 2 * quality.QUICK.max_steps  # stage 1 + stage 2
+    assert rows['teacher/high']['steps'] == rows['teacher']['steps']
+    table = [line for line in printed.splitlines() if line.startswith('| ')]
+    assert f"| {quality.CUT} after" in next(line for line in table if line.startswith('| ViT-S | 128 |'))
+    assert next(line for line in table if line.startswith('| Small, equal seconds')).endswith('| - | linvit ahead |')
+    assert any(line.startswith('| Tiny, equal steps (64 px) |') and 'points |' in line for line in table)
+
+
+def test_without_the_idx_files_every_row_says_so(tool, tmp_path, capsys):
+    code = tool.main(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'out'), '--cache-dir',
+                      str(tmp_path / 'cache'), '--fmnist-dir', str(tmp_path / 'nothing')])
+    assert code == 0
+    rows = list(csv.DictReader((tmp_path / 'out' / 'quality_check.csv').open()))
+    assert len(rows) == len(quality.RUNS)
+    assert all(row['status'].startswith('skipped (no Fashion-MNIST IDX files') for row in rows)
+    assert (tmp_path / 'out' / 'quality_check.png').stat().st_size > 0
+    capsys.readouterr()
+
+
+def test_options_become_resolved_settings(tool, tmp_path):
+    settings = tool.parse_args(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'o')])
+    assert (settings.budget_s, settings.pipeline, settings.out) == (quality.QUICK.budget_s, 'cached',
+                                                                    str(tmp_path / 'o'))
+    assert tool.parse_args([]).budget_s == quality.FULL.budget_s == 300
+    assert tool.parse_args(['--pipeline', 'albumentations']).pipeline == 'albumentations'
+    for bad in (['--budget-s', '10'], ['--pipeline', 'dali']):
+        with pytest.raises(SystemExit):
+            tool.parse_args(bad)
+
+
+def test_schedule_is_whole_epochs_unless_less_than_half_of_one():
+    assert quality.schedule(620, 78) == (8, None, 624)
+    assert quality.schedule(40, 78) == (1, None, 78)
+    assert quality.schedule(38, 78) == (1, 38, 38)  # below half an epoch: stopped inside the first
+
+
+STEP_S = {'linvit_tiny_patch16_224@512x128': 0.03, 'vit_tiny_patch16_224@512x128': 0.05,
+          'linvit_small_patch16_224@1024x32': 0.05, 'vit_small_patch16_224@1024x32': 0.15,
+          'vit_small_patch16_224@256x128': 0.02, 'vit_small_patch16_224+hedgehog@1024x32': 0.06}
+
+
+def test_a_base_pair_gets_equal_steps_and_a_high_pair_equal_seconds():
+    full = quality.FULL
+    base = quality.plan_group('tiny/base', 40.0, STEP_S, full)
+    linvit, softmax = base['tiny/base/linvit'], base['tiny/base/softmax']
+    assert (linvit.epochs, linvit.max_steps, linvit.steps) == (softmax.epochs, softmax.max_steps, softmax.steps)
+    assert linvit.steps == 6 * 78  # 40 s / (0.03 + 0.05) s = 500 steps: the nearest whole epochs of 78
+    assert (linvit.planned_s, softmax.planned_s) == pytest.approx((468 * 0.03, 468 * 0.05))
+    high = quality.plan_group('small/high', 30.0, STEP_S, full)
+    linvit, softmax = high['small/high/linvit'], high['small/high/softmax']
+    assert linvit.steps > 2 * softmax.steps  # the same seconds buy a third of the step time three times the steps
+    epoch_s = [full.canvases['high'].steps_per_epoch * t for t in (0.05, 0.15)]
+    assert linvit.planned_s == pytest.approx(15.0, abs=epoch_s[0] / 2)
+    assert softmax.planned_s == pytest.approx(15.0, abs=epoch_s[1] / 2)
+    lin = quality.plan_group('linearized', 20.0, STEP_S, full)
+    assert lin['linearized'].stage1_steps == int(quality.STAGE1_FRACTION * 20.0 / 0.06)
+    assert lin['teacher/high'].step_s is None  # an evaluation: no steps, no share
+    assert quality.plan_group('tiny/high', 30.0, {}, full)['tiny/high/linvit'].startswith('skipped (no step time')
+    assert quality.plan_group('teacher', 0.001, STEP_S, full)['teacher'] == quality.SKIPPED
+
+
+def test_a_group_gets_its_share_of_the_time_the_runs_not_started_can_train():
+    full = quality.FULL
+    left = [spec for spec in quality.RUNS if spec.group not in ('teacher', 'tiny/base')]
+    starts = len(left) + 1  # the linearization starts two stages
+    seconds = quality.group_seconds(full, 'small/base', left, time_left=200.0)
+    shares = sum(full.shares[g] for g in quality.GROUPS if g not in ('teacher', 'tiny/base'))
+    assert seconds == pytest.approx(full.shares['small/base'] / shares
+                                    * (200.0 - quality.REPORT_RESERVE_S - starts * full.startup_s))
+    assert quality.group_seconds(full, 'small/base', left, time_left=10.0) == 0.0
+
+
+def write_metrics(folder: Path, rows) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / 'metrics.csv', 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=['epoch', 'step', 'split', 'loss', 'img_per_s', 'data_wait_frac',
+                                               'peak_mem_mib', 'top1'])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_training_seconds_come_from_the_train_rows_and_top1_from_the_val_rows(tmp_path):
+    write_metrics(tmp_path, [
+        {'epoch': 0, 'step': 10, 'split': 'train', 'img_per_s': 40.0, 'data_wait_frac': 0.5, 'peak_mem_mib': 100},
+        {'epoch': 0, 'step': 12, 'split': 'train', 'img_per_s': 8.0, 'data_wait_frac': 0.0, 'peak_mem_mib': 120},
+        {'epoch': 1, 'step': 12, 'split': 'val', 'top1': 0.5},
+        {'epoch': 1, 'step': 20, 'split': 'train', 'img_per_s': 16.0, 'peak_mem_mib': 110},
+        {'epoch': 2, 'step': 20, 'split': 'val', 'top1': 0.75}])
+    curve = quality.read_curve(tmp_path / 'metrics.csv', batch=4)
+    # 10 steps of 4 images at 40 img/s = 1 s; 2 steps at 8 img/s = 1 s; 8 steps at 16 img/s = 2 s
+    assert curve.points == [(12, pytest.approx(2.0), 0.5), (20, pytest.approx(4.0), 0.75)]
+    assert (curve.steps, curve.images, curve.peak_mem_mib) == (20, 80, 120)
+    assert curve.train_s == pytest.approx(4.0) and curve.data_wait_s == pytest.approx(0.5)
+    later = quality.Curve([(5, 1.0, 0.8)], steps=5, train_s=1.0, images=20, peak_mem_mib=130.0)
+    assert curve.extend(later).points[-1] == (25, pytest.approx(5.0), 0.8)
+
+
+def test_rows_of_a_cut_and_of_a_failed_run(tmp_path):
+    settings = settings_for(tmp_path)
+    preset = settings.preset
+    spec = quality.RUN_BY_KEY['tiny/base/linvit']
+    write_metrics(quality.run_dir(settings, spec), [
+        {'epoch': 0, 'step': 3, 'split': 'train', 'img_per_s': 12.0, 'peak_mem_mib': 100},
+        {'epoch': 1, 'step': 3, 'split': 'val', 'top1': 0.3},
+        {'epoch': 1, 'step': 5, 'split': 'train', 'img_per_s': 12.0, 'peak_mem_mib': 100}])
+    cut = quality.run_record(settings, preset, spec, {}, {}, None, 61.4)
+    assert cut['status'] == f"{quality.CUT} after 61 s; top-1 of its last evaluation, at step 3"
+    assert (cut['top1'], cut['steps']) == (0.3, 5)
+    assert quality.finished_top1(cut) is None  # comparisons read finished runs only
+    log = Path(settings.out) / 'logs' / f"{spec.folder}.log"
+    log.parent.mkdir(parents=True)
+    log.write_text('train.py ...\ntrain.py: config error: unknown config key data.cache\n')
+    failed = quality.run_record(settings, preset, spec, {}, {}, 2, 3.0)
+    assert failed['status'] == (f"error: train.py exited 2 (logs/{spec.folder}.log: train.py: config error: unknown "
+                                f"config key data.cache)")
+    early = quality.run_record(settings, preset, quality.RUN_BY_KEY['tiny/base/softmax'], {}, {}, None, 1.0)
+    assert early['status'] == f"{quality.CUT} after 1 s, before any evaluation"
+
+
+def test_the_train_commands_of_a_pair_resolve_to_one_recipe(tmp_path):
+    settings = settings_for(tmp_path, quick=False, device='cuda:0')
+    plans = quality.plan_group('small/high', 30.0, STEP_S, settings.preset)
+    recipe = quality.read_recipe()
+    configs = {}
+    for key in ('small/high/linvit', 'small/high/softmax'):
+        command = quality.train_command(settings, settings.preset, quality.RUN_BY_KEY[key], plans[key],
+                                        tmp_path / 'data', recipe)
+        assert command[1].endswith('train.py') and command[2] == '--config'
+        assert 'train.precision=bfloat16' in command and 'data.cache=true' in command
+        configs[key] = OmegaConf.to_container(load_config(command[3], command[4:]), resolve=True)
+    linvit, softmax = configs.values()
+    assert (linvit['model']['name'], softmax['model']['name']) == ('linvit_small_patch16_224', 'vit_small_patch16_224')
+    assert linvit['data']['img_size'] == 1024 and linvit['data']['batch_size'] == 32
+    assert linvit['train']['lr'] == pytest.approx(recipe[0] * (32 / recipe[1]) ** 0.5)
+    assert linvit['data']['aug']['label_smoothing'] == quality.LABEL_SMOOTHING
+    assert linvit['train']['clip_grad'] == quality.CLIP_GRAD
+    for cfg in (linvit, softmax):  # equal seconds: the epochs differ; everything else is the same
+        del cfg['model']['name'], cfg['output_dir'], cfg['train']['epochs'], cfg['train']['warmup_epochs']
+    assert linvit == softmax
+    teacher = tmp_path / 'teacher'
+    lin = quality.linearize_command(settings, settings.preset, quality.RUN_BY_KEY['linearized'],
+                                    quality.plan_group('linearized', 20.0, STEP_S, settings.preset)['linearized'],
+                                    tmp_path / 'data', teacher)
+    cfg = load_config(lin[3], lin[4:])
+    assert cfg.task == 'linearize' and cfg.linearize.teacher == str(teacher) and cfg.data.img_size == 1024
+    assert cfg.linearize.attention_max_steps == int(quality.STAGE1_FRACTION * 20.0 / 0.06)
+    evaluation = quality.eval_command(settings, settings.preset, quality.RUN_BY_KEY['teacher/high'],
+                                      tmp_path / 'data', teacher)
+    assert evaluation[2:6] == ['--eval-only', str(teacher), '--out', str(Path(settings.out) / 'runs/teacher_high')]
+    assert 'data.img_size=1024' in evaluation
+    albumentations = settings_for(tmp_path, pipeline='albumentations')
+    assert 'data.cache=false' in quality.common_overrides(albumentations, albumentations.preset)
+
+
+def test_the_data_is_rendered_once_and_reused(tmp_path):
+    settings = settings_for(tmp_path)
+    assert len(quality.missing_idx_files(Path(settings.fmnist_dir))) == 4
+    write_idx(Path(settings.fmnist_dir), per_class=4)
+    assert quality.data_unavailable(settings.fmnist_dir) is None
+    canvas = quality.QUICK.canvases['high']
+    data = quality.render_canvas_set(settings, canvas)
+    assert len(list((data / 'train').rglob('*.png'))) == 10 * canvas.train_per_class
+    assert len(list((data / 'val').rglob('*.png'))) == 10 * canvas.val_per_class
+    stamp = os.stat(data / 'manifest.csv').st_mtime_ns
+    assert quality.render_canvas_set(settings, canvas) == data  # reused: nothing rendered again
+    assert os.stat(data / 'manifest.csv').st_mtime_ns == stamp

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""The quality check: linvit against timm's softmax ViT at high resolution, trained by train.py, in minutes on a GPU.
+
+Every run is a train.py process with a deadline; a run the budget cuts is a row that says so, never estimated:
+
+1. linvit-Tiny vs ViT-Tiny and linvit-Small vs ViT-Small at 512 px, the same recipe and number of steps;
+2. the same pairs at 1024 px for the same training seconds (each model's steps from its own step time, measured
+   alone on the device before any run);
+3. a softmax ViT-Small teacher trained at 256 px, linearized (configs/linearize_cls_fmnist.yaml) and fine-tuned at
+   1024 px, against the teacher itself run at 1024 px.
+
+The data: Fashion-MNIST items alone on 256, 512 and 1024 px canvases, rendered once from the IDX files in
+--fmnist-dir into --cache-dir (with their decoded-image caches) and reused by later runs. The recipe:
+configs/cls_fmnist_quality.yaml. Output in --out: quality_check.md (the table, the comparisons with issue 42's
+targets, the measured step times; also printed), quality_check.csv (one row per run), quality_check.png (top-1
+against steps and against training seconds), logs/ and runs/ (the train.py run folders). The exit status is 1 when a
+run failed with an error, else 0. The library, with the recipe's reasons: linvit.bench.quality.
+
+    make gpu-quality                                     # the first CUDA device, at most 5 minutes
+    python tools/quality_check.py --device cuda:0 --fmnist-dir .gpudata/fashion-mnist
+    python tools/quality_check.py --device cpu --quick   # the same code at tiny sizes (under a minute on 2 cores)
+"""
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+from linvit.bench.cli import HelpFormatter
+from linvit.bench.gpu_check import process_age_s
+from linvit.bench.quality import DEFAULT_FMNIST_DIR, FULL, PIPELINES, QUICK, QualitySettings, run_quality_check
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument('--device', default='cuda:0', help="torch device: the first CUDA device, or 'cpu'")
+    parser.add_argument('--quick', action='store_true',
+                        help='tiny sizes (64 and 128 px canvases, 20 images a set, depth-2 models, 1-2 steps a run), '
+                             'the same code: for a CPU')
+    parser.add_argument('--out', default='runs/quality_check',
+                        help='output folder: table, CSV, curves, logs and the train.py runs')
+    parser.add_argument('--budget-s', type=float,
+                        help=f'total seconds, everything included (default: {FULL.budget_s:.0f}; with --quick: '
+                             f'{QUICK.budget_s:.0f})')
+    parser.add_argument('--fmnist-dir', default=DEFAULT_FMNIST_DIR,
+                        help='folder of the Fashion-MNIST IDX files (train-*-ubyte[.gz], t10k-*-ubyte[.gz]); the '
+                             'environment variable FMNIST_DIR sets the default')
+    parser.add_argument('--cache-dir', default='build/quality_check_cache',
+                        help='the rendered sets and their decoded-image caches, kept for reruns')
+    parser.add_argument('--pipeline', choices=list(PIPELINES), default='cached',
+                        help="train.py's input pipeline: 'cached' (data.cache=true: decoded once, augmented in batches "
+                             "on the device) or 'albumentations' (per-image decoding in the loader's workers)")
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> QualitySettings:
+    """The resolved settings (budget filled, absolute paths); a bad value is a usage error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = QualitySettings(device=args.device, quick=args.quick, out=args.out, budget_s=args.budget_s,
+                               fmnist_dir=args.fmnist_dir, cache_dir=args.cache_dir, pipeline=args.pipeline)
+    try:
+        return settings.resolved()
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    settings = parse_args(argv)
+    # run as a script, the budget counts this process's start and imports too
+    start = time.time() - (process_age_s() if argv is None else 0.0)
+    return run_quality_check(settings, start)
+
+
+if __name__ == '__main__':
+    sys.exit(main())
