@@ -82,7 +82,8 @@ gpu-quality:
 
 # what a GPU machine lacks, for the device's run to carry (git-ignored via .git/info/exclude): .whl/ holds the cp312
 # wheels of the training stack the GPU image does not ship (versions from the constraints), .gpudata/ the
-# Fashion-MNIST IDX files (Debian's dataset-fashion-mnist). README (GPU check) has the command that uses them.
+# Fashion-MNIST IDX files (Debian's dataset-fashion-mnist). docs/benchmarks.md (GPU check) has the command that uses
+# them.
 GPU_WHEELS := albumentations albucore simsimd stringzilla omegaconf pydantic pydantic_core annotated-types \
 	typing-inspection typing_extensions timm
 gpu-prep:

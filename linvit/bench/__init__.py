@@ -14,4 +14,8 @@ run. The tools only parse their command line and call these modules; nothing her
     causal     causal linear attention's forms (bench_causal)
     train_step whole-model training steps, interleaved (bench_train_step)
     gpu_check  the GPU check's sections and report (tools/gpu_check.py)
+    quality    linvit against softmax ViTs trained by train.py at high resolution (tools/quality_check.py)
+    data       input-pipeline throughput, per-image against cached, against the model's step (tools/bench_data.py)
+    op_overhead, kernel_report  the attention op's host overhead and its GPU kernels (tools/bench_op_overhead.py,
+               tools/kernel_report.py)
 """

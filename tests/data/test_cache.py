@@ -282,3 +282,30 @@ def test_segmentation_training_runs_from_the_cache_and_its_key_covers_the_masks(
     Image.fromarray(np.zeros((40, 48), np.uint8)).save(root / 'train' / 'masks' / '0.png')  # a mask edited
     again, _, _ = build_segmentation_datasets(cfg, MEAN, STD)
     assert again.cache.folder != train.cache.folder and not again.cache.masks[0].any()
+
+
+def test_a_resumed_run_on_the_cache_follows_the_same_trajectory(tmp_path):
+    """The device augmentation's parameters come from the sample keys: an interrupted and resumed run takes the same
+    crops, flips and colours, so the same losses, as one that ran through."""
+    import csv
+
+    from tiny_run import TINY_MODEL, TINY_RUN
+
+    from linvit.engine import load_config, train
+    from linvit.engine.checkpoint import load_checkpoint
+    root = make_folder(tmp_path / 'data', count=12)
+    base = [*TINY_MODEL, *TINY_RUN, 'data.name=folder', f'data.root={root}', 'data.cache=true', 'data.num_workers=1',
+            'data.aug.color_jitter=0.3', 'data.aug.hflip=0.5', 'data.aug.vflip=0.5', 'train.epochs=2']
+    whole = load_config(None, [*base, f'output_dir={tmp_path}/whole'])
+    train(whole)
+    cut = load_config(None, [*base, 'train.max_steps=4', f'output_dir={tmp_path}/cut'])
+    train(cut)
+    state = load_checkpoint(os.path.join(cut.output_dir, 'last.pt'))
+    train(load_config(None, [*base, f'output_dir={tmp_path}/cut']), resume=state)
+
+    def losses(run):
+        with open(os.path.join(run, 'metrics.csv'), newline='') as f:
+            return [(int(r['step']), float(r['loss'])) for r in csv.DictReader(f) if r['split'] == 'train']
+    whole_losses, cut_losses = losses(whole.output_dir), losses(cut.output_dir)
+    assert [step for step, _ in cut_losses] == [step for step, _ in whole_losses] == list(range(1, 7))
+    np.testing.assert_allclose([loss for _, loss in cut_losses], [loss for _, loss in whole_losses], rtol=1e-5)
