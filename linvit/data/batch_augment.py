@@ -114,8 +114,8 @@ def _colour_steps(images: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """The three colour steps of [B, 3, H, W] images in [0, 1] with factors [B, 3, 1, 1, 1] (brightness, contrast,
     saturation), each clipped as on uint8 images -> [3, B, 3, H, W]."""
     brightness, contrast, saturation = factors.unbind(1)
-    mean = _grey(images).mean(dim=(2, 3), keepdim=True)
     grey = _grey(images)
+    mean = grey.mean(dim=(2, 3), keepdim=True)
     return torch.stack([images * brightness, (images - mean) * contrast + mean,
                         (images - grey) * saturation + grey]).clamp(0, 1)
 
@@ -137,7 +137,12 @@ def augment_batch(images: torch.Tensor, params: torch.Tensor, size: int, mean: S
     [B, 3, size, size], cropped, resized, flipped, jittered (unless ``jitter`` is False: data.aug.color_jitter=0)
     and normalised as ``(x / 255 - mean) / std``."""
     params = params.to(images.device, torch.float32)
-    grid = _sampling_grid(params, size)
+    return _augmented(images, params, _sampling_grid(params, size), mean, std, jitter)
+
+
+def _augmented(images: torch.Tensor, params: torch.Tensor, grid: torch.Tensor, mean: Sequence[float],
+               std: Sequence[float], jitter: bool) -> torch.Tensor:
+    """uint8 images [B, 3, H, W] read through ``grid`` [B, S, S, 2], jittered by ``params``, normalised."""
     # outside the image (a zoomed-out segmentation crop) the image is black, as the per-image path pads it
     pixels = F.grid_sample(images.float() / 255, grid, mode='bilinear', padding_mode='zeros', align_corners=False)
     if jitter:
@@ -151,8 +156,9 @@ def augment_seg_batch(images: torch.Tensor, masks: torch.Tensor, params: torch.T
     """``augment_batch`` for images uint8 [B, 3, H, W] with their class-id masks [B, H, W] (``draw_seg_params``):
     the masks take the same geometry with nearest-neighbour sampling, ``ignore_index`` where the crop leaves the
     image -> (float32 [B, 3, size, size], int64 [B, size, size])."""
-    augmented = augment_batch(images, params, size, mean, std, jitter)
-    grid = _sampling_grid(params.to(images.device, torch.float32), size)
+    params = params.to(images.device, torch.float32)
+    grid = _sampling_grid(params, size)
+    augmented = _augmented(images, params, grid, mean, std, jitter)
     # shifted by one so that grid_sample's zero padding stands for 'outside', then mapped to ignore_index
     shifted = F.grid_sample(masks.float()[:, None] + 1, grid, mode='nearest', padding_mode='zeros',
                             align_corners=False)[:, 0].long() - 1

@@ -266,7 +266,7 @@ def test_the_log_names_classes_the_best_step_and_how_it_evaluated(tmp_path):
     assert 'best.pt: step 4' in log
 
 
-def test_tensorboard_gets_pictures_and_per_class_scalars(trained):
+def test_tensorboard_gets_the_pictures_and_the_scalars(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(os.path.join(trained[0], 'tb'), size_guidance={'images': 0}).Reload()
     assert {'val/predictions', 'val/confusion'} <= set(events.Tags()['images'])
