@@ -15,8 +15,8 @@ does not import this package.
 from .config import ConfigError, RunConfig, config_from_yaml, config_to_yaml, load_config
 from .linearize import linearize  # noqa: E402  (after trainer, which it runs)
 from .step import TrainStep
-from .tasks import TASKS, Task, build_task, register_task
+from .tasks import TASKS, Task, build_task, list_tasks, register_task
 from .trainer import NonFiniteLossError, evaluate, train
 
 __all__ = ['ConfigError', 'RunConfig', 'load_config', 'config_to_yaml', 'config_from_yaml', 'TASKS', 'Task',
-           'build_task', 'register_task', 'TrainStep', 'NonFiniteLossError', 'train', 'evaluate', 'linearize']
+           'build_task', 'register_task', 'list_tasks', 'TrainStep', 'NonFiniteLossError', 'train', 'evaluate', 'linearize']

@@ -9,7 +9,7 @@ Each task is one module here (``base.Task`` subclass decorated with ``@register_
 class, plus one import line here.
 """
 from . import autoregressive, classification, linearize, segmentation
-from .base import TASKS, Task, build_task, create_model_from_config, normalization_of, register_task
+from .base import TASKS, Task, build_task, create_model_from_config, list_tasks, normalization_of, register_task
 
-__all__ = ['Task', 'TASKS', 'register_task', 'build_task', 'create_model_from_config', 'normalization_of',
+__all__ = ['Task', 'TASKS', 'register_task', 'list_tasks', 'build_task', 'create_model_from_config', 'normalization_of',
            'classification', 'segmentation', 'autoregressive', 'linearize']

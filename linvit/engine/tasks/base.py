@@ -17,10 +17,11 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 
 from ...layers import make_floor
+from ...registry import Registry
 from ..config import ConfigError
 from ..metrics import Meter
 
-__all__ = ['Task', 'TASKS', 'register_task', 'input_multiple', 'nearest_multiples', 'build_task',
+__all__ = ['Task', 'TASKS', 'register_task', 'list_tasks', 'input_multiple', 'nearest_multiples', 'build_task',
            'create_model_from_config', 'normalization_of']
 
 
@@ -107,22 +108,26 @@ def nearest_multiples(size: int, multiple: int) -> str:
     return f"{below} or {above}" if below > 0 else str(above)
 
 
-TASKS: Dict[str, Type[Task]] = {}
+#: the config's ``task:`` value -> the Task class
+TASKS: Registry[Type[Task]] = Registry('task')
 
 
 def register_task(cls: Type[Task]) -> Type[Task]:
-    """Class decorator: ``TASKS[cls.name] = cls`` (the name is the config's ``task:`` value)."""
+    """Class decorator: register ``cls`` in ``TASKS`` under ``cls.name`` (the config's ``task:`` value); a second
+    class of the same name is a ValueError."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name: set the class attribute name = '<task>'")
-    TASKS[cls.name] = cls
-    return cls
+    return TASKS.register(cls.name, cls)
+
+
+def list_tasks() -> List[str]:
+    """Every ``task:`` value, in registration order."""
+    return TASKS.names()
 
 
 def build_task(cfg: DictConfig) -> Task:
     """The task ``cfg.task`` names, built from the run config."""
-    if cfg.task not in TASKS:
-        raise ValueError(f"task={cfg.task!r} is not one of {sorted(TASKS)}")
-    return TASKS[cfg.task](cfg)
+    return TASKS.get(cfg.task)(cfg)
 
 
 def normalization_of(model_name: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
