@@ -15,7 +15,6 @@ Public API:
 """
 from . import fast as fast  # the compiled fast path (linvit.fast)
 from . import models, ops
-from .deprecation import module_getattr as _module_getattr
 from .layers import (
     ATTENTION_FAMILIES,
     LinearAttention,
@@ -26,7 +25,6 @@ from .layers import (
     load_softmax_state_dict,
     redraw_random_features,
 )
-from .layers.family import attention_kinds_list as _attention_kinds_list
 from .models import LinearVisionTransformer, convert_to_linear
 from .ops import FEATURE_MAPS, causal_linear_attention, linear_attention, list_feature_maps
 
@@ -37,10 +35,3 @@ __all__ = ['models', 'ops', 'LinearAttention', 'linear_attention_layer', 'LocalM
            'LinearVisionTransformer', 'convert_to_linear',
            'list_feature_maps', 'ATTENTION_FAMILIES', 'attention_layer', 'list_attention_families',
            'redraw_random_features', '__version__']
-
-# old public names: FutureWarning naming the new one (list_attention_kinds keeps its old result)
-_RENAMED = {'list_attention_kinds': ('list_attention_families', lambda: _attention_kinds_list)}
-
-
-def __getattr__(name: str):
-    return _module_getattr(__name__, _RENAMED, name)

@@ -7,7 +7,7 @@ verbs with one behaviour everywhere::
 
     HEADS = Registry('seg.head')
     HEADS.register('mlp', MLPHead)        # a second 'mlp' is a ValueError: nothing is silently replaced
-    HEADS.get('mpl')                      # UnknownNameError: unknown seg.head 'mpl'; did you mean 'mlp'? known: mlp, fpn
+    HEADS.get('mpl')                      # UnknownNameError: unknown seg.head 'mpl'; did you mean 'mlp'? ...
     HEADS.names()                         # ['mlp', 'fpn']
     HEADS.unregister('mlp')               # e.g. a name a test registered
 
@@ -66,7 +66,7 @@ class Registry(Generic[T]):
         """"unknown <key> <name>; did you mean ...? known: ..." (``hint``: one more sentence, e.g. another registry
         that holds the name)."""
         close = difflib.get_close_matches(name, self._entries, n=3, cutoff=0.6) if isinstance(name, str) else []
-        guess = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ''
+        guess = f" did you mean {_one_of([repr(c) for c in close])}?" if close else ''
         extra = f" ({hint})" if hint else ''
         return f"unknown {self.key} {name!r};{guess} known: {', '.join(self._entries) or 'none'}{extra}"
 
@@ -107,6 +107,11 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.key!r}: {', '.join(self._entries)})"
+
+
+def _one_of(words: List[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _describe(entry: object) -> str:

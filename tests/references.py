@@ -36,10 +36,18 @@ def focused_ref(x: torch.Tensor, power: float = 3.0) -> torch.Tensor:
     return torch.where(has_positive, r.norm(dim=-1, keepdim=True) * rp / safe, torch.zeros_like(rp))
 
 
+def relu2_ref(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU: max(x, 0)^2."""
+    return relu_ref(x) ** 2
+
+
+#: the float64 formula of every fixed feature map linvit registers; the shared tests take the map names from
+#: linvit.ops.FEATURE_MAPS and fail for a map without an entry here
 FEATURE_MAP_REFS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     'elu1': elu1_ref,
     'relu': relu_ref,
     'focused': focused_ref,
+    'relu2': relu2_ref,
 }
 
 

@@ -27,7 +27,6 @@ import torch
 
 from linvit.bench.cli import HelpFormatter, precision_arg
 from linvit.bench.specs import parse_size
-from linvit.deprecation import warn_renamed
 from linvit.export import (
     EXPORT_PRECISIONS,
     ExportCheckError,
@@ -57,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--dtype', type=precision_arg, choices=EXPORT_PRECISIONS, default='float32',
                         help='weights and activations of the file (float16: the attention core stays float32 in the '
                              'graph)')
-    parser.add_argument('--fp16', action='store_true', help='the same as --dtype float16 (deprecated)')
     parser.add_argument('--check-sizes', type=parse_size_list, metavar='SIZES',
                         help='comma-separated sizes to check and time, e.g. 512x512,768x1024 (default: the export '
                              'size and, when dynamic, a smaller non-square and a larger size)')
@@ -79,11 +77,7 @@ def parse_size_list(text: str) -> List[Tuple[int, int]]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    if args.fp16:
-        warn_renamed('--fp16', '--dtype float16')
-        args.dtype = 'float16'
-    return args
+    return build_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,9 +34,8 @@ from linvit.data.fmnist_hires import (
     DEFAULT_IDX_DIR,
     DEFAULT_SIZES,
     MIN_SIZE,
-    TASKS,
+    WRITERS,
     FmnistHiresSpec,
-    resolve_task,
     write_dataset,
 )
 
@@ -44,10 +43,10 @@ from linvit.data.fmnist_hires import (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument('--out', type=Path, required=True, help='output folder (must be empty or absent)')
-    p.add_argument('--task', type=lambda name: resolve_task(name, '--task'), choices=list(TASKS),
+    p.add_argument('--task', choices=list(WRITERS),
                    default='classification',
                    help='classification: one item per image, ImageFolder layout; segmentation: several items per '
-                        'image, images/ + masks/ (the old cls and seg still work, with a warning)')
+                        'image, images/ + masks/')
     p.add_argument('--size', type=int, default=None,
                    help=f"canvas side in pixels (>= {MIN_SIZE}; default: {DEFAULT_SIZES['classification']} for "
                         f"classification, {DEFAULT_SIZES['segmentation']} for segmentation)")

@@ -35,9 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 from PIL import Image
 
-from ..deprecation import warn_renamed
-
-__all__ = ['FmnistHiresSpec', 'write_dataset', 'TASKS', 'resolve_task', 'DEFAULT_SIZES', 'DEFAULT_IDX_DIR',
+__all__ = ['FmnistHiresSpec', 'write_dataset', 'WRITERS', 'DEFAULT_SIZES', 'DEFAULT_IDX_DIR',
            'CLASS_NAMES', 'BACKGROUND', 'IDX_STEMS', 'find_idx_file', 'read_idx', 'load_split', 'Placement',
            'render_canvas', 'render_seg_canvas', 'fragment_count', 'MIN_SIZE', 'SEG_PAINT_THRESHOLD']
 
@@ -54,8 +52,6 @@ MIN_SIZE = 64
 MIN_SCALE, MAX_SCALE = 2.0, 6.0
 SPLIT_IDS = {'train': 0, 'val': 1}
 DEFAULT_SIZES = {'classification': 512, 'segmentation': 1024}
-#: task names older releases used (``--task cls|seg``), kept for one release
-TASK_ALIASES = {'cls': 'classification', 'seg': 'segmentation'}
 BACKGROUND = 'background'   # segmentation: mask value 0; item classes are 1 + their Fashion-MNIST label
 # numpy stream ids under (seed, split): classification chooses items on stream 0 and renders image i on (1, i);
 # segmentation renders image i on (2, i)
@@ -98,8 +94,8 @@ class FmnistHiresSpec:
 
     def check(self) -> None:
         """ValueError naming the first setting out of range (nothing is read or written before this passes)."""
-        if self.task not in TASKS:
-            raise ValueError(f"task={self.task!r} is not a task; expected one of {list(TASKS)}")
+        if self.task not in WRITERS:
+            raise ValueError(f"task={self.task!r} is not a task; expected one of {list(WRITERS)}")
         if self.canvas_size < MIN_SIZE:
             raise ValueError(f'size must be >= {MIN_SIZE}, got {self.canvas_size}')
         if self.seed < 0:
@@ -113,16 +109,6 @@ class FmnistHiresSpec:
         low, high = self.items_per_image
         if not 1 <= low <= high:
             raise ValueError(f'items_per_image (MIN, MAX) needs 1 <= MIN <= MAX, got {low} {high}')
-
-
-def resolve_task(name: str, what: str = 'task') -> str:
-    """The task name for ``name``; the old 'cls' / 'seg' warn (FutureWarning naming the new word). Other names are
-    returned as they are, for the caller to reject with its list of choices."""
-    if name in TASK_ALIASES:
-        new = TASK_ALIASES[name]
-        warn_renamed(f"{what} {name}", f"{what} {new}")
-        return new
-    return name
 
 
 # ---------------------------------------------------------------- IDX files
@@ -381,8 +367,8 @@ def make_segmentation(spec: FmnistHiresSpec, splits: Splits, log: Log) -> Tuple[
                   f"{spec.out / 'manifest.csv'}; train with --config configs/seg_folder.yaml data.root={spec.out}")
 
 
-#: task name -> writer(spec, splits, log) -> (manifest rows, summary line)
-TASKS: Dict[str, Callable[[FmnistHiresSpec, Splits, Log], Tuple[List[dict], str]]] = {
+#: task name -> writer(spec, splits, log) -> (manifest rows, summary line): what a set for that task holds
+WRITERS: Dict[str, Callable[[FmnistHiresSpec, Splits, Log], Tuple[List[dict], str]]] = {
     'classification': make_classification,
     'segmentation': make_segmentation,
 }
@@ -399,6 +385,6 @@ def write_dataset(spec: FmnistHiresSpec, log: Log = print) -> str:
     if spec.out.exists() and any(spec.out.iterdir()):
         raise ValueError(f"{spec.out} is not empty; choose a new output folder (old files would mix with new ones)")
     splits = {split: load_split(spec.idx_dir, split) for split in IDX_STEMS}
-    rows, summary = TASKS[spec.task](spec, splits, log)
+    rows, summary = WRITERS[spec.task](spec, splits, log)
     write_manifest(spec.out / 'manifest.csv', rows)
     return summary

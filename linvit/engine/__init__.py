@@ -5,18 +5,23 @@
     metrics = evaluate(cfg, 'runs/x/best.pt', 'runs/x/eval')
 
 Where things live: ``config`` (the typed config), ``tasks/`` (one module per task, registered in ``TASKS`` on
-import), ``trainer`` (the loop: ``Run`` / ``Training`` built from the config, ``TrainingLoop``), ``step`` (the step
-runner: backward, accumulation, loss scaling, clipping, the optimizer step), ``metrics`` (the meters),
-``checkpoint`` / ``loading`` (files), ``sampler`` and ``distributed`` (data order and processes), ``plots``.
+import), ``trainer`` (``train`` and the loop, ``fit``), ``run`` (a run set up from its config: ``Run``,
+``Training``), ``evaluation`` (the validation set into a task's meter; ``evaluate`` for saved weights), ``step``
+(the step runner: backward, accumulation, loss scaling, clipping, the optimizer step), ``run_log`` (metrics.csv,
+TensorBoard, train.log), ``metrics`` (the meters), ``checkpoint`` (``Checkpoint``, crash-safe files),
+``run_files`` / ``loading`` (run folders and trained models back from disk), ``commands`` (what train.py's modes
+do), ``sampler`` and ``distributed`` (data order and processes), ``plots``.
 
 Needs the ``train`` extra (albumentations, omegaconf, tensorboard, tqdm, matplotlib); ``import linvit`` alone
 does not import this package.
 """
+from .checkpoint import Checkpoint
 from .config import ConfigError, RunConfig, config_from_yaml, config_to_yaml, load_config
-from .linearize import linearize  # noqa: E402  (after trainer, which it runs)
-from .step import TrainStep
+from .evaluation import evaluate
+from .step import TrainStep, compile_train_step
 from .tasks import TASKS, Task, build_task, list_tasks, register_task
-from .trainer import NonFiniteLossError, evaluate, train
+from .trainer import NonFiniteLossError, train
 
 __all__ = ['ConfigError', 'RunConfig', 'load_config', 'config_to_yaml', 'config_from_yaml', 'TASKS', 'Task',
-           'build_task', 'register_task', 'list_tasks', 'TrainStep', 'NonFiniteLossError', 'train', 'evaluate', 'linearize']
+           'build_task', 'register_task', 'list_tasks', 'TrainStep', 'compile_train_step', 'NonFiniteLossError',
+           'Checkpoint', 'train', 'evaluate']

@@ -1,9 +1,5 @@
 """nn.Modules built on linvit.ops: drop-ins for timm's attention (one module per attention family, each declaring
 itself once: ``linvit.layers.family``) and their optional branches."""
-from typing import Any
-
-from ..deprecation import module_getattr
-from .families import _RENAMED as _FAMILIES_RENAMED
 from .families import (
     AFTAttention,
     BidirectionalAttention,
@@ -33,11 +29,3 @@ __all__ = ['LinearAttention', 'linear_attention_layer', 'LocalMix', 'attn_mask_t
            'resolve_family', 'PerformerAttention', 'LinformerAttention', 'GatedLinearAttention', 'AFTAttention',
            'BidirectionalAttention', 'attention_layer', 'redraw_random_features', 'make_floor', 'LearnableFeatureMap',
            'HedgehogFeatureMap']
-
-# old public names (LowRankAttention, list_attention_kinds, resolve_attention_kind, FAMILY_OPTIONS): FutureWarning
-_RENAMED = {name: _FAMILIES_RENAMED[name] for name in
-            ('LowRankAttention', 'list_attention_kinds', 'resolve_attention_kind', 'FAMILY_OPTIONS')}
-
-
-def __getattr__(name: str) -> Any:
-    return module_getattr(__name__, _RENAMED, name)

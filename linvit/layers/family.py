@@ -21,11 +21,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 import torch
 import torch.nn as nn
 
-from ..deprecation import warn_renamed
-from ..ops import list_feature_maps
+from ..ops import feature_map_spec, list_feature_maps
+from ..registry import Registry
 
 __all__ = ['FamilySpec', 'ATTENTION_FAMILIES', 'register_family', 'unregister_family', 'list_attention_families',
-           'family_class', 'resolve_family', 'resolve_family_arguments', 'declared_state_keys']
+           'family_class', 'resolve_family', 'declared_state_keys']
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class FamilySpec:
 
 #: attention family name -> layer class (a ``LinearAttention`` subclass declaring ``family = FamilySpec(...)``);
 #: filled by ``register_family`` when ``linvit.layers`` is imported
-ATTENTION_FAMILIES: Dict[str, Type[nn.Module]] = {}
+ATTENTION_FAMILIES: Registry[Type[nn.Module]] = Registry('attn_family')
 
 
 def _constructor_parameters(cls: type) -> Dict[str, inspect.Parameter]:
@@ -99,42 +99,31 @@ def register_family(cls: type) -> type:
     if not isinstance(spec, FamilySpec):
         raise TypeError(f"{cls.__name__} must declare its attention family in its class body: "
                         f"family = FamilySpec(name, ...)")
-    registered = ATTENTION_FAMILIES.get(spec.name)
-    if registered is not None and registered is not cls:
-        raise ValueError(f"attention family {spec.name!r} is already registered by {registered.__qualname__}")
     _check_declared_options(cls, spec)
-    ATTENTION_FAMILIES[spec.name] = cls
-    return cls
+    return ATTENTION_FAMILIES.register(spec.name, cls)
 
 
 def unregister_family(name: str) -> None:
-    """Remove family ``name`` from ``ATTENTION_FAMILIES`` (e.g. a family a test registered); KeyError if unknown."""
-    del ATTENTION_FAMILIES[name]
+    """Remove family ``name`` from ``ATTENTION_FAMILIES`` (e.g. a family a test registered); ValueError if unknown."""
+    ATTENTION_FAMILIES.unregister(name)
 
 
 def list_attention_families() -> List[str]:
     """Every name ``attn_family`` accepts, in registration order ('linear' first)."""
-    return list(ATTENTION_FAMILIES)
-
-
-def _unknown_family(attn_family: Any) -> ValueError:
-    hint = ''
-    if attn_family in list_feature_maps():
-        hint = f" ({attn_family!r} is a feature map: attn_family='linear', feature_map={attn_family!r})"
-    return ValueError(f"unknown attn_family {attn_family!r}; known: {list_attention_families()}{hint}")
+    return ATTENTION_FAMILIES.names()
 
 
 def family_class(attn_family: str) -> Type[nn.Module]:
     """The layer class of ``attn_family``; ValueError naming the known families if there is none."""
-    if not isinstance(attn_family, str) or attn_family not in ATTENTION_FAMILIES:
-        raise _unknown_family(attn_family)
-    return ATTENTION_FAMILIES[attn_family]
+    if attn_family not in ATTENTION_FAMILIES and attn_family in list_feature_maps():
+        hint = f"{attn_family!r} is a feature map: attn_family='linear', feature_map={attn_family!r}"
+        raise ValueError(ATTENTION_FAMILIES.unknown_message(attn_family, hint))
+    return ATTENTION_FAMILIES.get(attn_family)
 
 
 def _checked_feature_map(feature_map: Optional[str]) -> str:
     name = feature_map or 'elu1'
-    if name not in list_feature_maps():
-        raise ValueError(f"unknown feature map {name!r}; known: {list_feature_maps()}")
+    feature_map_spec(name)  # unknown names: a ValueError naming the closest and the known maps
     return name
 
 
@@ -151,42 +140,6 @@ def resolve_family(attn_family: Optional[str], feature_map: Optional[str]) -> Tu
     if feature_map is not None:
         raise ValueError(f"attn_family={family!r} uses no feature map; drop feature_map={feature_map!r}")
     return family, None
-
-
-def attention_kinds_list() -> List[str]:
-    """What the deprecated ``list_attention_kinds()`` returned: the feature maps, then every family but 'linear'."""
-    return list_feature_maps() + [name for name in ATTENTION_FAMILIES if name != 'linear']
-
-
-def resolve_attn_kernel(attn_kernel: Optional[str], feature_map: Optional[str]) -> Tuple[str, Optional[str]]:
-    """(family, feature map or None) from the deprecated ``attn_kernel`` argument, with its old meaning: a
-    feature-map name is plain linear attention with that map, a family name that family, None plain linear
-    attention with ``feature_map``. (The deprecated ``resolve_attention_kind``.)"""
-    if attn_kernel is None or attn_kernel in list_feature_maps():
-        if attn_kernel is not None and feature_map is not None and feature_map != attn_kernel:
-            raise ValueError(f"attn_kernel={attn_kernel!r} (a feature map) and feature_map={feature_map!r} disagree; "
-                             f"pass one of them")
-        return 'linear', _checked_feature_map(attn_kernel or feature_map)
-    if attn_kernel not in ATTENTION_FAMILIES:
-        raise ValueError(f"unknown attn_kernel {attn_kernel!r}; known: {attention_kinds_list()}")
-    if ATTENTION_FAMILIES[attn_kernel].family.feature_map:
-        return attn_kernel, _checked_feature_map(feature_map)
-    if feature_map is not None:
-        raise ValueError(f"attn_kernel={attn_kernel!r} uses no feature map; drop feature_map={feature_map!r}")
-    return attn_kernel, None
-
-
-def resolve_family_arguments(attn_family: Optional[str], feature_map: Optional[str],
-                             attn_kernel: Optional[str] = None) -> Tuple[str, Optional[str]]:
-    """``resolve_family`` for a public function that still takes the deprecated ``attn_kernel``: it warns
-    (FutureWarning) and keeps its old meaning (``resolve_attn_kernel``); both at once is a ValueError."""
-    if attn_kernel is None:
-        return resolve_family(attn_family, feature_map)
-    if attn_family is not None:
-        raise ValueError(f"attn_kernel={attn_kernel!r} is the deprecated name of attn_family={attn_family!r}: pass "
-                         f"attn_family only")
-    warn_renamed('attn_kernel', "attn_family (a feature-map name: attn_family='linear' with feature_map)")
-    return resolve_attn_kernel(attn_kernel, feature_map)
 
 
 def declared_state_keys(module: nn.Module, names: Tuple[str, ...]) -> List[str]:

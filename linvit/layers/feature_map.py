@@ -1,7 +1,8 @@
 """Learnable feature maps: the modules that hold a map's parameters, one per attention layer.
 
 A learnable map is chosen by name like the fixed ones (``feature_map='hedgehog'`` in ``LinearAttention``, the
-``linvit_*`` models, ``convert_to_linear`` and configs) and registered in ``linvit.ops.LEARNABLE_FEATURE_MAPS``.
+``linvit_*`` models, ``convert_to_linear`` and configs) and registered in ``linvit.ops.FEATURE_MAPS`` as
+``FeatureMapSpec(name, module=cls)``.
 The layer builds it as ``cls(num_heads, head_dim, device=, dtype=)`` under the attribute ``feature_map``, so its
 tensors are ``<layer>.feature_map.*`` in the state dict; a softmax checkpoint lacks them (they are declared as
 ``linear_only_tensors`` and keep their initial values when one is loaded).
@@ -13,7 +14,7 @@ from typing import Tuple
 import torch
 import torch.nn as nn
 
-from ..ops import hedgehog, register_learnable_feature_map
+from ..ops import FeatureMapSpec, hedgehog, register_feature_map
 from ..ops.linear_attention import autocast_off
 
 __all__ = ['LearnableFeatureMap', 'HedgehogFeatureMap']
@@ -26,7 +27,6 @@ class LearnableFeatureMap(nn.Module):
     num_features: int  # F, the width of the map's output
 
 
-@register_learnable_feature_map('hedgehog')
 class HedgehogFeatureMap(LearnableFeatureMap):
     """Hedgehog's map (``linvit.ops.hedgehog``): per head h, phi(x) = [softmax(x W_h + b_h), softmax(-(x W_h + b_h))].
 
@@ -73,3 +73,6 @@ class HedgehogFeatureMap(LearnableFeatureMap):
         # the map is part of the float32 core: under AMP its matmul must not run in bfloat16
         with autocast_off(x.device.type):
             return hedgehog(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+
+
+register_feature_map(FeatureMapSpec('hedgehog', module=HedgehogFeatureMap))

@@ -6,19 +6,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import (
-    LEARNABLE_FEATURE_MAPS,
     CausalState,
     causal_linear_attention,
     causal_linear_attention_step,
     check_attn_backend,
-    check_feature_map,
     compute_dtype,
     export_tracing,
+    feature_map_spec,
     fused_linear_attention_from_features,
-    get_feature_map,
-    get_inplace_feature_map,
     has_fused_backward,
-    is_learnable_feature_map,
     kernels_serve,
     linear_attention_from_features,
     projected_linear_attention_from_features,
@@ -124,8 +120,8 @@ class LinearAttention(nn.Module):
     (see ``linvit.ops.linear_attention``). ``attn_drop`` must be 0: there is no attention matrix to drop out.
 
     Extra options:
-        feature_map: a fixed map (``linvit.ops.FEATURE_MAPS``) or a learnable one
-            (``linvit.ops.LEARNABLE_FEATURE_MAPS``, e.g. 'hedgehog'; ``linvit.layers.feature_map``), which the layer
+        feature_map: a name in ``linvit.ops.FEATURE_MAPS``: a fixed map or a learnable one (e.g. 'hedgehog';
+            ``linvit.layers.feature_map``), which the layer
             holds as its submodule ``feature_map`` (plain linear attention, non-causal).
         eps: added to the mean normaliser.
         local_mix: add a zero-initialised depthwise-conv branch on V over the 2D token grid
@@ -192,8 +188,8 @@ class LinearAttention(nn.Module):
         if eps <= 0:
             raise ValueError(f"eps must be > 0, got {eps}")
         check_attn_backend(attn_backend)
-        check_feature_map(feature_map)
-        learnable = is_learnable_feature_map(feature_map)
+        map_spec = feature_map_spec(feature_map)
+        learnable = map_spec.learnable
         if learnable and type(self).mix is not LinearAttention.mix:
             raise ValueError(f"feature_map={feature_map!r} is learnable, which plain linear attention "
                              f"(attn_family='linear') supports; {type(self).__name__} mixes tokens its own way")
@@ -224,11 +220,9 @@ class LinearAttention(nn.Module):
         # a learnable map is a submodule holding its parameters (state-dict keys feature_map.*), called like a
         # fixed map on [B, H, N, D]; its output width may differ from D (hedgehog: 2 D)
         self.learnable_map = learnable
-        self.feature_map = LEARNABLE_FEATURE_MAPS[feature_map](num_heads, head_dim, **dd) if learnable \
-            else get_feature_map(feature_map)
+        self.feature_map = map_spec.module(num_heads, head_dim, **dd) if learnable else map_spec.fn
         # without autograd a fixed map is written into the fresh qkv projection output rather than a new tensor
-        self.feature_map_inplace = _no_inplace_form if learnable \
-            else get_inplace_feature_map(feature_map) or self.feature_map
+        self.feature_map_inplace = _no_inplace_form if learnable else map_spec.inplace or self.feature_map
         # with autograd, maps that have a registered derivative train through the fused Function (linvit.ops.fused),
         # which computes plain linear attention only: a family with its own mix never takes it
         self.fused_backward = has_fused_backward(feature_map) and type(self).mix is LinearAttention.mix
@@ -542,7 +536,7 @@ def linear_attention_layer(**options) -> Type[LinearAttention]:
     if unknown:
         raise ValueError(f"unknown LinearAttention options {unknown}; known: {list(LINEAR_OPTIONS)}")
     if 'feature_map' in options:
-        check_feature_map(options['feature_map'])
+        feature_map_spec(options['feature_map'])
     return configured_layer(LinearAttention, options)
 
 

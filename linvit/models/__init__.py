@@ -2,9 +2,6 @@
 
 Importing this package registers the models with timm (``timm.list_models('linvit_*')``).
 """
-from typing import Any
-
-from ..deprecation import module_getattr
 from .convert import convert_to_linear, linear_attention_from_softmax
 from .linvit import (
     BLOCK_TYPES,
@@ -20,13 +17,3 @@ from .segmentation import SEG_HEADS, MLPHead, SegmentationModel, SimpleFeaturePy
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'BLOCK_TYPES',
            'block_types', 'resolve_softmax_blocks', 'checkpoint_filter_fn', 'convert_to_linear',
            'linear_attention_from_softmax', 'SegmentationModel', 'SimpleFeaturePyramid', 'MLPHead', 'SEG_HEADS']
-
-# old public names (ATTENTION_KINDS, attention_kinds): FutureWarning naming the new one
-_RENAMED = {
-    'ATTENTION_KINDS': ('BLOCK_TYPES', lambda: BLOCK_TYPES),
-    'attention_kinds': ('block_types', lambda: block_types),
-}
-
-
-def __getattr__(name: str) -> Any:
-    return module_getattr(__name__, _RENAMED, name)

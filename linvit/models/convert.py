@@ -17,10 +17,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr
 
-from ..deprecation import warn_renamed
 from ..layers import LinearAttention, LocalMix, attention_layer
-from ..layers.family import family_class, resolve_family_arguments
-from ..ops import is_learnable_feature_map
+from ..layers.family import family_class, resolve_family
+from ..ops import feature_map_spec
 from .linvit import resolve_softmax_blocks
 
 __all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites']
@@ -71,7 +70,6 @@ def linear_attention_from_softmax(
         grid_size: Optional[Tuple[int, int]] = None,
         attn_family: str = 'linear',
         attn_options: Optional[Dict[str, Any]] = None,
-        **renamed: Any,
 ) -> LinearAttention:
     """A LinearAttention (or a layer of another ``attn_family`` of ``linvit.ATTENTION_FAMILIES``, with its
     ``attn_options``) that holds ``attn``'s own submodules (same tensors, device, dtype, requires_grad).
@@ -79,9 +77,8 @@ def linear_attention_from_softmax(
     ``attn`` must be exactly ``timm.layers.Attention`` with attention dropout 0. The optional local-mix branch is
     new: zero-initialised, on ``attn``'s device and dtype, with the given token layout (see ``LocalMix``); so are
     the tensors the family declares (``FamilySpec.tensors``: the gated family's gates, Performer's random
-    features), freshly initialised. ``family`` / ``family_options`` are the deprecated names of the last two.
+    features), freshly initialised.
     """
-    attn_family, attn_options = _renamed_family_arguments(attn_family, attn_options, renamed)
     if type(attn) is not Attention:
         raise ValueError(f"expected timm.layers.Attention, got {_qualified_name(attn)}")
     if attn.attn_drop.p > 0:
@@ -94,7 +91,7 @@ def linear_attention_from_softmax(
         options.update(num_prefix_tokens=num_prefix_tokens, grid_size=grid_size)
     # a family that declares no tensors of its own (plain linear attention, ...) gets its shell built on the meta
     # device: every tensor is then attn's own submodule; the others build theirs where attn lives
-    own_tensors = cls.family.tensors or is_learnable_feature_map(feature_map or 'elu1')
+    own_tensors = cls.family.tensors or feature_map_spec(feature_map or 'elu1').learnable
     placement = dict(device='meta') if not own_tensors else dict(device=weight.device, dtype=weight.dtype)
     linear = cls(
         attn.qkv.in_features,
@@ -117,22 +114,6 @@ def linear_attention_from_softmax(
         linear.local_mix = LocalMix(linear.attn_dim, local_mix_kernel, num_prefix_tokens, grid_size,
                                     device=weight.device, dtype=weight.dtype)
     return linear.train(attn.training)
-
-
-def _renamed_family_arguments(attn_family: str, attn_options: Optional[Dict[str, Any]],
-                              renamed: Dict[str, Any]) -> Tuple[str, Optional[Dict[str, Any]]]:
-    """(attn_family, attn_options), taking the deprecated keywords ``family`` / ``family_options`` (which warn);
-    TypeError for any other unexpected keyword."""
-    unexpected = sorted(set(renamed) - {'family', 'family_options'})
-    if unexpected:
-        raise TypeError(f"linear_attention_from_softmax() got unexpected keyword arguments {unexpected}")
-    if 'family' in renamed:
-        warn_renamed('linear_attention_from_softmax(family=...)', 'attn_family=...')
-        attn_family = renamed['family']
-    if 'family_options' in renamed:
-        warn_renamed('linear_attention_from_softmax(family_options=...)', 'attn_options=...')
-        attn_options = renamed['family_options']
-    return attn_family, attn_options
 
 
 def _token_layout(model: nn.Module, needed_by: str = 'local_mix') -> Tuple[int, Tuple[int, int]]:
@@ -159,7 +140,6 @@ def convert_to_linear(
         attn_family: Optional[str] = None,
         attn_options: Optional[Dict[str, Any]] = None,
         attn_backend: str = 'auto',
-        attn_kernel: Optional[str] = None,
 ) -> nn.Module:
     """Replace the softmax attention of a timm model by linear attention, in place; returns ``model``.
 
@@ -177,14 +157,12 @@ def convert_to_linear(
         local_mix_kernel: its odd kernel size.
         softmax_blocks: indices of attention modules, counted in module order (the block index for
             VisionTransformer), that keep softmax attention. Out-of-range or repeated indices: ValueError.
-        attn_kernel: deprecated name of attn_family (a feature-map name there means attn_family='linear' with that
-            feature map); warns.
 
     Every existing tensor stays the same object; the converted model's state_dict has the original keys plus
     ``*.local_mix.conv.*`` when local_mix. Modules that are already LinearAttention are left as they are.
     Raises ValueError naming the module for models with other attention (or none at all).
     """
-    family, feature_map = resolve_family_arguments(attn_family, feature_map, attn_kernel)
+    family, feature_map = resolve_family(attn_family, feature_map)
     attn_options = {**dict(attn_options or {}), 'attn_backend': attn_backend}
     attention_layer(family, **attn_options)  # unknown options fail before anything changes
     if not isinstance(local_mix, bool):

@@ -21,9 +21,6 @@ qk_norm, init_values, ...), the attention is chosen by:
     attn_backend:     who computes plain linear attention (``linvit.ops.ATTN_BACKENDS``): 'auto' (default: the Triton
                       kernels on CUDA tensors they serve, the PyTorch path elsewhere), 'triton' or 'torch'.
 
-``attn_kernel`` (a feature-map or family name) is the deprecated name of ``attn_family`` and still works, with a
-FutureWarning.
-
 The model hands the patch grid (H, W) of the current image to every block, so local mixing works at any size,
 square or not, with ``dynamic_img_size=True``. Parameter names equal timm's ViT, so a softmax ViT checkpoint of the
 same width and depth loads strictly apart from the ``local_mix`` tensors (see ``checkpoint_filter_fn``).
@@ -43,9 +40,9 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
-from ..deprecation import module_getattr, user_stacklevel
+from ..callsite import user_stacklevel
 from ..layers import LinearAttention, LocalMix, attention_layer, linear_only_parameter_names
-from ..layers.family import resolve_attn_kernel, resolve_family_arguments
+from ..layers.family import resolve_family
 from ..layers.linear_attention import causal_call
 from ..ops import CausalState
 
@@ -253,8 +250,6 @@ class LinearVisionTransformer(VisionTransformer):
         causal: causal attention in every block (see the module docstring); forward_features(x, is_causal=True)
             does the same for one call.
         attn_backend: 'auto', 'triton' or 'torch' (``linvit.layers.LinearAttention``'s option of that name).
-        attn_kernel: deprecated name of attn_family (a feature-map name there means attn_family='linear' with that
-            feature map); warns.
         **kwargs: VisionTransformer's arguments, except block_fn and attn_layer (chosen by the above).
     """
 
@@ -268,10 +263,9 @@ class LinearVisionTransformer(VisionTransformer):
             attn_options: Optional[Dict[str, Any]] = None,
             causal: bool = False,
             attn_backend: str = 'auto',
-            attn_kernel: Optional[str] = None,
             **kwargs,
     ) -> None:
-        family, feature_map = resolve_family_arguments(attn_family, feature_map, attn_kernel)
+        family, feature_map = resolve_family(attn_family, feature_map)
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be True or False, got {causal!r}")
         if causal and local_mix:
@@ -297,9 +291,6 @@ class LinearVisionTransformer(VisionTransformer):
         super().__init__(block_fn=BlockPlan(types, linear_options), **kwargs)
         self.attn_family = family
         self.feature_map = feature_map
-        # deprecated (attn_family's old name, a feature-map name for the 'linear' family); a plain attribute, not a
-        # warning property: TorchScript and other tools read every attribute when they inspect the model
-        self.attn_kernel = feature_map if family == 'linear' else family
         self.local_mix = local_mix
         self.causal = causal
         self.softmax_blocks = [index for index, name in enumerate(types) if name == 'softmax']
@@ -604,15 +595,3 @@ def linvit_base_patch16_1024(pretrained: bool = False, **kwargs) -> LinearVision
     """linvit-Base/16 for large images: 1024 px default (64x64 grid), dynamic_img_size=True."""
     return _create_linvit('linvit_base_patch16_1024', pretrained,
                           **dict(_base(img_size=1024, dynamic_img_size=True), **kwargs))
-
-
-# old public names: each warns (FutureWarning) naming the new one
-_RENAMED = {
-    'ATTENTION_KINDS': ('BLOCK_TYPES', lambda: BLOCK_TYPES),
-    'attention_kinds': ('block_types', lambda: block_types),
-    'resolve_attention_kind': ('linvit.layers.resolve_family', lambda: resolve_attn_kernel),
-}
-
-
-def __getattr__(name: str) -> Any:
-    return module_getattr(__name__, _RENAMED, name)

@@ -20,24 +20,19 @@ from .causal import (
     retention_decays,
 )
 from .feature_maps import (
-    FEATURE_MAP_OUTPUT_DERIVATIVES,
-    FEATURE_MAP_VJPS,
     FEATURE_MAPS,
-    INPLACE_FEATURE_MAPS,
-    LEARNABLE_FEATURE_MAPS,
     FeatureMap,
-    check_feature_map,
+    FeatureMapSpec,
     elu1,
+    feature_map_spec,
     focused,
     get_feature_map,
-    get_feature_map_vjp,
-    get_inplace_feature_map,
     hedgehog,
-    is_learnable_feature_map,
     list_feature_maps,
     register_feature_map,
-    register_learnable_feature_map,
     relu,
+    relu2,
+    unregister_feature_map,
 )
 from .fused import (
     fused_linear_attention,
@@ -56,11 +51,9 @@ from .projected import projected_linear_attention_from_features, projected_linea
 from .reference import quadratic_linear_attention
 
 __all__ = [
-    'FEATURE_MAPS', 'FEATURE_MAP_VJPS', 'FEATURE_MAP_OUTPUT_DERIVATIVES', 'INPLACE_FEATURE_MAPS', 'FeatureMap',
-    'elu1', 'relu', 'focused', 'hedgehog', 'LEARNABLE_FEATURE_MAPS', 'check_feature_map', 'is_learnable_feature_map',
-    'register_learnable_feature_map', 'fused_linear_attention_from_features',
-    'get_feature_map', 'get_feature_map_vjp', 'get_inplace_feature_map',
-    'list_feature_maps', 'register_feature_map', 'check_attention_inputs', 'compute_dtype', 'export_tracing',
+    'FEATURE_MAPS', 'FeatureMapSpec', 'FeatureMap', 'elu1', 'relu', 'relu2', 'focused', 'hedgehog',
+    'feature_map_spec', 'get_feature_map', 'list_feature_maps', 'register_feature_map', 'unregister_feature_map',
+    'fused_linear_attention_from_features', 'check_attention_inputs', 'compute_dtype', 'export_tracing',
     'linear_attention',
     'linear_attention_from_features', 'projected_linear_attention_from_features',
     'projected_linear_attention_from_inputs', 'quadratic_linear_attention',

@@ -35,7 +35,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .feature_maps import get_feature_map_vjp
+from .feature_maps import FEATURE_MAPS, feature_map_spec
 from .fused import _attend, _backward, _key_weight_column, _map
 from .linear_attention import _key_weights, autocast_off, check_attention_inputs, compute_dtype
 
@@ -46,9 +46,8 @@ __all__ = ['ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', '
 ATTN_BACKENDS = ('auto', 'triton', 'torch')
 
 _TRITON_INSTALLED = importlib.util.find_spec('triton') is not None
-# what the kernels of linvit.ops.triton_kernels serve, the maps by the id they take (that module is imported only
-# when a kernel runs, so `import linvit` stays light and works without Triton)
-_KERNEL_FEATURE_MAPS = {'elu1': 0, 'relu': 1}
+# what the kernels of linvit.ops.triton_kernels serve (that module is imported only when a kernel runs, so
+# `import linvit` stays light and works without Triton); the maps they compute declare their FeatureMapSpec.kernel_id
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HEAD_DIM = 128
 
@@ -71,21 +70,27 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], key_mask None, [B, N] or [B, H, N]. Decided once per
     combination of devices, dtypes, head widths, map and mask kind (a cached function of those), not per call."""
     mask_device = None if key_mask is None else key_mask.device
-    return _unsupported_reason((q.device, k.device, v.device, mask_device), (q.dtype, k.dtype, v.dtype),
-                               (q.shape[-1], v.shape[-1]), feature_map,
-                               key_mask is not None and key_mask.requires_grad, triton_interpreting())
+    reason = _unsupported_reason((q.device, k.device, v.device, mask_device), (q.dtype, k.dtype, v.dtype),
+                                 (q.shape[-1], v.shape[-1]), key_mask is not None and key_mask.requires_grad,
+                                 triton_interpreting())
+    return reason or _unsupported_map_reason(feature_map)
+
+
+def _unsupported_map_reason(feature_map: str) -> Optional[str]:
+    """None when the kernels compute ``feature_map`` (its spec declares a ``kernel_id``), else why not."""
+    if feature_map_spec(feature_map).kernel_id is not None:
+        return None
+    kernel_maps = [name for name, spec in FEATURE_MAPS.items() if spec.kernel_id is not None]
+    return f"feature map {feature_map!r} is not computed inside the kernels (they have {kernel_maps})"
 
 
 @functools.lru_cache(maxsize=1024)
 def _unsupported_reason(devices: Tuple[torch.device, ...], dtypes: Tuple[torch.dtype, ...], widths: Tuple[int, int],
-                        feature_map: str, mask_requires_grad: bool, interpreting: bool) -> Optional[str]:
+                        mask_requires_grad: bool, interpreting: bool) -> Optional[str]:
     if not _TRITON_INSTALLED:
         return "Triton is not installed"
     if devices[0].type != 'cuda' and not interpreting:
         return f"the tensors are on {devices[0].type}, and the kernels need CUDA (or TRITON_INTERPRET=1)"
-    if feature_map not in _KERNEL_FEATURE_MAPS:
-        return (f"feature map {feature_map!r} is not computed inside the kernels (they have "
-                f"{sorted(_KERNEL_FEATURE_MAPS)})")
     if len(set(dtypes)) != 1 or dtypes[0] not in _KERNEL_DTYPES:
         return (f"the kernels take q, k, v of one dtype among float32, bfloat16 and float16, got "
                 f"{', '.join(map(str, dtypes))}")
@@ -164,7 +169,7 @@ def _forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     eps: float, key_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernels: write out (shape of the result, any strides); return (S^T, den)."""
     from . import triton_kernels
-    return triton_kernels.forward(q, k, v, out, _KERNEL_FEATURE_MAPS[feature_map], eps, _kernel_weights(key_mask))
+    return triton_kernels.forward(q, k, v, out, feature_map_spec(feature_map).kernel_id, eps, _kernel_weights(key_mask))
 
 
 @_op('linear_attention(Tensor q, Tensor k, Tensor v, str feature_map, float eps, Tensor? key_mask, str backend) '
@@ -243,7 +248,7 @@ def _backward_kernel(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """The Triton kernels: write dq, dk, dv (shapes of q, k, v, any strides); they read neither out nor phi."""
     from . import triton_kernels
     triton_kernels.backward(grad, q, k, v, s.contiguous(), den.contiguous(), dq, dk, dv,
-                            _KERNEL_FEATURE_MAPS[feature_map], _kernel_weights(key_mask))
+                            feature_map_spec(feature_map).kernel_id, _kernel_weights(key_mask))
 
 
 @_op('linear_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor s, Tensor den, '
@@ -364,8 +369,8 @@ _LIBRARY.impl('linear_attention_qkv', _autograd_kernel(_PackedAttentionGrad, 'li
 
 def _check_op_arguments(feature_map: str, key_mask: Optional[torch.Tensor], backend: str) -> None:
     check_attn_backend(backend)
-    if get_feature_map_vjp(feature_map) is None:  # unknown names raise here, listing the known maps
-        raise ValueError(f"feature map {feature_map!r} has no registered vector-Jacobian product, which the "
+    if feature_map_spec(feature_map).with_vjp is None:  # unknown names raise here, listing the known maps
+        raise ValueError(f"feature map {feature_map!r} declares no vector-Jacobian product, which the "
                          f"attention op's backward needs: use linvit.ops.linear_attention")
     if key_mask is not None and key_mask.requires_grad:
         raise ValueError("the attention op takes key_mask as a constant; a key_mask that requires grad needs "

@@ -1,17 +1,22 @@
 """Feature maps phi for linear attention: sim(q, k) = phi(q)^T phi(k).
 
-Every map takes a tensor of shape [..., D] and returns a non-negative tensor of the same shape, so that
-phi(q)^T phi(k) >= 0 and the normaliser phi(q)^T sum_k phi(k) is a sum of non-negative terms. Maps are plain
-functions with the signature ``phi(x: Tensor) -> Tensor`` so that TorchScript can compile them when a layer holds
-one as an attribute. They are called by the attention core on float32 (or float64) tensors.
+Every map takes a tensor of shape [..., D] and returns a non-negative tensor, so that phi(q)^T phi(k) >= 0 and the
+normaliser phi(q)^T sum_k phi(k) is a sum of non-negative terms. A map declares itself once, as a
+``FeatureMapSpec`` in the registry ``FEATURE_MAPS``: its function, and the optional forms the fast paths use (its
+vector-Jacobian product for the fused training Function, an in-place form for inference, its derivative read off
+its output, the id under which the Triton kernels compute it) or, for a learnable map, the nn.Module class that
+holds its parameters. Every consumer reads the spec; a map without a form simply takes the general path.
 
-The fused attention Function (``linvit.ops.fused``) applies a map's derivative itself in backward: each map has a
-``with_vjp(x) -> (phi(x), vjp)`` in ``FEATURE_MAP_VJPS``, where ``vjp(grad)`` is the gradient of x.
+Fixed maps are plain functions ``phi(x: Tensor) -> Tensor`` so that TorchScript can compile them when a layer holds
+one as an attribute. They are called by the attention core on float32 (or float64) tensors.
 """
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from ..registry import Registry
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 FeatureMapVJP = Callable[[torch.Tensor], torch.Tensor]
@@ -108,23 +113,6 @@ def focused_with_vjp(x: torch.Tensor) -> Tuple[torch.Tensor, FeatureMapVJP]:
     return focused(x), lambda grad: focused_vjp(x, grad)
 
 
-FEATURE_MAPS: Dict[str, FeatureMap] = {
-    'elu1': elu1,
-    'relu': relu,
-    'focused': focused,
-}
-
-
-# each map with its derivative, for the fused attention Function (linvit.ops.fused): with_vjp(x) returns phi(x)
-# and a function vjp(grad) -> the gradient of x (grad and the result [..., D]; vjp may overwrite grad, which the
-# Function owns). A map without an entry trains through plain autograd.
-FEATURE_MAP_VJPS: Dict[str, FeatureMapWithVJP] = {
-    'elu1': elu1_with_vjp,
-    'relu': relu_with_vjp,
-    'focused': focused_with_vjp,
-}
-
-
 def elu1_derivative_from_output(phi: torch.Tensor) -> torch.Tensor:
     """elu1'(x) from phi = elu1(x): min(phi, 1) (phi = exp(x) <= 1 for x <= 0, where the derivative is exp(x);
     phi > 1 for x > 0, where it is 1). phi: [..., D] -> [..., D]."""
@@ -136,14 +124,6 @@ def relu_derivative_from_output(phi: torch.Tensor) -> torch.Tensor:
     return phi > 0
 
 
-# maps whose derivative is a function of their output: the fused Function keeps phi(q) and phi(k) for backward (as
-# many bytes as q and k) instead of recomputing them there; others (focused: row norms) recompute from q and k
-FEATURE_MAP_OUTPUT_DERIVATIVES: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    'elu1': elu1_derivative_from_output,
-    'relu': relu_derivative_from_output,
-}
-
-
 def elu1_inplace(x: torch.Tensor) -> torch.Tensor:
     """``elu1`` written into x (which must be a fresh intermediate, e.g. a projection output); returns x."""
     e = x.clamp(max=0.0).exp_()
@@ -153,14 +133,6 @@ def elu1_inplace(x: torch.Tensor) -> torch.Tensor:
 def relu_inplace(x: torch.Tensor) -> torch.Tensor:
     """``relu`` written into x (which must be a fresh intermediate); returns x."""
     return F.relu_(x)
-
-
-# in-place forms for inference: writing phi into the projection output saves a large allocation (fresh pages are
-# faulted in on every call) and a pass of memory traffic; maps without one are applied out of place
-INPLACE_FEATURE_MAPS: Dict[str, FeatureMap] = {
-    'elu1': elu1_inplace,
-    'relu': relu_inplace,
-}
 
 
 def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -177,76 +149,121 @@ def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
     return torch.cat([z.softmax(dim=-1), (-z).softmax(dim=-1)], dim=-1)
 
 
-# learnable maps: name -> the nn.Module class that holds a map's parameters (registered by linvit.layers, which owns
-# parameters; ops stays pure). Built per layer as cls(num_heads, head_dim, device=, dtype=); called on
-# [B, H, N, D] in the compute dtype, it returns non-negative [B, H, N, F] (F may differ from D).
-LEARNABLE_FEATURE_MAPS: Dict[str, Any] = {}
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU, relu(x) ** 2 (So et al. 2021, "Primer"; used as a linear-attention map by Hua et al. 2022,
+    "Transformer Quality in Linear Time"): sparse like relu, and the square makes large entries dominate the
+    similarity, a step towards softmax's peaked weights. x: [..., D] -> [..., D], values in [0, inf)."""
+    return F.relu(x).square()
 
 
-def list_feature_maps() -> List[str]:
-    """Names accepted wherever a feature map is chosen by name: the fixed maps and the learnable ones."""
-    return sorted(set(FEATURE_MAPS) | set(LEARNABLE_FEATURE_MAPS))
+def relu2_with_vjp(x: torch.Tensor) -> Tuple[torch.Tensor, FeatureMapVJP]:
+    """(relu2(x), vjp) with vjp(grad) = grad * 2 relu(x). x: [..., D] -> [..., D]; vjp writes into its argument."""
+    r = F.relu_(x.clone(memory_format=torch.contiguous_format))  # contiguous: see elu1_with_vjp
+    return r.square(), lambda grad: grad.mul_(r).mul_(2.0)
 
 
-def is_learnable_feature_map(name: str) -> bool:
-    """Whether ``name`` is a learnable map (``LEARNABLE_FEATURE_MAPS``: it has parameters, layers build it)."""
-    return name in LEARNABLE_FEATURE_MAPS
+def relu2_derivative_from_output(phi: torch.Tensor) -> torch.Tensor:
+    """relu2'(x) from phi = relu(x) ** 2: 2 sqrt(phi). phi: [..., D] -> [..., D]."""
+    return phi.sqrt().mul_(2.0)
 
 
-def check_feature_map(name: str) -> str:
-    """``name`` if it names a fixed or a learnable map; else ValueError listing the known ones."""
-    if name not in FEATURE_MAPS and name not in LEARNABLE_FEATURE_MAPS:
-        raise ValueError(f"unknown feature map {name!r}; known feature maps: {', '.join(list_feature_maps())}")
-    return name
+def relu2_inplace(x: torch.Tensor) -> torch.Tensor:
+    """``relu2`` written into x (which must be a fresh intermediate); returns x."""
+    return F.relu_(x).square_()
+
+
+@dataclass(frozen=True)
+class FeatureMapSpec:
+    """What a feature map declares once, in ``FEATURE_MAPS`` (``register_feature_map``).
+
+    name: its name (the value of ``feature_map`` in layers, models, ``convert_to_linear`` and configs).
+    fn: a fixed map, [..., D] -> non-negative [..., D]. Exactly one of ``fn`` and ``module``.
+    with_vjp: ``with_vjp(x) -> (fn(x), vjp)``, ``vjp(grad)`` the gradient of x for an upstream ``grad`` (x, grad
+        [..., D]; vjp may overwrite grad). With it, layers train through the fused attention Function
+        (``linvit.ops.fused``); without, through plain autograd of ``fn``.
+    inplace: ``fn`` written into its argument (a fresh intermediate), returning it: inference then maps the qkv
+        projection output in place instead of allocating phi.
+    derivative_from_output: fn'(x) computed from phi = fn(x) (an elementwise map only): the fused Function then
+        keeps phi(q), phi(k) for backward instead of recomputing them from q, k.
+    kernel_id: the map's id in the Triton kernels (``linvit.ops.triton_kernels``) if they compute it; None: calls
+        with this map take the PyTorch path (``kernel_unsupported_reason`` says so).
+    module: a learnable map: an nn.Module class built per layer as ``module(num_heads, head_dim, device=,
+        dtype=)``, mapping [B, H, N, head_dim] to non-negative [B, H, N, F] (F may differ from D); its parameters
+        train through autograd, the attention core through the fused Function on its features. Layers own it
+        (``linvit.layers.feature_map``), since ops hold no parameters.
+    """
+    name: str
+    fn: Optional[FeatureMap] = None
+    with_vjp: Optional[FeatureMapWithVJP] = None
+    inplace: Optional[FeatureMap] = None
+    derivative_from_output: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    kernel_id: Optional[int] = None
+    module: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        if (self.fn is None) == (self.module is None):
+            raise ValueError(f"feature map {self.name!r} declares fn (a fixed map) or module (a learnable one): "
+                             f"exactly one of them")
+        forms = [form for form in ('with_vjp', 'inplace', 'derivative_from_output', 'kernel_id')
+                 if getattr(self, form) is not None]
+        if self.module is not None and forms:
+            raise ValueError(f"learnable feature map {self.name!r} cannot declare {forms}: those are forms of a fixed "
+                             f"map")
+        if self.derivative_from_output is not None and self.with_vjp is None:
+            raise ValueError(f"feature map {self.name!r} declares derivative_from_output, which the fused Function "
+                             f"uses only with with_vjp")
+
+    @property
+    def learnable(self) -> bool:
+        """Whether the map has parameters (``module``), which a layer builds and holds."""
+        return self.module is not None
+
+
+#: feature map name -> its FeatureMapSpec, in registration order
+FEATURE_MAPS: Registry[FeatureMapSpec] = Registry('feature_map')
+
+
+def register_feature_map(spec: FeatureMapSpec) -> FeatureMapSpec:
+    """Add ``spec`` to ``FEATURE_MAPS`` under ``spec.name``; returns it. ValueError if another map has that name."""
+    if not isinstance(spec, FeatureMapSpec):
+        raise TypeError(f"register_feature_map takes a FeatureMapSpec, got {type(spec).__name__}")
+    return FEATURE_MAPS.register(spec.name, spec)
+
+
+def unregister_feature_map(name: str) -> FeatureMapSpec:
+    """Remove map ``name`` (e.g. one a test registered) and return its spec; ValueError if unknown."""
+    return FEATURE_MAPS.unregister(name)
+
+
+def list_feature_maps(learnable: Optional[bool] = None) -> List[str]:
+    """Names accepted wherever a feature map is chosen by name, in registration order: all of them, or only the
+    learnable (``learnable=True``) or only the fixed ones (``learnable=False``)."""
+    return [name for name, spec in FEATURE_MAPS.items() if learnable is None or spec.learnable == learnable]
+
+
+def feature_map_spec(name: str) -> FeatureMapSpec:
+    """The spec of map ``name``; ValueError naming the closest and all known maps for an unknown name."""
+    return FEATURE_MAPS.get(name)
 
 
 def get_feature_map(name: str) -> FeatureMap:
-    """Resolve a fixed feature map name from ``FEATURE_MAPS``; unknown names raise ValueError listing the known ones,
-    learnable ones (which have parameters) a ValueError saying where they are used."""
-    check_feature_map(name)
-    if name in LEARNABLE_FEATURE_MAPS:
+    """The function of fixed map ``name``; a learnable one (which has parameters) is a ValueError saying where it is
+    used, an unknown one a ValueError listing the known maps."""
+    spec = feature_map_spec(name)
+    if spec.learnable:
         raise ValueError(f"feature map {name!r} is learnable: it has parameters, which a layer holds "
                          f"(LinearAttention(feature_map={name!r}), a linvit model or convert_to_linear); the ops take "
                          f"its output as features (linvit.ops.linear_attention_from_features)")
-    return FEATURE_MAPS[name]
+    return spec.fn
 
 
-def register_learnable_feature_map(name: str, cls: Any = None) -> Any:
-    """Add a learnable map under ``name``: ``cls(num_heads, head_dim, device=None, dtype=None)`` is an nn.Module
-    mapping [B, H, N, head_dim] to non-negative [B, H, N, F]; returns ``cls``. Without ``cls``, a class decorator:
-    ``@register_learnable_feature_map('name')``."""
-    if name in FEATURE_MAPS or name in LEARNABLE_FEATURE_MAPS:
-        raise ValueError(f"feature map {name!r} is already registered")
-    if cls is None:
-        return lambda decorated: register_learnable_feature_map(name, decorated)
-    LEARNABLE_FEATURE_MAPS[name] = cls
-    return cls
-
-
-def get_inplace_feature_map(name: str) -> Optional[FeatureMap]:
-    """The in-place form of feature map ``name`` (see ``INPLACE_FEATURE_MAPS``), or None if it has none."""
-    check_feature_map(name)
-    return INPLACE_FEATURE_MAPS.get(name)
-
-
-def get_feature_map_vjp(name: str) -> Optional[FeatureMapWithVJP]:
-    """Feature map ``name`` with its vector-Jacobian product (see ``FEATURE_MAP_VJPS``), or None if it has none
-    (learnable maps have none: their parameters train through autograd, the core through the fused Function on
-    their features, ``linvit.ops.fused_linear_attention_from_features``)."""
-    check_feature_map(name)
-    return FEATURE_MAP_VJPS.get(name)
-
-
-def register_feature_map(name: str, fn: FeatureMap, with_vjp: Optional[FeatureMapWithVJP] = None) -> FeatureMap:
-    """Add a feature map under ``name`` (it must map [..., D] to non-negative [..., D]); returns ``fn``.
-
-    with_vjp: optional ``with_vjp(x) -> (fn(x), vjp)`` with ``vjp(grad)`` the gradient of x for an upstream
-    ``grad`` (x, grad [..., D]; vjp may overwrite grad); with it, layers train through the fused attention Function
-    (``linvit.ops.fused``), without it through plain autograd of ``fn``.
-    """
-    if name in FEATURE_MAPS or name in LEARNABLE_FEATURE_MAPS:
-        raise ValueError(f"feature map {name!r} is already registered")
-    FEATURE_MAPS[name] = fn
-    if with_vjp is not None:
-        FEATURE_MAP_VJPS[name] = with_vjp
-    return fn
+for _spec in (
+    FeatureMapSpec('elu1', elu1, with_vjp=elu1_with_vjp, inplace=elu1_inplace,
+                   derivative_from_output=elu1_derivative_from_output, kernel_id=0),
+    FeatureMapSpec('relu', relu, with_vjp=relu_with_vjp, inplace=relu_inplace,
+                   derivative_from_output=relu_derivative_from_output, kernel_id=1),
+    FeatureMapSpec('focused', focused, with_vjp=focused_with_vjp),
+    FeatureMapSpec('relu2', relu2, with_vjp=relu2_with_vjp, inplace=relu2_inplace,
+                   derivative_from_output=relu2_derivative_from_output),
+):
+    register_feature_map(_spec)

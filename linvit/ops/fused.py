@@ -10,7 +10,7 @@ With A = phi(Q) [Nq, D], K' = phi(K) [N, D] (masked keys zeroed, kept keys weigh
 
 a handful of [N, D] x [D, Dv + 1] matmuls and one elementwise pass per tensor. Saved for backward: the small
 S [D, Dv + 1], the normaliser den [Nq] per head, the output (the tensor the layer's projection saves anyway) and
-either phi(q), phi(k) and v (maps whose derivative is read off their output, ``FEATURE_MAP_OUTPUT_DERIVATIVES``:
+either phi(q), phi(k) and v (maps whose derivative is read off their output, ``FeatureMapSpec.derivative_from_output``:
 nothing is recomputed) or q, k and v (other maps: phi is recomputed in backward). Both are as many bytes as the
 qkv projection; plain autograd of the same forward also keeps the map's intermediates, [num | den] and the
 quotient, and runs a backward op per forward op.
@@ -21,7 +21,7 @@ qkv [B, N, 3, H, D], whose gradient is written as one [B, N, 3, H, D] tensor (no
 sum) and whose output is token-major [B, N, H, D], so the projection that follows reads it without a transpose
 copy. Both compute in float32 (float64 for float64 inputs) with autocast off and return the input's dtype.
 
-The feature map needs a vector-Jacobian product in ``FEATURE_MAP_VJPS``; ``has_fused_backward(name)`` tells.
+The feature map needs a vector-Jacobian product (``FeatureMapSpec.with_vjp``); ``has_fused_backward(name)`` tells.
 Under ``torch.compile`` dynamo traces forward and backward into the graph (no graph break), and inductor fuses
 their elementwise parts with the surrounding kernels.
 """
@@ -29,7 +29,7 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from .feature_maps import FEATURE_MAP_OUTPUT_DERIVATIVES, get_feature_map_vjp
+from .feature_maps import feature_map_spec
 from .linear_attention import _key_weights, _kv_and_key_sum, autocast_off, check_attention_inputs, compute_dtype
 
 __all__ = ['fused_linear_attention', 'fused_linear_attention_from_features',
@@ -38,8 +38,8 @@ __all__ = ['fused_linear_attention', 'fused_linear_attention_from_features',
 
 
 def has_fused_backward(feature_map: str) -> bool:
-    """True when feature map ``feature_map`` has a registered vector-Jacobian product (the fused path can run)."""
-    return get_feature_map_vjp(feature_map) is not None
+    """True when feature map ``feature_map`` declares a vector-Jacobian product (the fused path can run)."""
+    return feature_map_spec(feature_map).with_vjp is not None
 
 
 def _key_weight_column(key_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -80,7 +80,7 @@ def _map(feature_map: Optional[str], x: torch.Tensor) -> torch.Tensor:
     already (the identity map)."""
     if feature_map is None:
         return x.contiguous()
-    return get_feature_map_vjp(feature_map)(x)[0]
+    return feature_map_spec(feature_map).with_vjp(x)[0]
 
 
 def _attend(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float, w: Optional[torch.Tensor],
@@ -102,8 +102,8 @@ def _features_for_backward(feature_map: str, x: torch.Tensor,
     if feature_map is None:
         return x, lambda grad: grad
     if phi is None:
-        return get_feature_map_vjp(feature_map)(x)
-    derivative = FEATURE_MAP_OUTPUT_DERIVATIVES[feature_map]
+        return feature_map_spec(feature_map).with_vjp(x)
+    derivative = feature_map_spec(feature_map).derivative_from_output
     return phi, lambda grad: grad.mul_(derivative(phi))
 
 
@@ -112,7 +112,7 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               phi_q: Optional[torch.Tensor] = None,
               phi_k: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) in the compute dtype, shapes of q, k, v; grad and out [B, H, Nq, Dv]. phi_q and
-    phi_k: the features the forward kept (maps in FEATURE_MAP_OUTPUT_DERIVATIVES), else None (q and k are mapped
+    phi_k: the features the forward kept (maps with derivative_from_output), else None (q and k are mapped
     again; then q and k must be given, otherwise they may be None)."""
     dv = v.shape[-1]
     grad_over_den = grad / den
@@ -143,7 +143,8 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 def _keeps_features(feature_map: Optional[str], dtype: torch.dtype) -> bool:
     """Whether the forward keeps phi(q), phi(k) (same bytes as q and k: only when they already hold the compute
     dtype) rather than q and k (for the identity map, None, those are the features)."""
-    return feature_map in FEATURE_MAP_OUTPUT_DERIVATIVES and dtype == compute_dtype(dtype)
+    return feature_map is not None and feature_map_spec(feature_map).derivative_from_output is not None \
+        and dtype == compute_dtype(dtype)
 
 
 def _check_differentiable_mask(key_mask: Optional[torch.Tensor]) -> None:
@@ -273,7 +274,7 @@ def fused_linear_attention_qkv(qkv: torch.Tensor, feature_map: str = 'elu1', eps
 
 
 def _check_fused_map(feature_map: str) -> None:
-    # get_feature_map_vjp raises a ValueError listing the known maps for an unknown name
-    if get_feature_map_vjp(feature_map) is None:
-        raise ValueError(f"feature map {feature_map!r} has no registered vector-Jacobian product: register one with "
-                         f"register_feature_map(name, fn, with_vjp=...) or use linvit.ops.linear_attention")
+    # feature_map_spec raises a ValueError listing the known maps for an unknown name
+    if feature_map_spec(feature_map).with_vjp is None:
+        raise ValueError(f"feature map {feature_map!r} declares no vector-Jacobian product: declare one with "
+                         f"FeatureMapSpec(name, fn, with_vjp=...) or use linvit.ops.linear_attention")

@@ -147,14 +147,12 @@ def test_fragments_set_the_clutter_and_zero_gives_a_clean_background():
     assert 0 < default < many
 
 
-def test_task_names_and_their_old_aliases():
-    assert list(hires.TASKS) == ['classification', 'segmentation']
+def test_task_names_and_their_default_sizes():
+    assert list(hires.WRITERS) == ['classification', 'segmentation']  # the shipped set, pinned on purpose
     assert FmnistHiresSpec(out=Path('x')).canvas_size == 512
     assert FmnistHiresSpec(out=Path('x'), task='segmentation').canvas_size == 1024
-    assert hires.resolve_task('segmentation') == 'segmentation' and hires.resolve_task('other') == 'other'
-    for old, new in (('cls', 'classification'), ('seg', 'segmentation')):
-        with pytest.warns(FutureWarning, match=f'task {old} is deprecated .* use task {new}'):
-            assert hires.resolve_task(old) == new
+    with pytest.raises(ValueError, match="task='seg' is not a task"):
+        FmnistHiresSpec(out=Path('x'), task='seg').check()
 
 
 def test_output_reads_back_as_a_folder_dataset(tmp_path):

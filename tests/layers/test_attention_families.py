@@ -171,12 +171,7 @@ def test_convert_to_linear_keeps_the_weights_for_every_family(family):
     assert kept == sorted(f'blocks.{i}.attn.{name}' for i in range(2) for name in own.get(family, []))
 
 
-def test_families_are_listed_in_one_registry():
-    with pytest.warns(FutureWarning, match='list_attention_kinds is deprecated'):
-        kinds = linvit.list_attention_kinds()
-    maps = linvit.ops.list_feature_maps()
-    assert kinds[:len(maps)] == maps and 'hedgehog' in maps
-    assert set(kinds[len(maps):]) == {'performer', 'linformer', 'gated', 'aft', 'bidirectional'}
+def test_an_unknown_family_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown attn_family 'softmax'"):
         _model('softmax')
 

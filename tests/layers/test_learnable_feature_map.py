@@ -10,11 +10,10 @@ import torch
 import linvit
 from linvit.layers import HedgehogFeatureMap, LinearAttention, linear_only_parameter_names, load_softmax_state_dict
 from linvit.ops import (
-    LEARNABLE_FEATURE_MAPS,
+    feature_map_spec,
     fused_linear_attention_from_features,
     get_feature_map,
     hedgehog,
-    is_learnable_feature_map,
     list_feature_maps,
 )
 
@@ -67,9 +66,9 @@ def test_hedgehog_op_equals_the_written_out_formula():
 
 
 def test_hedgehog_is_registered_as_a_learnable_map():
-    assert 'hedgehog' in list_feature_maps() and is_learnable_feature_map('hedgehog')
-    assert LEARNABLE_FEATURE_MAPS['hedgehog'] is HedgehogFeatureMap
-    assert not is_learnable_feature_map('elu1')
+    assert list_feature_maps(learnable=True) == ['hedgehog'] and feature_map_spec('hedgehog').learnable
+    assert feature_map_spec('hedgehog').module is HedgehogFeatureMap
+    assert not feature_map_spec('elu1').learnable
     with pytest.raises(ValueError, match="'hedgehog' is learnable"):
         get_feature_map('hedgehog')
 
@@ -176,7 +175,7 @@ def test_where_a_learnable_map_does_not_apply_the_error_says_why():
 
 
 def test_unknown_map_names_list_the_learnable_one():
-    with pytest.raises(ValueError, match="unknown feature map 'softmax'"):
+    with pytest.raises(ValueError, match="unknown feature_map 'softmax'"):
         LinearAttention(16, num_heads=2, feature_map='softmax')
     with pytest.raises(ValueError, match='hedgehog'):
         linvit.convert_to_linear(timm.create_model('vit_tiny_patch16_224', img_size=32, depth=1), feature_map='soft')

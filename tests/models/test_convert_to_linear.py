@@ -137,18 +137,6 @@ def test_an_attention_given_as_the_model_is_pointed_to_the_single_layer_function
         convert_to_linear(AttentionRope(32, num_heads=4))
 
 
-def test_attn_kernel_names_a_feature_map_or_a_family():
-    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
-        model = convert_to_linear(_create('vit_tiny_patch16_224', depth=1), attn_kernel='relu')
-    assert model.blocks[0].attn.feature_map_name == 'relu'
-    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
-        created = timm.create_model('linvit_tiny_patch16_224', depth=1, attn_kernel='relu')
-    assert created.blocks[0].attn.feature_map_name == 'relu'
-    with pytest.raises(ValueError, match=r"unknown attn_kernel 'nope'; known: \['elu1', .*'performer'"), \
-            pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
-        convert_to_linear(_create('vit_tiny_patch16_224', depth=1), attn_kernel='nope')
-
-
 def test_gated_attention_shares_the_gate():
     attn = Attention(32, num_heads=4, qkv_bias=True, gated=True)
     linear = linear_attention_from_softmax(attn)
@@ -250,7 +238,7 @@ def test_attention_dropout_is_rejected_by_path():
 @pytest.mark.parametrize('kwargs, message', [
     ({'softmax_blocks': (12,)}, 'index 12 is out of range'),
     ({'softmax_blocks': (0, 0)}, r'\[0\] more than once'),
-    ({'feature_map': 'softmax'}, "unknown feature map 'softmax'"),
+    ({'feature_map': 'softmax'}, "unknown feature_map 'softmax'"),
     ({'local_mix': 'yes'}, 'local_mix'),
 ])
 def test_invalid_options_are_rejected(kwargs, message):

@@ -15,7 +15,7 @@ import linvit
 from linvit import LinearAttention, load_softmax_state_dict
 from linvit.models import LinearAttentionBlock, LinearVisionTransformer, SoftmaxAttentionBlock
 from linvit.models.linvit import check_image_size
-from linvit.ops import FEATURE_MAPS
+from linvit.ops import list_feature_maps
 
 MODEL_NAMES = timm.list_models('linvit_*')
 EXPECTED = {  # name: (embed_dim, num_heads, default size); depth 12 for all
@@ -154,10 +154,10 @@ def test_blocks_match_the_quadratic_reference_on_a_non_square_grid(tokens_kwargs
         assert not torch.allclose(output.double(), transposed, rtol=1e-4, atol=1e-5), "grid layout not checked"
 
 
-@pytest.mark.parametrize('kernel', sorted(FEATURE_MAPS))
-def test_feature_map_option_selects_the_map(kernel, attention_reference, attention_io):
-    model = _tiny(feature_map=kernel, depth=1).eval()
-    assert model.blocks[0].attn.feature_map_name == kernel
+@pytest.mark.parametrize('feature_map', list_feature_maps(learnable=False))
+def test_feature_map_option_selects_the_map(feature_map, attention_reference, attention_io):
+    model = _tiny(feature_map=feature_map, depth=1).eval()
+    assert model.blocks[0].attn.feature_map_name == feature_map
     io = attention_io(model, lambda: model(_images(1, 224, 224)))
     tokens, output = io['blocks.0.attn']
     expected = attention_reference(model.blocks[0].attn, tokens, grid=(14, 14), num_prefix_tokens=1)
@@ -167,22 +167,6 @@ def test_feature_map_option_selects_the_map(kernel, attention_reference, attenti
 def test_unknown_feature_map_is_rejected():
     with pytest.raises(ValueError, match="'cosine'"):
         _tiny(feature_map='cosine')
-
-
-def _warns_renamed():
-    return pytest.warns(FutureWarning, match='attn_kernel is deprecated')
-
-
-def test_attn_kernel_as_a_feature_map_agrees_with_feature_map():
-    with pytest.warns(FutureWarning, match='attn_kernel is deprecated'):
-        model = _tiny(attn_kernel='relu', depth=1)
-    assert model.blocks[0].attn.feature_map_name == 'relu' and model.attn_kernel == 'relu'
-    with pytest.raises(ValueError, match='disagree'), _warns_renamed():
-        _tiny(attn_kernel='relu', feature_map='elu1', depth=1)
-    with pytest.raises(ValueError, match="attn_kernel='performer' uses no feature map"), _warns_renamed():
-        _tiny(attn_kernel='performer', feature_map='relu', depth=1)
-    with pytest.raises(ValueError, match=r"unknown performer attention options \['low_rank_size'\]"), _warns_renamed():
-        _tiny(attn_kernel='performer', attn_options={'low_rank_size': 4}, depth=1)
 
 
 def test_printed_model_shows_what_each_block_computes():

@@ -9,17 +9,21 @@ import torch
 from references import FEATURE_MAP_REFS, quadratic_attention_ref, rel_err
 
 from linvit.ops import (
-    FEATURE_MAP_OUTPUT_DERIVATIVES,
-    FEATURE_MAP_VJPS,
-    FEATURE_MAPS,
+    FeatureMapSpec,
+    feature_map_spec,
     fused_linear_attention,
     fused_linear_attention_qkv,
-    get_feature_map_vjp,
+    get_feature_map,
     has_fused_backward,
+    list_feature_maps,
     register_feature_map,
+    unregister_feature_map,
 )
 
-MAPS = sorted(FEATURE_MAP_VJPS)
+FIXED_MAPS = list_feature_maps(learnable=False)
+#: the maps the fused Function trains (they declare with_vjp), and those whose features it keeps for backward
+MAPS = [name for name in FIXED_MAPS if feature_map_spec(name).with_vjp is not None]
+KEEPING_MAPS = [name for name in MAPS if feature_map_spec(name).derivative_from_output is not None]
 
 # (B, H, Nq, N, D, Dv): one token, odd N, Dv != D, Nq != N (cross attention)
 SHAPES = [
@@ -140,26 +144,27 @@ def test_with_vjp_gives_the_map_and_the_gradient_of_the_reference_map(feature_ma
     leaf = x.clone().requires_grad_(True)
     ref = FEATURE_MAP_REFS[feature_map](leaf)
     (ref_grad,) = torch.autograd.grad(ref, leaf, upstream)
-    phi, vjp = get_feature_map_vjp(feature_map)(x)
+    phi, vjp = feature_map_spec(feature_map).with_vjp(x)
     torch.testing.assert_close(phi, ref.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(vjp(upstream.clone()), ref_grad, rtol=1e-10, atol=1e-12)
     assert x.equal(x_before)  # the input itself is not mapped in place (q and k are views of the projection)
 
 
-@pytest.mark.parametrize('feature_map', sorted(FEATURE_MAP_OUTPUT_DERIVATIVES))
+@pytest.mark.parametrize('feature_map', KEEPING_MAPS)
 def test_derivative_read_off_the_output_is_the_reference_derivative(feature_map):
     """For the maps whose features the Function keeps: phi'(x) from phi(x) equals autograd's derivative of the
     independent reference map, 0 and values near it included."""
     x = torch.cat([torch.randn(200, dtype=torch.float64), torch.tensor([0.0, 1e-9, -1e-9, 30.0, -30.0])])
     leaf = x.clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(FEATURE_MAP_REFS[feature_map](leaf).sum(), leaf)
-    got = FEATURE_MAP_OUTPUT_DERIVATIVES[feature_map](FEATURE_MAPS[feature_map](x))
+    spec = feature_map_spec(feature_map)
+    got = spec.derivative_from_output(spec.fn(x))
     torch.testing.assert_close(got.double(), expected, rtol=1e-8, atol=1e-12)
 
 
 def test_every_feature_map_has_a_registered_derivative():
     # the layers train every built-in map through the Function: a new map without one must be a decision
-    assert set(FEATURE_MAP_VJPS) == set(FEATURE_MAPS)
+    assert MAPS == FIXED_MAPS
 
 
 def test_all_keys_masked_gives_zero_outputs_and_gradients():
@@ -223,7 +228,7 @@ def test_packed_function_keeps_as_many_bytes_as_qkv_and_its_output(feature_map):
     qkv_bytes, out_bytes = qkv.numel() * 4, b * n * h * d * 4
     small = b * h * (d * (d + 1) + n) * 4
     assert sum(kept.values()) <= qkv_bytes + out_bytes + small
-    keeps_phi = feature_map in FEATURE_MAP_OUTPUT_DERIVATIVES
+    keeps_phi = feature_map in KEEPING_MAPS
     assert (qkv.untyped_storage().data_ptr() in kept) is not keeps_phi
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     plain = sum(_saved_storages(lambda: quadratic_free_plain_autograd(q, k, v)).values())
@@ -232,7 +237,7 @@ def test_packed_function_keeps_as_many_bytes_as_qkv_and_its_output(feature_map):
 
 def quadratic_free_plain_autograd(q, k, v):
     """elu1 linear attention in O(N) written with plain autograd ops (what the layer ran before the Function)."""
-    phi_q, phi_k = FEATURE_MAPS['elu1'](q), FEATURE_MAPS['elu1'](k)
+    phi_q, phi_k = get_feature_map('elu1')(q), get_feature_map('elu1')(k)
     kv = phi_k.transpose(-2, -1) @ v
     z = phi_k.sum(dim=-2, keepdim=True).transpose(-2, -1)
     return (phi_q @ kv) / (phi_q @ z + 1e-6 * k.shape[-2])
@@ -281,25 +286,29 @@ def test_half_precision_packed_qkv_under_autocast_is_finite(big_qkv):
 # ---- errors ----
 
 
-def test_a_map_without_a_derivative_is_refused_by_name(monkeypatch):
-    monkeypatch.setattr('linvit.ops.feature_maps.FEATURE_MAPS', dict(FEATURE_MAPS))
-    register_feature_map('test_square', lambda x: x * x)
+@pytest.fixture
+def square_map():
+    """Registers 'test_square' (x * x) for one test: a fixture's spec; the test may replace it."""
+    register_feature_map(FeatureMapSpec('test_square', lambda x: x * x))
+    yield
+    unregister_feature_map('test_square')
+
+
+def test_a_map_without_a_derivative_is_refused_by_name(square_map):
     assert not has_fused_backward('test_square')
     q, k, v = _qkv((1, 1, 3, 3, 4, 4))
-    with pytest.raises(ValueError, match="'test_square' has no registered vector-Jacobian product"):
+    with pytest.raises(ValueError, match="'test_square' declares no vector-Jacobian product"):
         fused_linear_attention(q, k, v, 'test_square')
     with pytest.raises(ValueError, match='softmaxish'):
         fused_linear_attention(q, k, v, 'softmaxish')
 
 
-def test_a_registered_derivative_is_used(monkeypatch):
-    monkeypatch.setattr('linvit.ops.feature_maps.FEATURE_MAPS', dict(FEATURE_MAPS))
-    monkeypatch.setattr('linvit.ops.feature_maps.FEATURE_MAP_VJPS', dict(FEATURE_MAP_VJPS))
-
+def test_a_declared_derivative_is_used(square_map):
     def square_with_vjp(x):
         return x * x, lambda grad: grad * 2 * x
 
-    register_feature_map('test_square', lambda x: x * x, with_vjp=square_with_vjp)
+    unregister_feature_map('test_square')
+    register_feature_map(FeatureMapSpec('test_square', lambda x: x * x, with_vjp=square_with_vjp))
     q, k, v = (t.requires_grad_(True) for t in _qkv((1, 2, 3, 4, 4, 4)))
     assert torch.autograd.gradcheck(lambda *a: fused_linear_attention(*a, 'test_square'), (q, k, v))
 

@@ -8,9 +8,14 @@ import pytest
 import torch
 from references import FEATURE_MAP_REFS, quadratic_attention_ref, rel_err
 
-from linvit.ops import FEATURE_MAPS, linear_attention, quadratic_linear_attention
+from linvit.ops import (
+    get_feature_map,
+    linear_attention,
+    list_feature_maps,
+    quadratic_linear_attention,
+)
 
-MAPS = sorted(FEATURE_MAPS)
+MAPS = list_feature_maps(learnable=False)
 EPS_VALUES = [1e-6, 1e-2, 0.5, 2.0]
 
 # (B, H, Nq, N, D, Dv): N=1, odd N, Dv != D, Nq != N (cross attention)
@@ -169,7 +174,7 @@ def test_library_reference_defaults_callables_light_weights_and_non_finite_paddi
     q, k, v = _qkv(EPS_SHAPE, dtype=torch.float64, seed=6)
     ref = quadratic_attention_ref(q, k, v, feature_map='elu1', eps=1e-6)
     torch.testing.assert_close(quadratic_linear_attention(q, k, v), ref, rtol=1e-12, atol=1e-12)
-    relu_fn = FEATURE_MAPS['relu']
+    relu_fn = get_feature_map('relu')
     torch.testing.assert_close(quadratic_linear_attention(q, k, v, feature_map=relu_fn, eps=0.5),
                                quadratic_attention_ref(q, k, v, feature_map='relu', eps=0.5), rtol=1e-12, atol=1e-12)
     weights = torch.full((EPS_SHAPE[0], EPS_SHAPE[3]), 0.02, dtype=torch.float64)  # 17 keys: total weight 0.34
@@ -182,7 +187,7 @@ def test_library_reference_defaults_callables_light_weights_and_non_finite_paddi
 
 
 def test_every_feature_map_has_an_independent_reference():
-    assert set(FEATURE_MAPS) <= set(FEATURE_MAP_REFS), "add the new map's formula to tests/references.py"
+    assert set(MAPS) <= set(FEATURE_MAP_REFS), "add the new map's formula to tests/references.py"
 
 
 @pytest.mark.parametrize('feature_map', MAPS)
@@ -251,7 +256,7 @@ def test_bad_shapes_raise_value_error_naming_them(bad, match):
 
 def test_unknown_feature_map_raises():
     q, k, v = _qkv((1, 1, 2, 2, 4, 4))
-    with pytest.raises(ValueError, match='known feature maps: elu1, focused, hedgehog, relu'):
+    with pytest.raises(ValueError, match=f"unknown feature_map 'cosine'; known: {', '.join(list_feature_maps())}"):
         linear_attention(q, k, v, feature_map='cosine')
 
 
@@ -324,6 +329,6 @@ def test_each_input_is_named_in_shape_errors(which):
 
 def test_a_feature_map_function_is_used_as_given():
     q, k, v = _qkv(EPS_SHAPE, dtype=torch.float64, seed=7)
-    got = linear_attention(q, k, v, feature_map=FEATURE_MAPS['relu'], eps=0.5)
+    got = linear_attention(q, k, v, feature_map=get_feature_map('relu'), eps=0.5)
     expected = quadratic_attention_ref(q, k, v, feature_map='relu', eps=0.5)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)

@@ -2,11 +2,16 @@
 
 A task builds its datasets, model, training loss, batch mixing and metrics from the run config, evaluates one
 batch into a meter, and draws its pictures; the loop in ``linvit.engine.trainer`` is written once for all of them.
+It also says what the rest of linvit needs to know about it, so that nothing outside the task tests its name: the
+config keys its weights are built with (``architecture_keys``), the weight whose rows are its classes
+(``classifier_key``), what prediction and ONNX export read from its models (``logits_rank``,
+``prediction_defaults``), and whether it trains in stages (``staged_run``: linearize).
 A task is one module of this package that subclasses ``Task`` and decorates it with ``@register_task``; the
 package's ``__init__`` imports every such module, so ``TASKS`` is complete as soon as ``linvit.engine`` is imported.
 """
 import inspect
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import timm
@@ -18,11 +23,28 @@ from torch.utils.data import Dataset
 
 from ...layers import make_floor
 from ...registry import Registry
-from ..config import ConfigError
+from ..config import ARCHITECTURE_KEYS, ConfigError
 from ..metrics import Meter
 
-__all__ = ['Task', 'TASKS', 'register_task', 'list_tasks', 'input_multiple', 'nearest_multiples', 'build_task',
-           'create_model_from_config', 'normalization_of']
+__all__ = ['Task', 'Stage', 'StagedRun', 'TASKS', 'register_task', 'list_tasks', 'input_multiple',
+           'nearest_multiples', 'build_task', 'architecture_keys', 'task_of_logits', 'create_model_from_config',
+           'normalization_of']
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One run of a task trained in stages: a whole run (checkpoints, resume, curves) in its own folder of the run
+    directory, with its own config."""
+    folder: str  # its folder in the run directory ('stage1'), and its key in the run's state file
+    config: DictConfig  # its run config: output_dir is <run directory>/<folder>
+
+
+@dataclass(frozen=True)
+class StagedRun:
+    """How a task trained in stages runs (``Task.staged_run``): its stages in order, and the run's own config (what
+    config.yaml keeps: it rebuilds the final model, as any run's does)."""
+    config: DictConfig
+    stages: Tuple[Stage, ...]
 
 
 class Task:
@@ -30,6 +52,15 @@ class Task:
     name: str = ''
     main_metric: str = ''  # a key of evaluate()'s result; larger is better
     metric_columns: Sequence[str] = ()  # the CSV / TensorBoard metric names of an evaluation besides 'loss'
+    #: config keys beyond ARCHITECTURE_KEYS (task, model.*, data.img_size) that shape its model's weights: loading
+    #: saved weights takes them from the saved config unless the command line sets them
+    architecture_keys: Tuple[str, ...] = ()
+    #: the state-dict key of its model's classifier weight, whose rows are the classes ('' when it has none)
+    classifier_key: str = ''
+    #: the rank of its model's logits, which prediction and ONNX files are read by: 2 ([B, K], one label per image),
+    #: 4 ([B, K, H, W], one per pixel); 0 when its models predict no labels (``not_predicted`` says what they do)
+    logits_rank: int = 0
+    not_predicted: str = ''
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -94,6 +125,43 @@ class Task:
         returns False when this task, or this meter, has no such picture."""
         return False
 
+    # ---------------------------------------------------------------- the trained model, for prediction and export
+
+    def inference_task(self) -> 'Task':
+        """The task whose model a finished run of this task is (prediction, export, its classes): itself; a
+        linearization, the task it linearized."""
+        return self
+
+    def prediction_defaults(self) -> Dict[str, Any]:
+        """How prediction runs its model unless told otherwise (segmentation: seg.eval's mode, window, stride)."""
+        return {}
+
+    def final_run_dir(self, run_dir: str) -> str:
+        """The run directory whose checkpoints hold the final model's class names: ``run_dir``; a task trained in
+        stages, its last stage's folder."""
+        return run_dir
+
+    # ---------------------------------------------------------------- tasks trained in stages
+
+    def staged_run(self) -> Optional[StagedRun]:
+        """The stages of a task trained as several runs, one after the other (each resumable on its own; the last
+        one's weights are the run's), or None for a task trained as one run (the default)."""
+        return None
+
+    def baselines(self, model: nn.Module) -> Dict[str, nn.Module]:
+        """A staged task's reference models, evaluated before its first stage trains (``model``: that stage's model
+        as built); their metrics go to ``report``."""
+        return {}
+
+    def report(self, state: Dict[str, Any], is_main: bool) -> Dict[str, Any]:
+        """A staged task's final metrics (metrics.json) from ``state``: 'baselines' (name -> metrics, and
+        'num_classes') and per stage folder {'metrics', 'steps', 'wall_s', 'resumed_from_step'}. Runs on every
+        process; measurements a resumed run need not repeat can be kept in ``state``."""
+        raise NotImplementedError(f"{type(self).__name__} trains in stages but has no report")
+
+    def write_report(self, out_dir: str, report: Dict[str, Any]) -> None:
+        """Files and log lines of a staged task's report besides metrics.json (rank 0 only)."""
+
 
 def input_multiple(model: nn.Module) -> int:
     """What an input side must be a multiple of: the model's own ``input_multiple``, a ViT's patch, else 1."""
@@ -128,6 +196,19 @@ def list_tasks() -> List[str]:
 def build_task(cfg: DictConfig) -> Task:
     """The task ``cfg.task`` names, built from the run config."""
     return TASKS.get(cfg.task)(cfg)
+
+
+def architecture_keys(task_name: str) -> Tuple[str, ...]:
+    """The config keys that saved weights of a ``task_name`` run were built with: ``ARCHITECTURE_KEYS`` and the
+    task's own ``architecture_keys`` (none for a name no task has: building it fails later, with its own message)."""
+    task = TASKS.find(task_name)
+    return tuple(ARCHITECTURE_KEYS) + (tuple(task.architecture_keys) if task is not None else ())
+
+
+def task_of_logits(rank: int) -> Optional[str]:
+    """The name of the first registered task whose models' logits have ``rank`` dimensions (2: labels per image, 4:
+    per pixel), or None: what an ONNX file of a model that no run describes is read as."""
+    return next((name for name, task in TASKS.items() if rank and task.logits_rank == rank), None)
 
 
 def normalization_of(model_name: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:

@@ -21,11 +21,10 @@ any of them (the family's declared tensors keep their initial values).
 Adding a family is one module here (a ``LinearAttention`` subclass with ``family = FamilySpec(...)`` and
 ``@register_family``), imported below, plus its test file.
 """
-from typing import Any, Dict, Tuple, Type
+from typing import Any, Type
 
-from ...deprecation import module_getattr, warn_renamed
-from ...ops import list_feature_maps
-from ..family import ATTENTION_FAMILIES, attention_kinds_list, family_class, resolve_attn_kernel
+from ...ops import feature_map_spec
+from ..family import family_class
 from ..linear_attention import LINEAR_OPTIONS, LinearAttention, configured_layer
 from .aft import AFTAttention
 from .bidirectional import BidirectionalAttention
@@ -41,37 +40,12 @@ def attention_layer(attn_family: str = 'linear', **options: Any) -> Type[LinearA
     """A subclass of ``ATTENTION_FAMILIES[attn_family]`` whose options default to ``options`` (timm's blocks take the
     attention as a class): LinearAttention's options (feature_map, eps, local_mix, ...) and the options the family
     declares (``FamilySpec.options``). Unknown families and options raise ValueError."""
-    if 'family' in options:
-        warn_renamed('attention_layer(family=...)', 'attention_layer(attn_family=...)')
-        attn_family = options.pop('family')
     cls = family_class(attn_family)
     allowed = LINEAR_OPTIONS + tuple(cls.family.options)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"unknown {attn_family} attention options {unknown}; known: {list(allowed)}")
-    if options.get('feature_map') is not None and options['feature_map'] not in list_feature_maps():
-        raise ValueError(f"unknown feature map {options['feature_map']!r}; known: {list_feature_maps()}")
+    if options.get('feature_map') is not None:
+        feature_map_spec(options['feature_map'])  # unknown names: a ValueError naming the known maps
     defaults = {k: v for k, v in options.items() if not (k == 'feature_map' and v is None)}
     return configured_layer(cls, defaults)
-
-
-def _family_options() -> Dict[str, Tuple[str, ...]]:
-    return {name: tuple(cls.family.options) for name, cls in ATTENTION_FAMILIES.items()}
-
-
-def _families_with_feature_map() -> Tuple[str, ...]:
-    return tuple(name for name, cls in ATTENTION_FAMILIES.items() if cls.family.feature_map)
-
-
-# old public names: each warns (FutureWarning) naming the new one, and keeps its old meaning
-_RENAMED = {
-    'LowRankAttention': ('LinformerAttention', lambda: LinformerAttention),
-    'list_attention_kinds': ('linvit.list_attention_families', lambda: attention_kinds_list),
-    'resolve_attention_kind': ('linvit.layers.resolve_family', lambda: resolve_attn_kernel),
-    'FAMILY_OPTIONS': ('linvit.ATTENTION_FAMILIES[name].family.options', _family_options),
-    'FAMILIES_WITH_FEATURE_MAP': ('linvit.ATTENTION_FAMILIES[name].family.feature_map', _families_with_feature_map),
-}
-
-
-def __getattr__(name: str) -> Any:
-    return module_getattr(__name__, _RENAMED, name)
