@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 from torch.utils.data import Dataset
 
+from ..registry import Registry
 from .cache import CachedImageDataset, DecodedCache
 from .folder import ImageFolderDataset, check_same_classes, class_folders
 from .synthetic import SyntheticMarks
@@ -36,11 +37,7 @@ def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence
         ``(train, val, class_names)``; ``dataset[index]`` or ``dataset[(index, seed)]`` ->
         ``(image float32 [3, img_size, img_size], label int)``. Train is augmented per ``cfg.aug``; val is resized only.
     """
-    try:
-        builder = DATASET_BUILDERS[cfg.name]
-    except KeyError:
-        raise ValueError(f"unknown data.name {cfg.name!r}; choose one of {sorted(DATASET_BUILDERS)}") from None
-    return builder(cfg, mean, std, with_train)
+    return DATASET_BUILDERS.get(cfg.name)(cfg, mean, std, with_train)
 
 
 def build_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> Datasets:
@@ -103,7 +100,7 @@ def _cached_folder(cfg: Any, root: Path, class_names: list[str], mean: Sequence[
     return splits['train'], splits['val'], class_names
 
 
-DATASET_BUILDERS: dict[str, Callable[[Any, Sequence[float], Sequence[float], bool], Datasets]] = {
-    'synthetic': build_synthetic,
-    'folder': build_folder,
-}
+#: data.name -> builder(data config, mean, std, with_train) -> (train, val, class names), for classification
+DATASET_BUILDERS: Registry[Callable[[Any, Sequence[float], Sequence[float], bool], Datasets]] = Registry('data.name')
+DATASET_BUILDERS.register('synthetic', build_synthetic)
+DATASET_BUILDERS.register('folder', build_folder)

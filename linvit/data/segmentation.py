@@ -31,6 +31,7 @@ import albumentations as A
 import numpy as np
 from PIL import Image, ImageOps
 
+from ..registry import Registry
 from .base import DataError, KeyedSegDataset, LayoutError, mask_dtype
 from .folder import list_images, load_rgb, readable_extensions
 from .synthetic_seg import SyntheticShapesSeg
@@ -308,12 +309,7 @@ def build_segmentation_datasets(cfg: Any, mean: Sequence[float], std: Sequence[f
         ``(train, val, class_names)``; ``dataset[index]`` or ``dataset[(index, seed)]`` -> ``(image float32
         [3, H, W], mask int64 [H, W])``: train samples are augmented crops of ``img_size``, val samples full size.
     """
-    try:
-        builder = SEG_DATASET_BUILDERS[cfg.name]
-    except KeyError:
-        raise ValueError(f"unknown data.name {cfg.name!r} for segmentation; choose one of "
-                         f"{sorted(SEG_DATASET_BUILDERS)}") from None
-    return builder(cfg, mean, std, with_train)
+    return SEG_DATASET_BUILDERS.get(cfg.name)(cfg, mean, std, with_train)
 
 
 def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> SegDatasets:
@@ -359,7 +355,8 @@ def build_seg_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], w
     return train, val, val.class_names
 
 
-SEG_DATASET_BUILDERS: dict[str, Callable[[Any, Sequence[float], Sequence[float], bool], SegDatasets]] = {
-    'synthetic': build_seg_synthetic,
-    'folder': build_seg_folder,
-}
+#: data.name -> builder(data config, mean, std, with_train) -> (train, val, class names), for segmentation
+SEG_DATASET_BUILDERS: Registry[Callable[[Any, Sequence[float], Sequence[float], bool], SegDatasets]] = \
+    Registry('data.name')
+SEG_DATASET_BUILDERS.register('synthetic', build_seg_synthetic)
+SEG_DATASET_BUILDERS.register('folder', build_seg_folder)

@@ -12,10 +12,6 @@ free-form mapping: it is passed to ``timm.create_model`` as keyword arguments. Y
 layer sets it. Saved weights are rebuilt as they were trained: ``load_config(file, overrides, base=saved,
 keep_from_base=ARCHITECTURE_KEYS)`` takes the model, the task and the training size from the saved config unless
 the overrides set them, so the file only says where data lives and how to evaluate.
-
-Old words keep working for one release, with a FutureWarning naming the new one: ``task: seg | ar | cls``
-(now ``segmentation | autoregressive | classification``) and ``train.amp: none | bf16 | fp16`` (now
-``train.precision: float32 | bfloat16 | float16``), in files, overrides and the saved configs of older runs.
 """
 import difflib
 import logging
@@ -29,8 +25,10 @@ import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..deprecation import warn_renamed
-from ..precision import PRECISION_ALIASES, PRECISIONS
+from ..data import DATASET_BUILDERS
+from ..models import SEG_HEADS
+from ..precision import PRECISIONS
+from ..registry import Registry
 
 __all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'SegConfig',
            'SegEvalConfig', 'LinearizeConfig', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys', 'check_runs_here',
@@ -41,12 +39,10 @@ _logger = logging.getLogger(__name__)
 BASE_KEY = '_base_'
 #: the run directory of a config file that sets no output_dir: runs/<file stem>
 DEFAULT_RUNS_DIR = 'runs'
-#: task names of older releases, kept for one release (the engine's TASKS registry holds the current ones)
-_OLD_TASK_NAMES = {'cls': 'classification', 'seg': 'segmentation', 'ar': 'autoregressive'}
-#: what saved weights were built with: loading them (--eval-only, --resume) takes these keys from the saved config
-#: unless the command line sets them (the model, its task and head, and the size its position embedding was made for)
-ARCHITECTURE_KEYS = ('task', 'model', 'data.img_size', 'seg.head', 'seg.neck_dim', 'seg.head_dim',
-                     'seg.feature_blocks')
+#: what saved weights of every task were built with: loading them (--eval-only, --resume) takes these keys from the
+#: saved config unless the command line sets them (the model, its task, and the size its position embedding was made
+#: for); a task adds its own (``Task.architecture_keys``: segmentation's head; ``tasks.architecture_keys(name)``)
+ARCHITECTURE_KEYS = ('task', 'model', 'data.img_size')
 
 
 @dataclass
@@ -115,7 +111,7 @@ class TrainConfig:
     clip_grad: Optional[float] = None  # max gradient norm
     ema: bool = False
     ema_decay: float = 0.9998
-    compile: bool = False  # run forward + loss through linvit.fast.compile_train_step
+    compile: bool = False  # run forward + loss through linvit.engine.compile_train_step
     eval_every: int = 1  # epochs
     log_every: int = 10  # optimizer steps
     checkpoint_every: int = 0  # optimizer steps between 'last' checkpoints (0: at the end of each epoch only)
@@ -275,23 +271,31 @@ def _merge(schema: DictConfig, source: str, values: Dict[str, Any]) -> DictConfi
         raise ConfigError(f"{source}: bad value for '{key}': {str(error).splitlines()[0]}") from error
 
 
-#: keys whose string value must be one of a few names (the task names are checked where tasks are built)
-CHOICES: Dict[str, Sequence[str]] = {
-    'data.name': ('synthetic', 'folder'),
+#: keys whose string value must be one of a few names: a registry's (the task registry adds itself when the tasks
+#: are imported, ``config_choice``; classification and segmentation data builders share their names) or a fixed set
+CHOICES: Dict[str, Union[Registry, Sequence[str]]] = {
+    'data.name': DATASET_BUILDERS,
+    'seg.head': SEG_HEADS,
     'train.precision': tuple(PRECISIONS),
     'seg.eval.mode': ('whole', 'slide'),
     'linearize.task': ('classification', 'segmentation'),
     'linearize.stage': ('all', 'attention', 'finetune'),
 }
-#: the values train.amp (train.precision's old name) took
-_OLD_AMP_VALUES = ('none', 'bf16', 'fp16')
+
+
+def config_choice(key: str, registry: Registry) -> None:
+    """Make ``key``'s values the names of ``registry`` (for registries that live above the config: the tasks)."""
+    CHOICES[key] = registry
 
 
 def _check_choices(cfg: DictConfig) -> None:
     for key, choices in CHOICES.items():
         value = OmegaConf.select(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+        if value in choices:
+            continue
+        if isinstance(choices, Registry):
+            raise ConfigError(choices.unknown_message(value))
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
 def _similar_model_names(name: str) -> List[str]:
@@ -369,39 +373,6 @@ def _check_model_keys(cfg: DictConfig) -> None:
         raise ConfigError(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
 
 
-def _rename_old_task(source: str, values: Dict[str, Any]) -> None:
-    old = values.get('task')
-    if isinstance(old, str) and old in _OLD_TASK_NAMES:
-        values['task'] = _OLD_TASK_NAMES[old]
-        warn_renamed(f"{source}: task={old!r}", f"task={values['task']!r}")
-
-
-def _rename_old_precision(source: str, values: Dict[str, Any]) -> None:
-    train = values.get('train')
-    if not isinstance(train, dict):
-        return
-    if 'amp' in train:
-        old = train.pop('amp')
-        if 'precision' in train:
-            raise ConfigError(f"{source}: sets both train.amp and train.precision; keep train.precision only "
-                              f"(train.amp is its old name)")
-        if old not in _OLD_AMP_VALUES:
-            raise ConfigError(f"{source}: train.amp={old!r} is not one of {list(_OLD_AMP_VALUES)} (train.amp is "
-                              f"deprecated: use train.precision, one of {list(PRECISIONS)})")
-        train['precision'] = PRECISION_ALIASES[old]
-        warn_renamed(f"{source}: train.amp={old}", f"train.precision={train['precision']}")
-    elif train.get('precision') in PRECISION_ALIASES:
-        old = train['precision']
-        train['precision'] = PRECISION_ALIASES[old]
-        warn_renamed(f"{source}: train.precision={old}", f"train.precision={train['precision']}")
-
-
-def _rename_old_words(source: str, values: Dict[str, Any]) -> None:
-    """Rewrite the old words a layer may use (task seg/ar/cls, train.amp) to the new ones, with a FutureWarning."""
-    _rename_old_task(source, values)
-    _rename_old_precision(source, values)
-
-
 def _leaves(value: Any, prefix: str) -> Dict[str, Any]:
     """{'model.kwargs.depth': 2, ...}: the leaf values under ``prefix`` of a plain nested container."""
     if not isinstance(value, dict) or not value:
@@ -454,12 +425,10 @@ def _default_output_dir(path: str) -> str:
 
 def _layers(base: Optional[Union[DictConfig, Dict[str, Any]]], path: Optional[str],
             overrides: Sequence[str]) -> Tuple[List[tuple], List[tuple], List[tuple]]:
-    """(source, values) of the saved config, of the file chain and of the overrides, in the new words."""
+    """(source, values) of the saved config, of the file chain and of the overrides."""
     saved = [('saved config', OmegaConf.to_container(OmegaConf.create(base)))] if base is not None else []
     files = _file_layers(path) if path is not None else []
     command_line = [_override_layer(overrides)] if overrides else []
-    for source, values in [*saved, *files, *command_line]:
-        _rename_old_words(source, values)
     return saved, files, command_line
 
 

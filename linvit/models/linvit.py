@@ -45,6 +45,7 @@ from ..layers import LinearAttention, LocalMix, attention_layer, linear_only_par
 from ..layers.family import resolve_family
 from ..layers.linear_attention import causal_call
 from ..ops import CausalState
+from ..registry import Registry
 
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'BLOCK_TYPES', 'BlockType',
            'RecurrentState', 'resolve_softmax_blocks', 'block_types', 'patch_grid', 'check_image_size',
@@ -168,10 +169,9 @@ class BlockType:
 
 
 #: block type -> how to build it: 'linear' (the model's attention family) or 'softmax' (timm's Attention)
-BLOCK_TYPES: Dict[str, BlockType] = {
-    'linear': BlockType(LinearAttentionBlock, lambda options: attention_layer(**options)),
-    'softmax': BlockType(SoftmaxAttentionBlock, lambda options: Attention),
-}
+BLOCK_TYPES: Registry[BlockType] = Registry('block type')
+BLOCK_TYPES.register('linear', BlockType(LinearAttentionBlock, lambda options: attention_layer(**options)))
+BLOCK_TYPES.register('softmax', BlockType(SoftmaxAttentionBlock, lambda options: Attention))
 
 
 def resolve_softmax_blocks(softmax_blocks: Iterable[int], num_blocks: int) -> Tuple[int, ...]:

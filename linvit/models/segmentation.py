@@ -19,12 +19,14 @@ Backbones are created with ``dynamic_img_size=True``, so one model trains on ``i
 images of any size whose sides the patch size divides (``linvit.inference`` pads the rest).
 """
 import math
-from typing import Dict, List, Sequence, Type
+from typing import List, Sequence, Type
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import LayerNorm2d
+
+from ..registry import Registry
 
 __all__ = ['SimpleFeaturePyramid', 'MLPHead', 'SegmentationModel', 'SEG_HEADS', 'default_feature_blocks']
 
@@ -112,9 +114,8 @@ class MLPHead(nn.Module):
 
 
 #: decoder heads by name (``seg.head``): class(in_dim, head_dim, num_classes)
-SEG_HEADS: Dict[str, Type[nn.Module]] = {
-    'mlp': MLPHead,
-}
+SEG_HEADS: Registry[Type[nn.Module]] = Registry('seg.head')
+SEG_HEADS.register('mlp', MLPHead)
 
 
 class SegmentationModel(nn.Module):
@@ -129,8 +130,7 @@ class SegmentationModel(nn.Module):
     def __init__(self, backbone: nn.Module, num_classes: int, head: str = 'mlp', neck_dim: int = 128,
                  head_dim: int = 128, feature_blocks: Sequence[int] = ()) -> None:
         super().__init__()
-        if head not in SEG_HEADS:
-            raise ValueError(f"seg.head={head!r} is not one of {sorted(SEG_HEADS)}")
+        head_class = SEG_HEADS.get(head)  # an unknown name: ValueError naming the known heads
         if num_classes < 1:
             raise ValueError(f"a segmentation model needs num_classes >= 1, got {num_classes}")
         self.level_blocks = _resolve_feature_blocks(feature_blocks, len(backbone.blocks))
@@ -139,7 +139,7 @@ class SegmentationModel(nn.Module):
         self.backbone = backbone
         self.num_classes = num_classes
         self.neck = SimpleFeaturePyramid(backbone.embed_dim, neck_dim)
-        self.head = SEG_HEADS[head](neck_dim, head_dim, num_classes)
+        self.head = head_class(neck_dim, head_dim, num_classes)
 
     @property
     def patch_embed(self) -> nn.Module:

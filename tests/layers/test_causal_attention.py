@@ -5,6 +5,7 @@ import torch
 from references import bidirectional_ref, causal_ref
 
 from linvit.layers import BidirectionalAttention, LinearAttention, PerformerAttention, attention_layer
+from linvit.ops import list_feature_maps
 
 DIM, HEADS = 32, 4
 
@@ -33,7 +34,7 @@ def _project(layer, out):
     return out.transpose(1, 2).reshape(b, n, h * d) @ layer.proj.weight.T + layer.proj.bias
 
 
-@pytest.mark.parametrize('feature_map', ['elu1', 'relu'])
+@pytest.mark.parametrize('feature_map', list_feature_maps(learnable=False))
 def test_causal_layer_equals_its_reference(feature_map):
     layer = _random_layer(LinearAttention, feature_map=feature_map, causal=True, causal_chunk_size=4)
     x = _tokens(n=19)

@@ -511,7 +511,7 @@ def test_inference_folds_the_projection_into_the_core(monkeypatch, options, mask
 
 
 @pytest.mark.parametrize('qkv_bias', [True, False])
-@pytest.mark.parametrize('feature_map', ['elu1', 'relu', 'focused'])
+@pytest.mark.parametrize('feature_map', list_feature_maps(learnable=False))
 def test_value_fold_in_float64_matches_the_reference_tightly(monkeypatch, feature_map, qkv_bias):
     """In float64 the folded layer equals the quadratic reference to rounding: a value bias read from the wrong rows
     of qkv's bias, the key sum times b_v left out or a head's value rows misassigned would all show (each head

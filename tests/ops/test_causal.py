@@ -8,7 +8,7 @@ import pytest
 import torch
 from references import bidirectional_ref, causal_ref, rel_err
 
-from linvit.ops import linear_attention
+from linvit.ops import linear_attention, list_feature_maps
 from linvit.ops.causal import (
     CausalState,
     ChunkedCausalScan,
@@ -80,7 +80,7 @@ def test_forms_agree_in_float32(variant, chunk):
     assert (recurrent - parallel).abs().max() / parallel.abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize('feature_map', ['elu1', 'relu', 'focused'])
+@pytest.mark.parametrize('feature_map', list_feature_maps(learnable=False))
 def test_feature_maps_and_the_last_row_is_noncausal_attention(feature_map):
     q, k, v = _qkv(1, 2, 30, 8, 8)
     got = causal_linear_attention(q, k, v, feature_map=feature_map, chunk_size=8)

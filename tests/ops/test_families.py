@@ -4,6 +4,7 @@ import pytest
 import torch
 from references import aft_simple_ref, gated_ref, low_rank_ref, performer_ref, softmax_attention_ref
 
+from linvit.ops import list_feature_maps
 from linvit.ops.families import (
     aft_simple,
     gated_linear_attention,
@@ -131,7 +132,7 @@ def test_low_rank_with_the_full_grid_is_exact_softmax():
 
 # ------------------------------------------------------------------------------------------------ gated
 
-@pytest.mark.parametrize('feature_map', ['elu1', 'relu', 'focused'])
+@pytest.mark.parametrize('feature_map', list_feature_maps(learnable=False))
 def test_gated_linear_attention_equals_its_quadratic_form(feature_map):
     q, k, v = _qkv(dv=6)
     gate = torch.sigmoid(torch.randn(q.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64))

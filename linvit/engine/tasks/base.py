@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from ...layers import make_floor
 from ...registry import Registry
-from ..config import ARCHITECTURE_KEYS, ConfigError
+from ..config import ARCHITECTURE_KEYS, ConfigError, config_choice
 from ..metrics import Meter
 
 __all__ = ['Task', 'Stage', 'StagedRun', 'TASKS', 'register_task', 'list_tasks', 'input_multiple',
@@ -148,9 +148,10 @@ class Task:
         one's weights are the run's), or None for a task trained as one run (the default)."""
         return None
 
-    def baselines(self, model: nn.Module) -> Dict[str, nn.Module]:
-        """A staged task's reference models, evaluated before its first stage trains (``model``: that stage's model
-        as built); their metrics go to ``report``."""
+    def baselines(self, first_stage: 'Task', model: nn.Module) -> Dict[str, nn.Module]:
+        """A staged task's reference models, evaluated on the validation set before its first stage trains
+        (``first_stage`` built ``model``, that stage's model, and has not trained it); their metrics go to
+        ``report``."""
         return {}
 
     def report(self, state: Dict[str, Any], is_main: bool) -> Dict[str, Any]:
@@ -178,6 +179,7 @@ def nearest_multiples(size: int, multiple: int) -> str:
 
 #: the config's ``task:`` value -> the Task class
 TASKS: Registry[Type[Task]] = Registry('task')
+config_choice('task', TASKS)
 
 
 def register_task(cls: Type[Task]) -> Type[Task]:
