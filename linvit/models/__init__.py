@@ -1,4 +1,4 @@
-"""timm model family ``linvit_*`` and conversion of timm softmax ViTs to linear attention.
+"""The timm models ``linvit_*`` and conversion of timm softmax ViTs to linear attention.
 
 Importing this package registers the models with timm (``timm.list_models('linvit_*')``).
 """

@@ -1,4 +1,4 @@
-"""linvit models: timm's VisionTransformer with linear attention, registered as the timm family ``linvit_*``.
+"""linvit models: timm's VisionTransformer with linear attention, registered with timm as ``linvit_*``.
 
 After ``import linvit``, ``timm.create_model(name, **kwargs)`` builds any of ``timm.list_models('linvit_*')``.
 Beyond VisionTransformer's arguments (img_size, dynamic_img_size, dynamic_img_pad, reg_tokens, class_token,

@@ -19,8 +19,10 @@ any of them (the family's declared tensors keep their initial values).
 | bidirectional | linear attention weighted by decay^distance, forward + backward scans | O(N d^2) | ``scan_gate`` |
 
 Adding a family is one module here (a ``LinearAttention`` subclass with ``family = FamilySpec(...)`` and
-``@register_family``), imported below, plus its test file.
+``@register_family``) plus its test file: importing this package imports every module in it.
 """
+import importlib
+import pkgutil
 from typing import Any, Type
 
 from ...ops import feature_map_spec
@@ -34,6 +36,15 @@ from .performer import PerformerAttention, redraw_random_features
 
 __all__ = ['PerformerAttention', 'LinformerAttention', 'GatedLinearAttention', 'AFTAttention',
            'BidirectionalAttention', 'attention_layer', 'redraw_random_features']
+
+
+def _import_every_family_module() -> None:
+    """Import (and so register) every module of this package, the ones added after this file was written too."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_every_family_module()
 
 
 def attention_layer(attn_family: str = 'linear', **options: Any) -> Type[LinearAttention]:
