@@ -71,7 +71,7 @@ GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_check.py --device cuda:0 $(GPU_CHECK_ARGS)
 
-# quality at high resolution (docs/benchmarks.md: GPU check): linvit against timm's softmax ViT trained by train.py
+# quality at high resolution (docs/benchmarks.md: GPU check): linvit against timm's softmax ViT trained by the engine
 # (Tiny and Small at 512 px, equal steps; at 1024 px, equal seconds; a ViT-S teacher linearized at 1024 px) on
 # Fashion-MNIST canvases rendered from the IDX files in FMNIST_DIR, in at most 5 minutes -> runs/quality_check/.
 # Installs nothing; the same python as gpu-check.

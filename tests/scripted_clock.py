@@ -8,7 +8,7 @@ from linvit.layers import NoMixingAttention
 
 
 class ScriptedClock:
-    """Stands in for a module's ``time`` (e.g. linvit.bench.timing's); ``perf_counter`` reads a clock that only model
+    """Stands in for a module's ``time`` (e.g. linvit.timing's); ``perf_counter`` reads a clock that only model
     forwards move."""
 
     def __init__(self, forward_ms: Optional[Callable[[str, bool, int, int, int], float]] = None):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import linvit
 from linvit import fast
-from linvit.engine.step import TrainStep
+from linvit.engine.step import TrainStep, compile_train_step
 from linvit.fast.compiler import _UNFUSE_CPU_BIAS_ADD, _inductor_options
 from linvit.layers import LinearAttention
 from linvit.ops import list_feature_maps
@@ -196,7 +196,7 @@ def test_compiled_model_and_step_raise_the_eager_value_error_for_a_bad_size(kwar
     with pytest.raises(ValueError) as compiled_error:
         fast.compile_model(model, backend='eager')(x)
     assert str(compiled_error.value) == str(eager_error.value)
-    step = fast.compile_train_step(model, F.cross_entropy, backend='eager')
+    step = compile_train_step(model, F.cross_entropy, backend='eager')
     with pytest.raises(ValueError) as step_error:
         step(x, targets(1))
     assert str(step_error.value) == str(eager_error.value)
@@ -220,7 +220,7 @@ def test_compiled_train_step_matches_eager():
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    step = fast.compile_train_step(model, F.cross_entropy, opt)
+    step = compile_train_step(model, F.cross_entropy, opt)
     ref_step = TrainStep(reference, F.cross_entropy, ref_opt)
     for i in range(2):
         x, y = images(seed=10 + i), targets()
@@ -291,7 +291,7 @@ def test_train_step_autocast_follows_the_input_device():
     loss = eager(images(), targets())
     assert seen == [torch.bfloat16] and torch.isfinite(loss)
     grads = [p.grad.clone() for p in model.parameters()]
-    compiled = fast.compile_train_step(model, loss_fn, amp_dtype=torch.bfloat16, backend='aot_eager')
+    compiled = compile_train_step(model, loss_fn, amp_dtype=torch.bfloat16, backend='aot_eager')
     torch.testing.assert_close(compiled(images(), targets()), loss, rtol=2e-2, atol=2e-2)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g, rtol=5e-2, atol=5e-2)
@@ -344,7 +344,7 @@ def dynamic_train_step_matches_eager(freeze_pos_embed: bool = False, **kwargs) -
     if freeze_pos_embed:
         model.pos_embed.requires_grad_(False)
     reference = copy.deepcopy(model)
-    step = fast.compile_train_step(model, F.cross_entropy, dynamic=True, backend='aot_eager')
+    step = compile_train_step(model, F.cross_entropy, dynamic=True, backend='aot_eager')
     ref_step = TrainStep(reference, F.cross_entropy)
     for hw in [(96, 64), (128, 80)]:
         x = images(2, *hw)
@@ -364,8 +364,8 @@ def test_dynamic_train_step_rejects_a_trained_resampled_position_embedding_up_fr
     # the step must refuse at construction, naming the parameter and the ways out, not crash inside inductor
     model = tiny_linvit(dynamic_img_size=True, dynamic_img_pad=True)
     with pytest.raises(ValueError, match=r'pos_embed.*dynamic=False.*requires_grad_\(False\).*pos_embed=.none.'):
-        fast.compile_train_step(model, F.cross_entropy, dynamic=True)
-    fast.compile_train_step(model, F.cross_entropy, dynamic=False)  # static shapes stay allowed
+        compile_train_step(model, F.cross_entropy, dynamic=True)
+    compile_train_step(model, F.cross_entropy, dynamic=False)  # static shapes stay allowed
     TrainStep(model, F.cross_entropy, dynamic=True)  # and so does the eager step
 
 
@@ -392,7 +392,7 @@ def test_inductor_dynamic_train_step_matches_eager_at_thousands_of_non_square_to
     model = tiny_linvit(feature_map='focused', local_mix=True, dynamic_img_size=True, dynamic_img_pad=True).train()
     model.pos_embed.requires_grad_(False)  # see test_dynamic_train_step_rejects_..._up_front
     reference = copy.deepcopy(model)
-    step = fast.compile_train_step(model, F.cross_entropy, dynamic=True)
+    step = compile_train_step(model, F.cross_entropy, dynamic=True)
     ref_step = TrainStep(reference, F.cross_entropy)
     for i, hw in enumerate(INDUCTOR_SIZES[:2]):  # two sizes: each backward compile costs about a minute here
         x, y = images(1, *hw, seed=20 + i), targets(1)
@@ -409,7 +409,7 @@ def test_dynamic_policy_rejects_models_that_specialise_sizes(kwargs):
     with pytest.raises(ValueError, match='dynamic_img_pad=True'):
         fast.compile_model(model, dynamic=True)
     with pytest.raises(ValueError, match='dynamic_img_pad=True'):
-        fast.compile_train_step(model, F.cross_entropy, dynamic=True)
+        compile_train_step(model, F.cross_entropy, dynamic=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -430,23 +430,10 @@ def test_cuda_graphs_inference_and_train_step_match_eager():
 
     model.train()
     reference = copy.deepcopy(model)
-    step = fast.compile_train_step(model, F.cross_entropy, mode='reduce-overhead')
+    step = compile_train_step(model, F.cross_entropy, mode='reduce-overhead')
     ref_step = TrainStep(reference, F.cross_entropy)
     for _ in range(3):
         torch.testing.assert_close(step(x, targets().cuda()), ref_step(x, targets().cuda()), rtol=1e-4, atol=1e-5)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
     assert counters['inductor']['cudagraph_skips'] == 0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# names that moved: they keep working for one release, with a FutureWarning naming the new place
-
-def test_moved_names_still_work_and_warn():
-    from linvit.layers import make_floor
-    with pytest.warns(FutureWarning, match=r'linvit\.fast\.TrainStep .*use linvit\.engine\.TrainStep'):
-        assert fast.TrainStep is TrainStep
-    with pytest.warns(FutureWarning, match=r'linvit\.fast\.make_floor .*use linvit\.layers\.make_floor'):
-        assert fast.make_floor is make_floor
-    with pytest.raises(AttributeError):
-        fast.no_such_name  # noqa: B018

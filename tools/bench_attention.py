@@ -20,9 +20,9 @@ from typing import List, Optional
 
 from linvit.bench.attention import FULL, QUICK, AttentionBench, run
 from linvit.bench.cli import HelpFormatter, precision_arg
-from linvit.bench.timing import write_csv
 from linvit.ops import list_feature_maps
 from linvit.precision import PRECISIONS
+from linvit.timing import write_csv
 
 
 def _words(values: List[int]) -> str:

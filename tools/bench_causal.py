@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from linvit.bench.causal import VARIANTS, CausalBench, run
 from linvit.bench.cli import HelpFormatter
-from linvit.bench.timing import write_csv
+from linvit.timing import write_csv
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import linvit  # noqa: F401  (registers linvit_* with timm)
     from linvit.bench.data import DataBench, markdown, measure
-    from linvit.bench.timing import write_csv
+    from linvit.timing import write_csv
     torch.set_num_threads(args.threads)
     bench = DataBench(sizes=args.sizes, device=args.device, workers=args.workers, images=args.images,
                       samples=args.samples, batch=args.batch, model=args.model, repeats=args.repeats)

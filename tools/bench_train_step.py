@@ -35,9 +35,9 @@ from typing import List, Optional
 
 from linvit.bench.cli import HelpFormatter, precision_arg
 from linvit.bench.specs import MODES, WORKLOADS, parse_model_spec, parse_size
-from linvit.bench.timing import write_csv
 from linvit.bench.train_step import TrainStepBench, run, softmax_counterpart
 from linvit.precision import PRECISIONS
+from linvit.timing import write_csv
 
 
 def build_parser() -> argparse.ArgumentParser:

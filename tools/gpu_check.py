@@ -2,7 +2,8 @@
 """The GPU check: the linear-attention kernel's parity and speed, and whole-model speed, in one short run.
 
 Three sections, each in its own process under a hard time budget; whatever does not fit in its budget is written as
-'skipped (time budget)', never estimated (quality, trained by train.py, is tools/quality_check.py: make gpu-quality):
+'skipped (time budget)', never estimated (quality, training through the engine, is tools/quality_check.py:
+make gpu-quality):
 
 1. parity: ``linvit.ops.linear_attention_op`` (the Triton kernel) in float32, bfloat16 and float16, output and
    gradients, against ``linvit.ops.linear_attention`` on float64 copies of the same inputs, at 1k, 16k and 64k
@@ -29,15 +30,8 @@ import time
 from typing import List, Optional
 
 from linvit.bench.cli import HelpFormatter
-from linvit.bench.gpu_check import (
-    COMPILE_BACKENDS,
-    FULL,
-    QUICK,
-    SECTIONS,
-    CheckSettings,
-    process_age_s,
-    run_check,
-)
+from linvit.bench.gpu_check import COMPILE_BACKENDS, FULL, QUICK, SECTIONS, CheckSettings, run_check
+from linvit.bench.processes import process_age_s
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,20 +1,23 @@
 #!/usr/bin/env python
-"""The quality check: linvit against timm's softmax ViT at high resolution, trained by train.py, in minutes on a GPU.
+"""The quality check: linvit against timm's softmax ViT at high resolution, trained through the engine in minutes on a
+GPU.
 
-Every run is a train.py process with a deadline; a run the budget cuts is a row that says so, never estimated:
+Every run is its own process with a deadline (``linvit.engine``'s train, evaluate or linearize; no train.py, no
+configs/ needed); a run the budget cuts is a row that says so, never estimated:
 
 1. linvit-Tiny vs ViT-Tiny and linvit-Small vs ViT-Small at 512 px, the same recipe and number of steps;
 2. the same pairs at 1024 px for the same training seconds (each model's steps from its own step time, measured
    alone on the device before any run);
-3. a softmax ViT-Small teacher trained at 256 px, linearized (configs/linearize_cls_fmnist.yaml) and fine-tuned at
-   1024 px, against the teacher itself run at 1024 px.
+3. a softmax ViT-Small teacher trained at 256 px, linearized and fine-tuned at 1024 px, against the teacher itself
+   evaluated at 1024 px.
 
 The data: Fashion-MNIST items alone on 256, 512 and 1024 px canvases, rendered once from the IDX files in
---fmnist-dir into --cache-dir (with their decoded-image caches) and reused by later runs. The recipe:
-configs/cls_fmnist_quality.yaml. Output in --out: quality_check.md (the table, the comparisons with issue 42's
-targets, the measured step times; also printed), quality_check.csv (one row per run), quality_check.png (top-1
-against steps and against training seconds), logs/ and runs/ (the train.py run folders). The exit status is 1 when a
-run failed with an error, else 0. The library, with the recipe's reasons: linvit.bench.quality.
+--fmnist-dir into --cache-dir (with their decoded-image caches) and reused by later runs. The recipes:
+linvit.bench.quality.recipe (configs/cls_fmnist_quality.yaml and configs/linearize_cls_fmnist.yaml say the same for
+train.py). Output in --out: quality_check.md (the table, the comparisons with issue 42's targets, the measured step
+times; also printed), quality_check.csv (one row per run), quality_check.png (top-1 against steps and against
+training seconds), logs/ and runs/ (the run folders). The exit status is 1 when a run failed with an error, else 0.
+The library, with the recipe's reasons: linvit.bench.quality.
 
     make gpu-quality                                     # the first CUDA device, at most 5 minutes
     python tools/quality_check.py --device cuda:0 --fmnist-dir .gpudata/fashion-mnist
@@ -26,7 +29,7 @@ import time
 from typing import List, Optional
 
 from linvit.bench.cli import HelpFormatter
-from linvit.bench.gpu_check import process_age_s
+from linvit.bench.processes import process_age_s
 from linvit.bench.quality import DEFAULT_FMNIST_DIR, FULL, PIPELINES, QUICK, QualitySettings, run_quality_check
 
 
@@ -37,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help='tiny sizes (64 and 128 px canvases, 20 images a set, depth-2 models, 1-2 steps a run), '
                              'the same code: for a CPU')
     parser.add_argument('--out', default='runs/quality_check',
-                        help='output folder: table, CSV, curves, logs and the train.py runs')
+                        help='output folder: table, CSV, curves, logs and the run folders')
     parser.add_argument('--budget-s', type=float,
                         help=f'total seconds, everything included (default: {FULL.budget_s:.0f}; with --quick: '
                              f'{QUICK.budget_s:.0f})')
@@ -47,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--cache-dir', default='build/quality_check_cache',
                         help='the rendered sets and their decoded-image caches, kept for reruns')
     parser.add_argument('--pipeline', choices=list(PIPELINES), default='cached',
-                        help="train.py's input pipeline: 'cached' (data.cache=true: decoded once, augmented in batches "
+                        help="the runs' input pipeline: 'cached' (data.cache=true: decoded once, augmented in batches "
                              "on the device) or 'albumentations' (per-image decoding in the loader's workers)")
     return parser
 

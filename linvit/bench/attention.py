@@ -16,9 +16,9 @@ from timm.layers import Attention
 from linvit.fast import compile_model
 from linvit.layers import LinearAttention, NoMixingAttention
 from linvit.precision import PRECISIONS
+from linvit.timing import time_interleaved
 
 from .cli import crossover as speed_crossover
-from .timing import time_interleaved
 
 __all__ = ['FULL', 'QUICK', 'FLOOR_WORDS', 'AttentionBench', 'build_layers', 'crossover', 'run', 'next_steps']
 

@@ -17,8 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from linvit.ops import causal_linear_attention, causal_linear_attention_step, fused_linear_attention, retention_decays
-
-from .timing import time_interleaved
+from linvit.timing import time_interleaved
 
 __all__ = ['VARIANTS', 'CausalBench', 'forms', 'run', 'recurrent']
 

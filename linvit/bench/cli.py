@@ -22,8 +22,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def precision_arg(text: str) -> str:
-    """argparse ``type`` of ``--dtype``: a precision name of ``linvit.precision`` (float32, bfloat16, float16); the
-    old fp32/bf16/fp16 are accepted with a FutureWarning naming the new word."""
+    """argparse ``type`` of ``--dtype``: a precision name of ``linvit.precision`` (float32, bfloat16, float16);
+    anything else is a usage error listing them."""
     from linvit.precision import resolve_precision
 
     try:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .timing import synchronize
+from linvit.timing import synchronize
 
 __all__ = ['DataBench', 'measure', 'markdown', 'write_images']
 

@@ -11,8 +11,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from linvit.ops import attention_op, linear_attention_qkv_op
-
-from .timing import time_interleaved
+from linvit.timing import time_interleaved
 
 __all__ = ['PlainFunction', 'measure', 'markdown']
 

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from .timing import synchronize
+from linvit.timing import synchronize
 
 __all__ = ['CATEGORIES', 'OpTime', 'StepProfile', 'categorize', 'enable_compiled_kernel_names', 'profile_steps',
            'format_profile']

@@ -23,17 +23,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from linvit.timing import percentile
+
 from . import plots, report
 from .machine import describe_machine
 from .memory import RETAIN_FREED_MEMORY_ENV, MemoryWatch, allocator_setting
 from .specs import ModelSpec, parse_model_spec
-from .timing import percentile
 
 __all__ = ['FLOORS', 'RESULT_MARK', 'Config', 'build_configs', 'measure', 'child_result', 'child_main', 'base_row',
            'run_config', 'sweep', 'result_words', 'print_report', 'exit_status']
 
 #: which models also get their floor measured: every model, the linvit ones, or none
-FLOORS = ('all', 'linear', 'none')
+FLOORS = ('all', 'linvit', 'none')
 #: the line a child prints its result on (one JSON object)
 RESULT_MARK = 'PROFILE_RESULT '
 # the child: import this module, measure the configuration given as JSON, print RESULT_MARK + the result
@@ -88,7 +89,7 @@ def build_configs(models: Sequence[str], sizes: Sequence[Tuple[int, int]], floor
     (``FLOORS``) adds the floor of every model, of the linvit ones, or of none."""
     specs = [parse_model_spec(m) for m in models]
     if floors != 'none':
-        specs = specs + [s.as_floor() for s in specs if floors == 'all' or s.kind == 'linear']
+        specs = specs + [s.as_floor() for s in specs if floors == 'all' or s.kind == 'linvit']
     sizes = sorted(dict.fromkeys(sizes), key=lambda hw: (hw[0] * hw[1], hw))
     return [Config(spec, height, width, batch, dtype, mode, workload, device, warmup, repeats, threads, compile_mode)
             for workload in workloads for dtype in dtypes for batch in batches for height, width in sizes

@@ -8,7 +8,6 @@ import os
 import tempfile
 from typing import List, Optional
 
-from linvit.deprecation import warn_renamed
 from linvit.precision import PRECISIONS
 
 from . import profile, report
@@ -20,16 +19,6 @@ __all__ = ['DEFAULT_MODELS', 'DEFAULT_SIZES', 'DEFAULT_OUT', 'build_parser', 'pa
 DEFAULT_MODELS = ['linvit_small_patch16_224', 'vit_small_patch16_224']
 DEFAULT_SIZES = ['224', '512', '1024', '2048']
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), 'linvit_profile_resolution')
-#: the old --task values, kept for one release
-OLD_WORKLOADS = {'infer': 'inference', 'train': 'training'}
-
-
-def _old_task(text: str) -> str:
-    """argparse ``type`` of the deprecated ``--task infer|train``: the workload, with a FutureWarning."""
-    if text not in OLD_WORKLOADS:
-        raise argparse.ArgumentTypeError(f"--task is deprecated; use --workload {' or '.join(WORKLOADS)}")
-    warn_renamed(f"--task {text}", f"--workload {OLD_WORKLOADS[text]}")
-    return OLD_WORKLOADS[text]
 
 
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
@@ -47,8 +36,6 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                         help='eager PyTorch, or compiled through linvit.fast (torch.compile, static shapes)')
     parser.add_argument('--workload', nargs='+', choices=WORKLOADS, default=['inference'],
                         help='inference: a forward under inference_mode; training: forward, loss and backward')
-    parser.add_argument('--task', nargs='+', type=_old_task, dest='workload', default=argparse.SUPPRESS,
-                        help=argparse.SUPPRESS)  # deprecated: --task infer|train
     parser.add_argument('--warmup', type=int, default=2, help='untimed calls before timing, >= 1 (the first compiles)')
     parser.add_argument('--repeats', type=int, default=5, help='timed calls per configuration')
     parser.add_argument('--compile-mode', help="torch.compile mode of compiled runs, e.g. 'reduce-overhead' (CUDA "

@@ -9,7 +9,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import timing
+from linvit import timing
+
 from .cli import crossover
 from .specs import MODES, counterpart, size_label
 
@@ -271,10 +272,10 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
         for mode in modes:
             table = Table([r for r in group if r['mode'] == mode])
             lines.append(_table_heading(table, key, mode, rounds))
-            linear = table.labels('linear')
-            for label in linear:
+            linvit = table.labels('linvit')
+            for label in linvit:
                 lines.extend(family_summary(table, label))
-            if not linear:
+            if not linvit:
                 lines.extend(plain_summary(table))
         if len(modes) == 2:
             workload, dtype, batch = key

@@ -10,8 +10,9 @@ __all__ = ['MODES', 'WORKLOADS', 'ModelSpec', 'parse_model_spec', 'parse_size', 
 
 #: how a model runs: eager PyTorch, or compiled through linvit.fast
 MODES = ('eager', 'compiled')
-#: what is timed: a forward under inference_mode, or a training step (forward, loss, backward)
-WORKLOADS = ('inference', 'training')
+#: what is timed: a training step (forward, loss, backward), or a forward under inference_mode; the GPU check measures
+#: them in this order
+WORKLOADS = ('training', 'inference')
 
 #: timm's model size words, used to pair a linvit model with the softmax model of the same size
 SIZE_WORDS = ('tiny', 'small', 'base', 'large', 'huge', 'giant')
@@ -31,10 +32,11 @@ class ModelSpec:
 
     @property
     def kind(self) -> str:
-        """'floor', 'linear' (linvit_*, hybrids included) or 'softmax' (any other timm ViT)."""
+        """'linvit' (linvit_*, hybrids included), 'softmax' (any other timm ViT) or 'floor': the one set of model
+        kinds every bench table uses (the GPU check adds 'linvit_torch')."""
         if self.floor:
             return 'floor'
-        return 'linear' if self.name.startswith('linvit_') else 'softmax'
+        return 'linvit' if self.name.startswith('linvit_') else 'softmax'
 
     def as_floor(self) -> 'ModelSpec':
         return ModelSpec(self.spec, self.name, self.kwargs, floor=True)

@@ -23,11 +23,11 @@ from linvit.engine.step import TrainStep
 from linvit.fast import compile_model
 from linvit.layers import make_floor
 from linvit.precision import PRECISIONS
+from linvit.timing import time_interleaved
 
 from .memory import allocator_setting
 from .op_profile import StepProfile, enable_compiled_kernel_names, format_profile, profile_steps
 from .specs import MODES, WORKLOADS, ModelSpec, size_label
-from .timing import time_interleaved
 
 __all__ = ['KINDS', 'TrainStepBench', 'softmax_counterpart', 'build_models', 'measure_size', 'format_row', 'run']
 

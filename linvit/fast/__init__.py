@@ -5,13 +5,12 @@ any timm ViT) model, for the tools and the training engine.
 
     fast_model = compile_model(model)                       # inference: images [B, 3, H, W] -> logits
     graph = LossGraph(model, loss_fn, compile=True)         # training: loss = graph(images, targets), with autograd
-    step = compile_train_step(model, loss_fn, optimizer)    # a whole step: loss = step(images, targets)
     report = check_graph_breaks(model, images)              # dynamo's view: graphs, breaks and their reasons
 
 Where the code lives: ``linvit.fast.compiler`` (torch.compile with linvit's inductor options, ``CompiledModel``,
-``LossGraph``) and ``linvit.fast.checks`` (the contract's checks). ``compile_train_step`` returns the engine's step
-runner, ``linvit.engine.step.TrainStep`` (backward, accumulation, loss scaling, the optimizer step), so it needs the
-``train`` extra; everything else here imports only torch and timm.
+``LossGraph``) and ``linvit.fast.checks`` (the contract's checks); this package imports only torch, timm and the
+layers below it. A whole compiled training step (backward, accumulation, loss scaling, the optimizer step around a
+``LossGraph``) is the engine's: ``linvit.engine.compile_train_step`` (the ``train`` extra).
 
 Contract of the compiled code (what ``check_graph_breaks``, ``find_host_tensors`` and ``find_forward_side_effects``
 check, and what CUDA graphs need): one graph per call (``fullgraph=True``, zero graph breaks); no host-device
@@ -34,7 +33,7 @@ Resolution policy (shapes of the image batch [B, C, H, W]):
   divisibility message when not padding, which makes them constants). Other models are rejected with a
   ValueError rather than silently recompiled per size. Training caveat (torch 2.14): the backward of timm's
   antialiased bicubic position-embedding resampling has no meta kernel for symbolic sizes, so a dynamic training
-  step of a ViT with a trainable learned position embedding cannot compile; ``compile_train_step`` rejects it up
+  step of a ViT with a trainable learned position embedding cannot compile; ``LossGraph`` rejects it up
   front with a ValueError (train with static shapes, the default, or freeze the position embedding).
 
 Inductor options: unless a ``mode`` is given, every compile turns inductor's convolution-driven layout optimisation
@@ -50,44 +49,10 @@ environment (``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_``) are never 
 Mixed precision: ``amp_dtype`` turns on ``torch.autocast(device_type=<the input's device type>, dtype=amp_dtype)``
 inside the compiled region; the linear-attention core disables autocast itself and runs in float32.
 """
-from typing import TYPE_CHECKING, Any, Optional
-
-import torch
-import torch.nn as nn
-
-from ..deprecation import module_getattr
-from ..layers import make_floor as _make_floor
 from .allocator import retain_freed_memory
 from .checks import GraphReport, check_graph_breaks, find_forward_side_effects, find_host_tensors
 from .compiler import RECOMPILE_LIMIT, CompiledModel, LossFn, LossGraph, UnfuseCpuBiasAdd, compile_model
 
-if TYPE_CHECKING:
-    from ..engine.step import TrainStep
-
-__all__ = ['RECOMPILE_LIMIT', 'CompiledModel', 'LossGraph', 'GraphReport', 'UnfuseCpuBiasAdd', 'compile_model',
-           'compile_train_step', 'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects',
+__all__ = ['RECOMPILE_LIMIT', 'CompiledModel', 'LossFn', 'LossGraph', 'GraphReport', 'UnfuseCpuBiasAdd',
+           'compile_model', 'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects',
            'retain_freed_memory']
-
-
-def compile_train_step(model: nn.Module, loss_fn: LossFn, optimizer: Optional[torch.optim.Optimizer] = None,
-                       **kwargs: Any) -> 'TrainStep':
-    """``linvit.engine.step.TrainStep(model, loss_fn, optimizer, compile=True, **kwargs)``: forward + loss compiled
-    as one graph (``LossGraph``), then backward and, with an optimizer, its step. ``step(images, targets) -> loss``."""
-    # imported here, not at the top: the step runner belongs to the engine (the train extra), and the engine builds
-    # on linvit.fast.compiler, never on this module, so there is no cycle
-    from ..engine.step import TrainStep
-    return TrainStep(model, loss_fn, optimizer, compile=True, **kwargs)
-
-
-def _train_step() -> type:
-    from ..engine.step import TrainStep
-    return TrainStep
-
-
-# moved for one release: the step runner to the engine, model surgery beside NoMixingAttention
-_RENAMED = {'TrainStep': ('linvit.engine.TrainStep', _train_step),
-            'make_floor': ('linvit.layers.make_floor', lambda: _make_floor)}
-
-
-def __getattr__(name: str) -> Any:
-    return module_getattr(__name__, _RENAMED, name)

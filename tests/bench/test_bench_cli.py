@@ -14,9 +14,9 @@ def test_crossover_is_the_start_of_the_final_winning_run():
     assert crossover([(224, 3, 2), (512, None, 1)]) is None
 
 
-def test_dtype_takes_torch_names_and_the_old_ones_with_a_warning():
+def test_dtype_takes_torch_names_only():
     assert precision_arg('bfloat16') == 'bfloat16'
-    with pytest.warns(FutureWarning, match="--dtype='bf16' is deprecated.*'bfloat16'"):
-        assert precision_arg('bf16') == 'bfloat16'
-    with pytest.raises(argparse.ArgumentTypeError):
-        precision_arg('int8')
+    for other in ('bf16', 'int8'):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"--dtype='{other}' is not a precision; expected one of "
+                                                             f"\\['float32', 'bfloat16', 'float16'\\]"):
+            precision_arg(other)

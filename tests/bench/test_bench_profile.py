@@ -14,7 +14,7 @@ from linvit.bench.specs import parse_model_spec
 
 def test_sweep_is_size_major_with_floors():
     configs = profile.build_configs(['linvit_tiny_patch16_224', 'vit_tiny_patch16_224'], [(512, 512), (224, 224)],
-                                    floors='linear', modes=['eager'])
+                                    floors='linvit', modes=['eager'])
     assert [(c.height, c.model.label) for c in configs] == [
         (224, 'linvit_tiny_patch16_224'), (224, 'vit_tiny_patch16_224'), (224, 'floor(linvit_tiny_patch16_224)'),
         (512, 'linvit_tiny_patch16_224'), (512, 'vit_tiny_patch16_224'), (512, 'floor(linvit_tiny_patch16_224)')]

@@ -33,7 +33,7 @@ def test_summary_ratios_crossover_growth_and_modes():
 def test_rounds_merge_into_medians_and_failed_rounds_drop_out():
     rounds = []
     for r, (a, b, status) in enumerate([(10., 8., 'ok'), (20., 4., 'ok'), (12., 5., 'timeout')]):
-        for one in (row('linvit_small_patch16_224', 'linear', 512, a),
+        for one in (row('linvit_small_patch16_224', 'linvit', 512, a),
                     row('vit_small_patch16_224', 'softmax', 512, b, status=status)):
             ok = one['status'] == 'ok'
             rounds.append({**one, 'round': r, 'first_call_ms': float(r) if ok else None,

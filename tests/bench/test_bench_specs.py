@@ -18,7 +18,7 @@ def test_sizes_accept_square_and_height_by_width():
 
 def test_model_specs_parse_kwargs_as_literals():
     spec = parse_model_spec("linvit_small_patch16_224:local_mix=False,softmax_blocks=(0, 6),feature_map=relu")
-    assert spec.name == 'linvit_small_patch16_224' and spec.kind == 'linear'
+    assert spec.name == 'linvit_small_patch16_224' and spec.kind == 'linvit'
     assert dict(spec.kwargs) == {'local_mix': False, 'softmax_blocks': (0, 6), 'feature_map': 'relu'}
     assert spec.as_floor().label == f"floor({spec.spec})" and spec.as_floor().kind == 'floor'
     assert parse_model_spec('vit_small_patch16_224').kind == 'softmax'

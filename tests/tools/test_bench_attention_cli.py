@@ -1,12 +1,13 @@
 """tools/bench_attention.py: options, end-to-end runs, and every printed and CSV column against a scripted clock
-(linvit.bench.timing's clock, linvit.bench.attention's layers)."""
+(linvit.timing's clock, linvit.bench.attention's layers)."""
 import csv
 
 import pytest
 import torch
 from scripted_clock import ScriptedClock
 
-from linvit.bench import attention, timing
+from linvit import timing
+from linvit.bench import attention
 from linvit.fast import CompiledModel
 
 

@@ -1,5 +1,5 @@
 """tools/bench_train_step.py: interleaved training steps of linvit, its floor and softmax, against a scripted clock
-(linvit.bench.train_step over linvit.bench.timing)."""
+(linvit.bench.train_step over linvit.timing)."""
 import csv
 
 import pytest
@@ -7,7 +7,7 @@ import timm
 import torch
 from scripted_clock import ScriptedClock, float_cells
 
-from linvit.bench import timing
+from linvit import timing
 
 STEP_MS = {('linvit_tiny_patch16_224', False): 40., ('linvit_tiny_patch16_224', True): 30.,
            ('vit_tiny_patch16_224', False): 120.}
@@ -20,7 +20,7 @@ def scripted_step_ms(name, is_floor, height, width, call):
 
 def test_table_and_csv_are_the_scripted_step_times(step_bench, tmp_path, capsys, monkeypatch):
     clock = ScriptedClock(scripted_step_ms)
-    clock.install(monkeypatch, timing)  # the steps are timed by linvit.bench.timing's interleaving
+    clock.install(monkeypatch, timing)  # the steps are timed by linvit.timing's interleaving
     out = tmp_path / 'steps.csv'
     assert step_bench.main(['--model', 'linvit_tiny_patch16_224:depth=1', '--sizes', '32', '32x48', '--batch', '2',
                             '--mode', 'eager', '--repeats', '3', '--csv', str(out)]) == 0
@@ -104,7 +104,7 @@ def test_inference_runs_end_to_end_compiled_in_bfloat16(step_bench, tmp_path):
 def test_an_unknown_workload_is_refused_by_the_library():
     from linvit.bench.specs import parse_model_spec
     from linvit.bench.train_step import TrainStepBench
-    with pytest.raises(ValueError, match=r"--workload must be one of \['inference', 'training'\], got 'serving'"):
+    with pytest.raises(ValueError, match=r"--workload must be one of \['training', 'inference'\], got 'serving'"):
         TrainStepBench(parse_model_spec('linvit_tiny_patch16_224'), workload='serving')
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from linvit.bench import gpu_check as check
+from linvit.bench.gpu_check import plan, report
 
 E2E_BUDGET_S = 24.0
 TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'gpu_check.py'
@@ -29,22 +29,22 @@ def test_quick_run_reports_every_planned_row_within_its_budget(gpu_check, tmp_pa
     out = tmp_path / 'out'
     start = time.time()
     code = gpu_check.main(['--device', 'cpu', '--quick', '--budget', str(E2E_BUDGET_S), '--out', str(out),
-                           '--cache-dir', str(tmp_path / 'cache'), '--sections', *check.SECTIONS])
+                           '--cache-dir', str(tmp_path / 'cache'), '--sections', *plan.SECTIONS])
     elapsed = time.time() - start
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert elapsed < E2E_BUDGET_S + 5  # a hard budget: sections are stopped at their deadlines
-    for header in (check.PARITY_HEADER, check.OP_HEADER, check.MODELS_HEADER):
+    for header in (report.PARITY_HEADER, report.OP_HEADER, report.MODELS_HEADER):
         assert table_header(header) in printed
     assert (out / 'gpu_check.md').read_text().strip() in printed
     assert (out / 'gpu_check_throughput.png').stat().st_size > 0
     rows = {row['key']: row for row in csv.DictReader((out / 'gpu_check.csv').open())}
-    for section in check.SECTIONS:
-        for key in check.plan_keys(section, check.QUICK):
+    for section in plan.SECTIONS:
+        for key in plan.plan_keys(section, plan.QUICK):
             status = rows[key]['status']
             # measured, or not reached in time: never an estimate and never an error
             assert status == 'ok' or status.startswith('skipped ('), (key, status)
-    for key in check.plan_keys('parity', check.QUICK):
+    for key in plan.plan_keys('parity', plan.QUICK):
         row = rows[key]
         if row['status'] == 'ok':
             assert max(float(row[f"err_{n}"]) for n in ('out', 'dq', 'dk', 'dv')) <= float(row['tol'])
@@ -53,7 +53,7 @@ def test_quick_run_reports_every_planned_row_within_its_budget(gpu_check, tmp_pa
 def test_options_become_resolved_settings(gpu_check, tmp_path):
     settings = gpu_check.parse_args(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'o'),
                                      '--sections', 'parity', 'op'])
-    assert (settings.budget, settings.compile_backend, settings.sections) == (check.QUICK.budget_s, 'aot_eager',
+    assert (settings.budget, settings.compile_backend, settings.sections) == (plan.QUICK.budget_s, 'aot_eager',
                                                                              ('parity', 'op'))
     assert settings.out == str(tmp_path / 'o')
     assert gpu_check.parse_args([]).sections == ('parity', 'op', 'models')

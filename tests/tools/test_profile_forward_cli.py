@@ -9,20 +9,20 @@ from linvit.bench.profile_cli import parse_args
 
 
 def test_preset_is_linvit_vs_vit_small_with_floors_at_one_size_eager_batch_1(forward):
-    args = parse_args(forward.preset_argv('768x1280', 1, 3, '/tmp/out', []))
+    args = parse_args(forward.preset_argv(['768x1280'], 1, 3, '/tmp/out', []))
     assert args.models == ['linvit_small_patch16_512', 'linvit_small_patch16_512:local_mix=False',
                            'vit_small_patch16_224']
     assert (args.floors, args.sizes, args.mode, args.dtype, args.batch, args.workload) == (
-        'linear', [(768, 1280)], ['eager'], ['float32'], [1], ['inference'])
+        'linvit', [(768, 1280)], ['eager'], ['float32'], [1], ['inference'])
     assert (args.warmup, args.repeats, args.out) == (1, 3, '/tmp/out')
     # options of profile_resolution.py come last and override the preset
-    passed_on = parse_args(forward.preset_argv('1024', 1, 3, '/tmp/out', ['--floors', 'none', '--threads', '2']))
+    passed_on = parse_args(forward.preset_argv(['1024'], 1, 3, '/tmp/out', ['--floors', 'none', '--threads', '2']))
     assert (passed_on.floors, passed_on.threads) == ('none', 2)
 
 
 def test_a_size_the_patch_does_not_divide_fails_with_the_models_message(forward, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(profile, 'run_config', in_process(profile))
-    status = forward.main(['--size', '200', '--repeats', '1', '--out', str(tmp_path),
+    status = forward.main(['--sizes', '200', '--repeats', '1', '--out', str(tmp_path),
                            '--models', 'linvit_small_patch16_512:depth=1', '--floors', 'none'])
     printed = capsys.readouterr().out
     assert status == 1
@@ -42,7 +42,7 @@ def test_the_preset_times_one_image_per_call_at_the_given_size(forward, tmp_path
     clock.install(monkeypatch, profile)
     monkeypatch.setattr(profile, 'run_config', in_process(profile))
     models = ['linvit_tiny_patch16_224:depth=1', 'vit_tiny_patch16_224:depth=1']
-    assert forward.main(['--size', '32x48', '--repeats', '2', '--out', str(tmp_path), '--models', *models]) == 0
+    assert forward.main(['--sizes', '32x48', '--repeats', '2', '--out', str(tmp_path), '--models', *models]) == 0
     assert sorted(set(clock.inputs)) == [('linvit_tiny_patch16_224', False, (1, 3, 32, 48)),
                                          ('linvit_tiny_patch16_224', True, (1, 3, 32, 48)),
                                          ('vit_tiny_patch16_224', False, (1, 3, 32, 48))]

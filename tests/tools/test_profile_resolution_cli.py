@@ -21,7 +21,7 @@ def test_sizes_accept_square_and_height_by_width():
 
 def test_sweep_is_size_major_with_floors():
     args = parse_args(['--models', 'linvit_tiny_patch16_224', 'vit_tiny_patch16_224', '--sizes', '512', '224',
-                               '--mode', 'eager', '--floors', 'linear'])
+                               '--mode', 'eager', '--floors', 'linvit'])
     configs = build_configs(args)
     assert [(c.height, c.model.label) for c in configs] == [
         (224, 'linvit_tiny_patch16_224'), (224, 'vit_tiny_patch16_224'), (224, 'floor(linvit_tiny_patch16_224)'),
@@ -32,15 +32,14 @@ def test_sweep_is_size_major_with_floors():
             parse_args(bad)
 
 
-def test_old_task_and_dtype_words_still_work_with_a_warning():
-    with pytest.warns(FutureWarning) as caught:
-        args = parse_args(['--task', 'train', 'infer', '--dtype', 'bf16'])
+def test_workloads_and_precisions_have_one_word_each(capsys):
+    args = parse_args(['--workload', 'training', 'inference', '--dtype', 'bfloat16'])
     assert (args.workload, args.dtype) == (['training', 'inference'], ['bfloat16'])
-    messages = ' '.join(str(w.message) for w in caught)
-    assert '--workload training' in messages and "'bfloat16'" in messages
     assert parse_args([]).workload == ['inference']
-    with pytest.raises(SystemExit):
-        parse_args(['--task', 'inference'])
+    for other_word in (['--task', 'train'], ['--workload', 'train'], ['--dtype', 'bf16']):
+        with pytest.raises(SystemExit):
+            parse_args(other_word)
+        assert 'error:' in capsys.readouterr().err
 
 
 def test_failed_configurations_are_listed_and_make_the_exit_status_1(prof, tmp_path, capsys):
@@ -91,7 +90,7 @@ def test_summarize_writes_the_png_next_to_the_csv_unless_out_is_given(prof, tmp_
 def test_profile_runs_end_to_end(prof, tmp_path, capsys):
     out = tmp_path / 'prof'
     models = ['linvit_tiny_patch16_224:depth=1,local_mix=False', 'vit_tiny_patch16_224:depth=1']
-    assert prof.main(['--models', *models, '--sizes', '32', '32x48', '--mode', 'eager', '--floors', 'linear',
+    assert prof.main(['--models', *models, '--sizes', '32', '32x48', '--mode', 'eager', '--floors', 'linvit',
                       '--warmup', '1', '--repeats', '1', '--out', str(out)]) == 0
     printed = capsys.readouterr().out
     assert 'linvit/floor' in printed and 'crossover: ' in printed and 'time growth' not in printed
@@ -125,7 +124,7 @@ def test_printed_table_and_csv_are_the_scripted_throughputs(prof, tmp_path, caps
     ScriptedClock(table_forward_ms).install(monkeypatch, profile)
     monkeypatch.setattr(profile, 'run_config', in_process(profile))
     models = ['linvit_tiny_patch16_224:depth=1,local_mix=False', 'vit_tiny_patch16_224:depth=1']
-    assert prof.main(['--models', *models, '--sizes', '32', '64', '--mode', 'eager', '--floors', 'linear',
+    assert prof.main(['--models', *models, '--sizes', '32', '64', '--mode', 'eager', '--floors', 'linvit',
                       '--warmup', '1', '--repeats', '3', '--out', str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     rows = {(r['model'], int(r['height'])): r for r in csv.DictReader((tmp_path / 'profile.csv').open())}
@@ -154,4 +153,4 @@ def test_the_preset_tool_runs_as_a_script(tmp_path):
     tool = Path(__file__).resolve().parents[2] / 'tools' / 'profile_forward.py'
     done = subprocess.run([sys.executable, str(tool), '--help'], capture_output=True, text=True, cwd=tmp_path,
                           timeout=300)
-    assert done.returncode == 0 and '--size SIZE' in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0 and '--sizes SIZE' in done.stdout, done.stderr[-2000:]

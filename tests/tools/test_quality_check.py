@@ -1,7 +1,7 @@
-"""tools/quality_check.py over linvit.bench.quality: the quick run on the CPU end to end (probe, data, every train.py
-run, one of them cut by its deadline, the report files), and its parts in this process: the plan (equal steps, equal
-seconds, whole epochs), the timing read back from metrics.csv, the rows of cut and failed runs, the train.py
-commands and the rendered data."""
+"""tools/quality_check.py over linvit.bench.quality: the quick run on the CPU end to end (probe, data, every run's
+process, one of them cut by its deadline, the report files), from a folder that is not the checkout; and its parts
+in this process: the plan (equal steps, equal seconds, whole epochs), the timing read back from metrics.csv, the rows
+of cut and failed runs, the runs' jobs and the recipes in code, and the rendered data."""
 import csv
 import gzip
 import os
@@ -14,9 +14,11 @@ import pytest
 from conftest import load_tool
 from omegaconf import OmegaConf
 
-from linvit.bench import quality
-from linvit.engine import load_config
+from linvit.bench.quality import data, plan, recipe, report, results, runner
+from linvit.bench.quality.job import Job
+from linvit.engine import config_to_yaml, load_config
 
+CONFIGS = Path(__file__).resolve().parents[2] / 'configs'  # train.py's recipes, in the checkout
 CUT_RUN = 'small/high/softmax'  # the quick run stops this one a second after it started
 
 
@@ -38,33 +40,34 @@ def write_idx(folder: Path, per_class: int) -> None:
             (folder / f'{stem}.gz').write_bytes(gzip.compress(header + array.tobytes()))
 
 
-def settings_for(tmp_path: Path, **changes) -> quality.QualitySettings:
+def settings_for(tmp_path: Path, **changes) -> plan.QualitySettings:
     values = dict(device='cpu', quick=True, out=str(tmp_path / 'out'), cache_dir=str(tmp_path / 'cache'),
                   fmnist_dir=str(tmp_path / 'idx'))
-    return quality.QualitySettings(**{**values, **changes}).resolved()
+    return plan.QualitySettings(**{**values, **changes}).resolved()
 
 
 def test_quick_run_reports_every_run_and_the_one_its_deadline_cut(tool, tmp_path, monkeypatch, capsys):
     write_idx(tmp_path / 'idx', per_class=4)
-    planned_deadline = quality.run_deadline
+    planned_deadline = runner.run_deadline
 
-    def cut_one(spec, plan, started, end, preset):
-        return started + 1.0 if spec.key == CUT_RUN else planned_deadline(spec, plan, started, end, preset)
+    def cut_one(spec, run_plan, started, end, preset):
+        return started + 1.0 if spec.key == CUT_RUN else planned_deadline(spec, run_plan, started, end, preset)
 
-    monkeypatch.setattr(quality, 'run_deadline', cut_one)
+    monkeypatch.setattr(runner, 'run_deadline', cut_one)
+    monkeypatch.chdir(tmp_path)  # no checkout here: no train.py, no configs/
     out = tmp_path / 'out'
     start = time.time()
     code = tool.main(['--device', 'cpu', '--quick', '--out', str(out), '--cache-dir', str(tmp_path / 'cache'),
                       '--fmnist-dir', str(tmp_path / 'idx')])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert time.time() - start < quality.QUICK.budget_s
+    assert time.time() - start < plan.QUICK.budget_s
     assert (out / 'quality_check.md').read_text().strip() in printed
     assert (out / 'quality_check.png').stat().st_size > 0
     rows = {row['key']: row for row in csv.DictReader((out / 'quality_check.csv').open())}
-    assert list(rows) == [spec.key for spec in quality.RUNS]
+    assert list(rows) == [spec.key for spec in plan.RUNS]
     cut = rows.pop(CUT_RUN)
-    assert cut['status'].startswith(quality.CUT) and cut['top1'] == ''
+    assert cut['status'].startswith(plan.CUT) and cut['top1'] == ''
     for key, row in rows.items():  # every other run finished: trained, evaluated, timed
         assert row['status'] == 'ok', (key, row['status'])
         assert 0 <= float(row['top1']) <= 1 and int(row['steps']) >= 1, (key, row)
@@ -73,10 +76,10 @@ def test_quick_run_reports_every_run_and_the_one_its_deadline_cut(tool, tmp_path
             assert (out / row['run_dir']).is_dir()
     for size in ('tiny', 'small'):  # equal steps at the base size
         assert rows[f"{size}/base/linvit"]['steps'] == rows[f"{size}/base/softmax"]['steps']
-    assert int(rows['linearized']['steps']) == 2 * quality.QUICK.max_steps  # stage 1 + stage 2
+    assert int(rows['linearized']['steps']) == 2 * plan.QUICK.max_steps  # stage 1 + stage 2
     assert rows['teacher/high']['steps'] == rows['teacher']['steps']
     table = [line for line in printed.splitlines() if line.startswith('| ')]
-    assert f"| {quality.CUT} after" in next(line for line in table if line.startswith('| ViT-S | 128 |'))
+    assert f"| {plan.CUT} after" in next(line for line in table if line.startswith('| ViT-S | 128 |'))
     assert next(line for line in table if line.startswith('| Small, equal seconds')).endswith('| - | linvit ahead |')
     assert any(line.startswith('| Tiny, equal steps (64 px) |') and 'points |' in line for line in table)
 
@@ -86,7 +89,7 @@ def test_without_the_idx_files_every_row_says_so(tool, tmp_path, capsys):
                       str(tmp_path / 'cache'), '--fmnist-dir', str(tmp_path / 'nothing')])
     assert code == 0
     rows = list(csv.DictReader((tmp_path / 'out' / 'quality_check.csv').open()))
-    assert len(rows) == len(quality.RUNS)
+    assert len(rows) == len(plan.RUNS)
     assert all(row['status'].startswith('skipped (no Fashion-MNIST IDX files') for row in rows)
     assert (tmp_path / 'out' / 'quality_check.png').stat().st_size > 0
     capsys.readouterr()
@@ -94,9 +97,9 @@ def test_without_the_idx_files_every_row_says_so(tool, tmp_path, capsys):
 
 def test_options_become_resolved_settings(tool, tmp_path):
     settings = tool.parse_args(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'o')])
-    assert (settings.budget_s, settings.pipeline, settings.out) == (quality.QUICK.budget_s, 'cached',
+    assert (settings.budget_s, settings.pipeline, settings.out) == (plan.QUICK.budget_s, 'cached',
                                                                     str(tmp_path / 'o'))
-    assert tool.parse_args([]).budget_s == quality.FULL.budget_s == 300
+    assert tool.parse_args([]).budget_s == plan.FULL.budget_s == 300
     assert tool.parse_args(['--pipeline', 'albumentations']).pipeline == 'albumentations'
     for bad in (['--budget-s', '10'], ['--pipeline', 'dali']):
         with pytest.raises(SystemExit):
@@ -104,9 +107,9 @@ def test_options_become_resolved_settings(tool, tmp_path):
 
 
 def test_schedule_is_whole_epochs_unless_less_than_half_of_one():
-    assert quality.schedule(620, 78) == (8, None, 624)
-    assert quality.schedule(40, 78) == (1, None, 78)
-    assert quality.schedule(38, 78) == (1, 38, 38)  # below half an epoch: stopped inside the first
+    assert plan.schedule(620, 78) == (8, None, 624)
+    assert plan.schedule(40, 78) == (1, None, 78)
+    assert plan.schedule(38, 78) == (1, 38, 38)  # below half an epoch: stopped inside the first
 
 
 STEP_S = {'linvit_tiny_patch16_224@512x128': 0.03, 'vit_tiny_patch16_224@512x128': 0.05,
@@ -115,34 +118,34 @@ STEP_S = {'linvit_tiny_patch16_224@512x128': 0.03, 'vit_tiny_patch16_224@512x128
 
 
 def test_a_base_pair_gets_equal_steps_and_a_high_pair_equal_seconds():
-    full = quality.FULL
-    base = quality.plan_group('tiny/base', 40.0, STEP_S, full)
+    full = plan.FULL
+    base = plan.plan_group('tiny/base', 40.0, STEP_S, full)
     linvit, softmax = base['tiny/base/linvit'], base['tiny/base/softmax']
     assert (linvit.epochs, linvit.max_steps, linvit.steps) == (softmax.epochs, softmax.max_steps, softmax.steps)
     assert linvit.steps == 6 * 78  # 40 s / (0.03 + 0.05) s = 500 steps: the nearest whole epochs of 78
     assert (linvit.planned_s, softmax.planned_s) == pytest.approx((468 * 0.03, 468 * 0.05))
-    high = quality.plan_group('small/high', 30.0, STEP_S, full)
+    high = plan.plan_group('small/high', 30.0, STEP_S, full)
     linvit, softmax = high['small/high/linvit'], high['small/high/softmax']
     assert linvit.steps > 2 * softmax.steps  # the same seconds buy a third of the step time three times the steps
     epoch_s = [full.canvases['high'].steps_per_epoch * t for t in (0.05, 0.15)]
     assert linvit.planned_s == pytest.approx(15.0, abs=epoch_s[0] / 2)
     assert softmax.planned_s == pytest.approx(15.0, abs=epoch_s[1] / 2)
-    lin = quality.plan_group('linearized', 20.0, STEP_S, full)
-    assert lin['linearized'].stage1_steps == int(quality.STAGE1_FRACTION * 20.0 / 0.06)
+    lin = plan.plan_group('linearized', 20.0, STEP_S, full)
+    assert lin['linearized'].stage1_steps == int(plan.STAGE1_FRACTION * 20.0 / 0.06)
     assert lin['teacher/high'].step_s is None  # an evaluation: no steps, no share
-    assert quality.plan_group('tiny/high', 30.0, {}, full)['tiny/high/linvit'].startswith('skipped (no step time')
-    assert quality.plan_group('teacher', 0.001, STEP_S, full)['teacher'] == quality.SKIPPED
+    assert plan.plan_group('tiny/high', 30.0, {}, full)['tiny/high/linvit'].startswith('skipped (no step time')
+    assert plan.plan_group('teacher', 0.001, STEP_S, full)['teacher'] == plan.SKIPPED
 
 
 def test_a_group_gets_its_share_of_the_time_the_runs_not_started_can_train():
-    full = quality.FULL
-    left = [spec for spec in quality.RUNS if spec.group not in ('teacher', 'tiny/base')]
+    full = plan.FULL
+    left = [spec for spec in plan.RUNS if spec.group not in ('teacher', 'tiny/base')]
     starts = len(left) + 1  # the linearization starts two stages
-    seconds = quality.group_seconds(full, 'small/base', left, time_left=200.0)
-    shares = sum(full.shares[g] for g in quality.GROUPS if g not in ('teacher', 'tiny/base'))
+    seconds = plan.group_seconds(full, 'small/base', left, time_left=200.0)
+    shares = sum(full.shares[g] for g in plan.GROUPS if g not in ('teacher', 'tiny/base'))
     assert seconds == pytest.approx(full.shares['small/base'] / shares
-                                    * (200.0 - quality.REPORT_RESERVE_S - starts * full.startup_s))
-    assert quality.group_seconds(full, 'small/base', left, time_left=10.0) == 0.0
+                                    * (200.0 - plan.REPORT_RESERVE_S - starts * full.startup_s))
+    assert plan.group_seconds(full, 'small/base', left, time_left=10.0) == 0.0
 
 
 def write_metrics(folder: Path, rows) -> None:
@@ -161,81 +164,106 @@ def test_training_seconds_come_from_the_train_rows_and_top1_from_the_val_rows(tm
         {'epoch': 1, 'step': 12, 'split': 'val', 'top1': 0.5},
         {'epoch': 1, 'step': 20, 'split': 'train', 'img_per_s': 16.0, 'peak_mem_mib': 110},
         {'epoch': 2, 'step': 20, 'split': 'val', 'top1': 0.75}])
-    curve = quality.read_curve(tmp_path / 'metrics.csv', batch=4)
+    curve = results.read_curve(tmp_path / 'metrics.csv', batch=4)
     # 10 steps of 4 images at 40 img/s = 1 s; 2 steps at 8 img/s = 1 s; 8 steps at 16 img/s = 2 s
     assert curve.points == [(12, pytest.approx(2.0), 0.5), (20, pytest.approx(4.0), 0.75)]
     assert (curve.steps, curve.images, curve.peak_mem_mib) == (20, 80, 120)
     assert curve.train_s == pytest.approx(4.0) and curve.data_wait_s == pytest.approx(0.5)
-    later = quality.Curve([(5, 1.0, 0.8)], steps=5, train_s=1.0, images=20, peak_mem_mib=130.0)
+    later = results.Curve([(5, 1.0, 0.8)], steps=5, train_s=1.0, images=20, peak_mem_mib=130.0)
     assert curve.extend(later).points[-1] == (25, pytest.approx(5.0), 0.8)
 
 
 def test_rows_of_a_cut_and_of_a_failed_run(tmp_path):
     settings = settings_for(tmp_path)
     preset = settings.preset
-    spec = quality.RUN_BY_KEY['tiny/base/linvit']
-    write_metrics(quality.run_dir(settings, spec), [
+    spec = plan.RUN_BY_KEY['tiny/base/linvit']
+    write_metrics(plan.run_dir(settings, spec), [
         {'epoch': 0, 'step': 3, 'split': 'train', 'img_per_s': 12.0, 'peak_mem_mib': 100},
         {'epoch': 1, 'step': 3, 'split': 'val', 'top1': 0.3},
         {'epoch': 1, 'step': 5, 'split': 'train', 'img_per_s': 12.0, 'peak_mem_mib': 100}])
-    cut = quality.run_record(settings, preset, spec, {}, {}, None, 61.4)
-    assert cut['status'] == f"{quality.CUT} after 61 s; top-1 of its last evaluation, at step 3"
+    cut = results.run_record(settings, preset, spec, {}, {}, None, 61.4)
+    assert cut['status'] == f"{plan.CUT} after 61 s; top-1 of its last evaluation, at step 3"
     assert (cut['top1'], cut['steps']) == (0.3, 5)
-    assert quality.finished_top1(cut) is None  # comparisons read finished runs only
+    assert report.finished_top1(cut) is None  # comparisons read finished runs only
     log = Path(settings.out) / 'logs' / f"{spec.folder}.log"
     log.parent.mkdir(parents=True)
-    log.write_text('train.py ...\ntrain.py: config error: unknown config key data.cache\n')
-    failed = quality.run_record(settings, preset, spec, {}, {}, 2, 3.0)
-    assert failed['status'] == (f"error: train.py exited 2 (logs/{spec.folder}.log: train.py: config error: unknown "
-                                f"config key data.cache)")
-    early = quality.run_record(settings, preset, quality.RUN_BY_KEY['tiny/base/softmax'], {}, {}, None, 1.0)
-    assert early['status'] == f"{quality.CUT} after 1 s, before any evaluation"
+    log.write_text('train: ...\nConfigError: unknown config key data.cache\n')
+    failed = results.run_record(settings, preset, spec, {}, {}, 2, 3.0)
+    assert failed['status'] == (f"error: the run exited 2 (logs/{spec.folder}.log: ConfigError: unknown config key "
+                                f"data.cache)")
+    early = results.run_record(settings, preset, plan.RUN_BY_KEY['tiny/base/softmax'], {}, {}, None, 1.0)
+    assert early['status'] == f"{plan.CUT} after 1 s, before any evaluation"
 
 
-def test_the_train_commands_of_a_pair_resolve_to_one_recipe(tmp_path):
+def test_the_jobs_of_a_pair_resolve_to_one_recipe(tmp_path):
     settings = settings_for(tmp_path, quick=False, device='cuda:0')
-    plans = quality.plan_group('small/high', 30.0, STEP_S, settings.preset)
-    recipe = quality.read_recipe()
+    plans = plan.plan_group('small/high', 30.0, STEP_S, settings.preset)
     configs = {}
     for key in ('small/high/linvit', 'small/high/softmax'):
-        command = quality.train_command(settings, settings.preset, quality.RUN_BY_KEY[key], plans[key],
-                                        tmp_path / 'data', recipe)
-        assert command[1].endswith('train.py') and command[2] == '--config'
-        assert 'train.precision=bfloat16' in command and 'data.cache=true' in command
-        configs[key] = OmegaConf.to_container(load_config(command[3], command[4:]), resolve=True)
+        job = recipe.train_job(settings, settings.preset, plan.RUN_BY_KEY[key], plans[key], tmp_path / 'data')
+        assert job.kind == 'train' and job.recipe is recipe.RECIPE
+        assert 'train.precision=bfloat16' in job.overrides and 'data.cache=true' in job.overrides
+        assert job.argv()[1:3] == ['-m', 'linvit.bench.quality.job']
+        configs[key] = OmegaConf.to_container(job.config(), resolve=True)
     linvit, softmax = configs.values()
     assert (linvit['model']['name'], softmax['model']['name']) == ('linvit_small_patch16_224', 'vit_small_patch16_224')
     assert linvit['data']['img_size'] == 1024 and linvit['data']['batch_size'] == 32
-    assert linvit['train']['lr'] == pytest.approx(recipe[0] * (32 / recipe[1]) ** 0.5)
-    assert linvit['data']['aug']['label_smoothing'] == quality.LABEL_SMOOTHING
-    assert linvit['train']['clip_grad'] == quality.CLIP_GRAD
+    assert linvit['train']['lr'] == pytest.approx(recipe.RECIPE['train']['lr'] * (32 / 128) ** 0.5)
+    assert linvit['data']['aug']['label_smoothing'] == recipe.LABEL_SMOOTHING
+    assert linvit['train']['clip_grad'] == recipe.CLIP_GRAD
     for cfg in (linvit, softmax):  # equal seconds: the epochs differ; everything else is the same
         del cfg['model']['name'], cfg['output_dir'], cfg['train']['epochs'], cfg['train']['warmup_epochs']
     assert linvit == softmax
     teacher = tmp_path / 'teacher'
-    lin = quality.linearize_command(settings, settings.preset, quality.RUN_BY_KEY['linearized'],
-                                    quality.plan_group('linearized', 20.0, STEP_S, settings.preset)['linearized'],
-                                    tmp_path / 'data', teacher)
-    cfg = load_config(lin[3], lin[4:])
+    lin = recipe.linearize_job(settings, settings.preset, plan.RUN_BY_KEY['linearized'],
+                               plan.plan_group('linearized', 20.0, STEP_S, settings.preset)['linearized'],
+                               tmp_path / 'data', teacher)
+    cfg = lin.config()
     assert cfg.task == 'linearize' and cfg.linearize.teacher == str(teacher) and cfg.data.img_size == 1024
-    assert cfg.linearize.attention_max_steps == int(quality.STAGE1_FRACTION * 20.0 / 0.06)
-    evaluation = quality.eval_command(settings, settings.preset, quality.RUN_BY_KEY['teacher/high'],
-                                      tmp_path / 'data', teacher)
-    assert evaluation[2:6] == ['--eval-only', str(teacher), '--out', str(Path(settings.out) / 'runs/teacher_high')]
-    assert 'data.img_size=1024' in evaluation
+    assert cfg.linearize.attention_max_steps == int(plan.STAGE1_FRACTION * 20.0 / 0.06)
+    evaluation = recipe.eval_job(settings, settings.preset, plan.RUN_BY_KEY['teacher/high'], tmp_path / 'data',
+                                 teacher)
+    assert (evaluation.kind, evaluation.weights, evaluation.out) == ('eval', str(teacher),
+                                                                      str(Path(settings.out) / 'runs/teacher_high'))
+    assert 'data.img_size=1024' in evaluation.overrides
     albumentations = settings_for(tmp_path, pipeline='albumentations')
-    assert 'data.cache=false' in quality.common_overrides(albumentations, albumentations.preset)
+    assert 'data.cache=false' in recipe.common_overrides(albumentations, albumentations.preset)
+
+
+@pytest.mark.parametrize('name, config_file', [('RECIPE', 'cls_fmnist_quality.yaml'),
+                                                ('LINEARIZE_RECIPE', 'linearize_cls_fmnist.yaml')])
+def test_the_recipes_in_code_are_the_config_files_of_train_py(name, config_file):
+    """The check builds its configs in code (an installed package has no configs/); the files train.py reads say the
+    same, so that a run of the check can be repeated with train.py."""
+    overrides = ['data.root=/data', 'linearize.teacher=/teacher', 'output_dir=/out']
+    in_code = load_config(None, overrides, base=getattr(recipe, name))
+    from_file = load_config(str(CONFIGS / config_file), overrides)
+    assert OmegaConf.to_container(in_code) == OmegaConf.to_container(from_file)
+
+
+def test_an_eval_job_evaluates_a_run_folder_with_the_config_saved_beside_its_weights(tmp_path):
+    """The teacher's evaluation reads the architecture from the run folder, not from a recipe or a config file."""
+    saved = load_config(None, ['model.name=vit_small_patch16_224', 'model.kwargs.depth=2', 'data.img_size=256',
+                               'data.root=/train'], base=recipe.RECIPE)
+    teacher = tmp_path / 'teacher'
+    teacher.mkdir()
+    (teacher / 'config.yaml').write_text(config_to_yaml(saved))
+    (teacher / 'model.safetensors').write_bytes(b'')
+    job = Job('eval', ('data.root=/high', 'data.img_size=1024'), weights=str(teacher), out=str(tmp_path / 'eval'))
+    cfg = job.config()
+    assert (cfg.model.name, cfg.model.kwargs.depth, cfg.data.img_size, cfg.data.root) == (
+        'vit_small_patch16_224', 2, 1024, '/high')
 
 
 def test_the_data_is_rendered_once_and_reused(tmp_path):
     settings = settings_for(tmp_path)
-    assert len(quality.missing_idx_files(Path(settings.fmnist_dir))) == 4
+    assert len(data.missing_idx_files(Path(settings.fmnist_dir))) == 4
     write_idx(Path(settings.fmnist_dir), per_class=4)
-    assert quality.data_unavailable(settings.fmnist_dir) is None
-    canvas = quality.QUICK.canvases['high']
-    data = quality.render_canvas_set(settings, canvas)
-    assert len(list((data / 'train').rglob('*.png'))) == 10 * canvas.train_per_class
-    assert len(list((data / 'val').rglob('*.png'))) == 10 * canvas.val_per_class
-    stamp = os.stat(data / 'manifest.csv').st_mtime_ns
-    assert quality.render_canvas_set(settings, canvas) == data  # reused: nothing rendered again
-    assert os.stat(data / 'manifest.csv').st_mtime_ns == stamp
+    assert data.data_unavailable(settings.fmnist_dir) is None
+    canvas = plan.QUICK.canvases['high']
+    folder = data.render_canvas_set(settings, canvas)
+    assert len(list((folder / 'train').rglob('*.png'))) == 10 * canvas.train_per_class
+    assert len(list((folder / 'val').rglob('*.png'))) == 10 * canvas.val_per_class
+    stamp = os.stat(folder / 'manifest.csv').st_mtime_ns
+    assert data.render_canvas_set(settings, canvas) == folder  # reused: nothing rendered again
+    assert os.stat(folder / 'manifest.csv').st_mtime_ns == stamp

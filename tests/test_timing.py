@@ -1,10 +1,10 @@
-"""linvit.bench.timing: nearest-rank percentiles, interleaved medians, CSV rows."""
+"""linvit.timing: nearest-rank percentiles, interleaved medians, CSV rows."""
 import csv
 
 import pytest
 from scripted_clock import ScriptedClock
 
-from linvit.bench import timing
+from linvit import timing
 
 
 def test_percentile_is_nearest_rank():

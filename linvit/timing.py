@@ -1,20 +1,25 @@
 """Timing that survives a noisy machine: several calls interleaved round by round, medians, nearest-rank
-percentiles; and the CSV every benchmark writes its rows to."""
+percentiles; and the CSV every benchmark writes its rows to.
+
+A leaf of the package (torch and the standard library only): the engine's linearization report, the ONNX export's
+latency and the benchmark tools all time their calls here.
+"""
 import csv
 import math
 import statistics
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
 __all__ = ['synchronize', 'time_interleaved', 'percentile', 'write_csv']
 
 
-def synchronize(device: str) -> None:
-    """Wait for queued CUDA work, so that a clock read after it measures the work; nothing to wait for on CPU."""
+def synchronize(device: Union[str, torch.device]) -> None:
+    """Wait for the work queued on ``device`` ('cuda:1', a torch.device), so that a clock read after it measures the
+    work; nothing to wait for on CPU."""
     if str(device).startswith('cuda'):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int, repeats: int,

@@ -1,0 +1,41 @@
+"""The quality check: linvit against timm's softmax ViT at high resolution, trained through the engine on a GPU in
+minutes (``tools/quality_check.py``, ``make gpu-quality``).
+
+    settings = QualitySettings(device='cuda:0').resolved()     # or QualitySettings(device='cpu', quick=True)
+    status = run_quality_check(settings, start=time.time())   # writes settings.out/quality_check.{md,csv,png}
+
+What it trains (every run its own process with a deadline, through ``linvit.engine``'s ``train`` and ``evaluate``;
+nothing of a checkout is needed: no train.py, no configs/):
+
+1. linvit-Tiny against timm's ViT-Tiny, then linvit-Small against ViT-Small, at 512 px: the same recipe and the same
+   number of optimizer steps;
+2. the same two pairs at 1024 px for the same training seconds: a run has no time budget, so each model's steps are
+   its share of seconds divided by its own step time, measured alone on the device before any run (the probe), then
+   rounded to whole epochs so that every run ends its own cosine schedule. The table shows the seconds each run
+   really trained (from its metrics.csv), which is what the comparison is read against;
+3. linearization at high resolution: a softmax ViT-Small teacher trained at 256 px, linearized (stage 1 attention
+   transfer, stage 2 fine-tuning with distillation) at 1024 px, against the teacher itself evaluated at 1024 px (its
+   position embedding resampled).
+
+The largest share of the budget goes to the Tiny pair at 512 px, where issue 42 sets the recipe's bar (ViT-Tiny at
+85% top-1 or more). The modules:
+
+    plan     settings, presets, the runs and their groups, the probe's cases, each group's steps
+    recipe   the recipes as config values (RECIPE, LINEARIZE_RECIPE, with the reasons for each choice), each run's job
+    job      a run's process (``python -m linvit.bench.quality.job JOB_JSON``): the engine's train or evaluate
+    data     the Fashion-MNIST canvases, rendered once, and their decoded-image caches
+    probe    the probe's process: seconds per training step of every model
+    runner   the parent: probe and data, the runs under their deadlines, ``run_quality_check``
+    results  a run's metrics.csv and metrics.json read back into its row
+    report   quality_check.md (also printed), quality_check.csv, quality_check.png
+
+Output in ``out``: those three files, logs/ (each process's output) and runs/ (the run folders).
+``run_quality_check`` returns 1 when a run failed with an error (not when it was cut or skipped for time), else 0.
+
+Imports at module level are the standard library and linvit's light modules; the prepare step imports linvit's data
+and engine (the training stack), the probe and the runs' processes torch and timm, the report matplotlib.
+"""
+from .plan import DEFAULT_FMNIST_DIR, FULL, PIPELINES, QUICK, QualitySettings
+from .runner import run_quality_check
+
+__all__ = ['DEFAULT_FMNIST_DIR', 'FULL', 'PIPELINES', 'QUICK', 'QualitySettings', 'run_quality_check']
