@@ -1,20 +1,20 @@
 """Write a high-resolution classification or segmentation set from Fashion-MNIST, in the layouts linvit reads.
 
 --task classification (default): each image is one Fashion-MNIST item, upscaled 2x-6x and placed at random on a
---size px canvas (default 512), among fragments of other items (clutter) on a smooth random background. The class is
+--img-size px canvas (default 512), among fragments of other items (clutter) on a smooth random background. The class is
 the whole item's, so the model has to find one object in a large image and not be fooled by pieces of others.
 --fragments sets the number of clutter pieces (default 12 per 512 x 512 px, at least 3); --fragments 0 leaves only
 the item on the background.
 
---task segmentation: each image is a --size px canvas (default 1024) with --items-per-image items (3-8), each
+--task segmentation: each image is a --img-size px canvas (default 1024) with --items-per-image items (3-8), each
 upscaled 2x-6x and dropped at random on a smooth background, overlaps allowed (a later item covers an earlier one).
 Every pixel an item paints (its upscaled pixels brighter than 10: fainter ones are specks and rims, left transparent)
 is labelled with its class + 1, everything else 0 (background). There is no fragment clutter here, so every labelled
 pixel belongs to a whole item.
 
     sudo apt-get install dataset-fashion-mnist     # IDX files under /usr/share/datasets/fashion-mnist/
-    python tools/make_fmnist_hires.py --out data/fmnist_hires --size 512 --train-per-class 600 --val-per-class 100
-    python tools/make_fmnist_hires.py --task segmentation --out data/fmnist_seg --size 1024 --train-images 2000 \\
+    python tools/make_fmnist_hires.py --out data/fmnist_hires --img-size 512 --train-per-class 600 --val-per-class 100
+    python tools/make_fmnist_hires.py --task segmentation --out data/fmnist_seg --img-size 1024 --train-images 2000 \\
         --val-images 200
 
 classification writes out/train/<class>/*.png and out/val/<class>/*.png; segmentation writes
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default='classification',
                    help='classification: one item per image, ImageFolder layout; segmentation: several items per '
                         'image, images/ + masks/')
-    p.add_argument('--size', type=int, default=None,
+    p.add_argument('--img-size', type=int, default=None, metavar='PX',
                    help=f"canvas side in pixels (>= {MIN_SIZE}; default: {DEFAULT_SIZES['classification']} for "
                         f"classification, {DEFAULT_SIZES['segmentation']} for segmentation)")
     p.add_argument('--train-per-class', type=int, default=600, help='classification: train images per class (<= 6000)')
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def spec_of(args: argparse.Namespace) -> FmnistHiresSpec:
-    return FmnistHiresSpec(out=args.out, task=args.task, size=args.size, train_per_class=args.train_per_class,
+    return FmnistHiresSpec(out=args.out, task=args.task, size=args.img_size, train_per_class=args.train_per_class,
                            val_per_class=args.val_per_class, train_images=args.train_images,
                            val_images=args.val_images, items_per_image=tuple(args.items_per_image),
                            fragments=args.fragments, seed=args.seed,
@@ -76,10 +76,10 @@ def spec_of(args: argparse.Namespace) -> FmnistHiresSpec:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    """The arguments, with --size set to the task's default when not given; a bad value ends in a usage error."""
+    """The arguments, with --img-size set to the task's default when not given; a bad value ends in a usage error."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.size = DEFAULT_SIZES[args.task] if args.size is None else args.size
+    args.img_size = DEFAULT_SIZES[args.task] if args.img_size is None else args.img_size
     try:
         spec_of(args).check()
     except ValueError as err:

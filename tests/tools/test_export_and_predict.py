@@ -1,7 +1,7 @@
 """tools/export_onnx.py and tools/predict.py (over linvit.export and linvit.predict) on tiny trained runs
 (classification and segmentation): the export from a run directory, the parity table and the opt-in latency table,
 predictions from PyTorch and from ONNX against the model run directly, masks at the input's size, a corrupt file
-named and skipped, the old --fp16 flag."""
+named and skipped, the precision flag."""
 import csv
 
 import albumentations as A
@@ -227,9 +227,8 @@ def test_predict_refuses_an_autoregressive_run(predict_tool, tmp_path, capsys):
 def test_export_precision_flags(export_tool):
     assert export_tool.parse_args(['m']).dtype == 'float32'
     assert export_tool.parse_args(['m', '--dtype', 'float16']).dtype == 'float16'
-    with pytest.warns(FutureWarning, match='--fp16 is deprecated .* use --dtype float16'):
-        assert export_tool.parse_args(['m', '--fp16']).dtype == 'float16'
-    with pytest.warns(FutureWarning, match="--dtype='fp16' is deprecated"):
-        assert export_tool.parse_args(['m', '--dtype', 'fp16']).dtype == 'float16'
+    for removed in (['--fp16'], ['--dtype', 'fp16']):  # the short words of earlier drafts are usage errors
+        with pytest.raises(SystemExit):
+            export_tool.parse_args(['m', *removed])
     with pytest.raises(SystemExit):  # a precision, but not one an ONNX file is exported in
         export_tool.parse_args(['m', '--dtype', 'bfloat16'])

@@ -47,28 +47,21 @@ def test_every_option_has_help_with_its_default(tool):
 
 
 def test_defaults_per_task_and_argument_checks(tool):
-    assert tool.parse_args(['--out', 'x', '--task', 'segmentation']).size == 1024
-    assert tool.parse_args(['--out', 'x']).size == 512
+    assert tool.parse_args(['--out', 'x', '--task', 'segmentation']).img_size == 1024
+    assert tool.parse_args(['--out', 'x']).img_size == 512
     args = tool.parse_args(['--out', 'x', '--task', 'segmentation'])
     assert (args.train_images, args.val_images, args.items_per_image) == (2000, 200, [3, 8])
     assert tool.spec_of(tool.parse_args(['--out', 'x'])).fragments is None
     assert tool.spec_of(tool.parse_args(['--out', 'x', '--fragments', '0'])).fragments == 0
     for bad in (['--items-per-image', '0', '3'], ['--items-per-image', '5', '3'], ['--train-images', '0'],
-                ['--size', '32'], ['--seed', '-1'], ['--task', 'detection'], ['--fragments', '-1']):
+                ['--img-size', '32'], ['--seed', '-1'], ['--task', 'detection'], ['--fragments', '-1']):
         with pytest.raises(SystemExit):
             tool.parse_args(['--out', 'x', '--task', 'segmentation', *bad])
 
 
-def test_the_old_task_names_still_work_and_warn(tool):
-    for old, new, size in (('cls', 'classification', 512), ('seg', 'segmentation', 1024)):
-        with pytest.warns(FutureWarning, match=f'--task {old} is deprecated .* use --task {new}'):
-            args = tool.parse_args(['--out', 'x', '--task', old])
-        assert (args.task, args.size) == (new, size)
-
-
 def test_missing_idx_files_say_how_to_install(tool, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
-        tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'none'), '--size', '64'])
+        tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'none'), '--img-size', '64'])
     message = str(exit_info.value.code)
     assert 'sudo apt-get install dataset-fashion-mnist' in message and '--idx-dir' in message
     assert str(tmp_path / 'none') in message
@@ -77,19 +70,19 @@ def test_missing_idx_files_say_how_to_install(tool, tmp_path):
 def test_errors_end_in_one_line_before_anything_is_written(tool, tmp_path):
     write_fake_fmnist(tmp_path / 'idx', per_class=1)
     with pytest.raises(SystemExit, match='has 1 items, fewer than the 2 asked for'):
-        tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'idx'), '--size', '64',
+        tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'idx'), '--img-size', '64',
                    '--train-per-class', '2'])
     assert not (tmp_path / 'out').exists()                     # checked before anything is written
     (tmp_path / 'out').mkdir()
     (tmp_path / 'out' / 'old.png').write_bytes(b'')
     with pytest.raises(SystemExit, match='not empty'):
-        tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'idx'), '--size', '64'])
+        tool.main(['--out', str(tmp_path / 'out'), '--idx-dir', str(tmp_path / 'idx'), '--img-size', '64'])
 
 
 def test_the_script_writes_a_segmentation_set(tmp_path):
     idx_dir, out = tmp_path / 'idx', tmp_path / 'out'
     write_fake_fmnist(idx_dir, per_class=2)
-    done = run_script('--task', 'segmentation', '--out', str(out), '--idx-dir', str(idx_dir), '--size', '64',
+    done = run_script('--task', 'segmentation', '--out', str(out), '--idx-dir', str(idx_dir), '--img-size', '64',
                       '--train-images', '2', '--val-images', '1', '--workers', '1')
     assert done.returncode == 0, done.stderr
     assert f'data.root={out}' in done.stdout.splitlines()[-1]
