@@ -25,30 +25,15 @@ import argparse
 import logging
 import os
 import sys
-from typing import Optional
-
-from omegaconf import DictConfig
 
 import linvit  # noqa: F401  (registers the linvit_* models with timm)
 from linvit.data import DataError, LayoutError
-from linvit.engine import (
-    TASKS,
-    ConfigError,
-    NonFiniteLossError,
-    config_from_yaml,
-    evaluate,
-    linearize,
-    load_config,
-    train,
-)
-from linvit.engine.checkpoint import CheckpointError, load_checkpoint
-from linvit.engine.config import ARCHITECTURE_KEYS, differing_keys
-from linvit.engine.loading import WeightsMismatchError, find_run_files, saved_config_text
+from linvit.engine import ConfigError, NonFiniteLossError
+from linvit.engine.checkpoint import CheckpointError
+from linvit.engine.commands import evaluate_saved, resume_run, start_run
 
 #: exit status of an expected failure: the command line or a config is wrong / a file, the data or the run is
 EXIT_CONFIG, EXIT_FAILURE = 2, 1
-#: what the weights replace when they are loaded (not read again, so it may have moved since training)
-_UNUSED_WITH_WEIGHTS = ['model.pretrained_file=null']
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,121 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _setup_logging() -> None:
-    rank0 = os.environ.get('RANK', '0') == '0'
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, stream=sys.stderr,
-                        format='%(asctime)s %(levelname)s %(message)s', datefmt='%H:%M:%S')
-
-
-def _resume_checkpoint(path: str) -> str:
-    return os.path.join(path, 'last.pt') if os.path.isdir(path) else path
-
-
-def _config_of_weights(config_file: Optional[str], overrides: list, saved: Optional[str]) -> DictConfig:
-    """The run config for saved weights: the saved config (architecture keys kept), the file, then the overrides."""
-    return load_config(config_file, overrides, base=config_from_yaml(saved) if saved else None,
-                       keep_from_base=ARCHITECTURE_KEYS)
-
-
-def _check_task(cfg: DictConfig) -> None:
-    if cfg.task not in TASKS:
-        raise ConfigError(f"task={cfg.task!r} is not one of {sorted(TASKS)}")
-
-
-def _explained_mismatch(error: WeightsMismatchError, cfg: DictConfig, saved: Optional[str]) -> Exception:
-    """A ConfigError naming the architecture keys the command line changed from the saved config, if any (those
-    are why the weights do not fit); else the error itself."""
-    if not saved:
-        return error
-    trained = load_config(None, _UNUSED_WITH_WEIGHTS, base=config_from_yaml(saved))
-    changed = differing_keys(cfg, trained, ARCHITECTURE_KEYS)
-    if not changed:
-        return error
-    names = ', '.join(f"{key}={new!r} (trained with {old!r})" for key, new, old in changed)
-    return ConfigError(f"{error}; the command line sets {names}: drop it to use the weights as trained")
-
-
-def load_checkpoint_of_run(path: str) -> dict:
-    """A 'last' checkpoint's contents (CheckpointError for a file train.py did not write)."""
-    state = load_checkpoint(path)
-    if not isinstance(state.get('config'), str) or 'model' not in state:
-        raise CheckpointError(f"{path} is not a linvit training checkpoint: it has no 'config' or 'model' entry "
-                              f"(--resume takes a run directory or its last.pt)")
-    return state
-
-
-def _linearization_config(run_dir: str) -> Optional[str]:
-    """The saved config of a linearization run directory (task: linearize, both stages), else None."""
-    path = os.path.join(run_dir, 'config.yaml')
-    if not (os.path.isdir(run_dir) and os.path.isfile(path)):
-        return None
-    with open(path, encoding='utf-8') as f:
-        text = f.read()
-    saved = config_from_yaml(text)
-    stage = (saved.get('linearize') or {}).get('stage', 'all')
-    return text if saved.get('task') == 'linearize' and stage == 'all' else None
-
-
-def run_resume(args: argparse.Namespace) -> dict:
-    saved = _linearization_config(args.resume)
-    if saved is not None:  # its stages keep their own last.pt: linearize() finds where it stopped
-        cfg = _config_of_weights(args.config, [f'output_dir={os.path.abspath(args.resume)}', *args.overrides], saved)
-        return linearize(cfg, resume=True)
-    checkpoint_path = _resume_checkpoint(args.resume)
-    state = load_checkpoint_of_run(checkpoint_path)
-    run_dir = os.path.dirname(os.path.abspath(checkpoint_path))
-    cfg = _config_of_weights(args.config, [f'output_dir={run_dir}', *args.overrides], state['config'])
-    _check_task(cfg)
-    try:
-        return train(cfg, resume=state)
-    except WeightsMismatchError as error:
-        raise _explained_mismatch(error, cfg, state['config']) from error
-
-
-def _weights_of(path: str) -> str:
-    """The weights file --eval-only evaluates: ``path`` itself, or a run directory's preferred weights."""
-    return find_run_files(path).weights_path if os.path.isdir(path) else path
-
-
-def run_eval_only(args: argparse.Namespace) -> dict:
-    weights = _weights_of(args.eval_only)
-    saved = saved_config_text(weights)
-    if saved is None and not args.config:
-        raise ConfigError(f"{weights} carries no config: pass --config with the model and data it was trained with")
-    cfg = _config_of_weights(args.config, [*_UNUSED_WITH_WEIGHTS, *args.overrides], saved)
-    _check_task(cfg)
-    stem = os.path.splitext(os.path.basename(weights))[0]
-    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(weights)), f'eval_{stem}')
-    if os.path.isfile(os.path.join(out_dir, 'metrics.json')):
-        logging.warning("%s holds an earlier evaluation: its metrics.json is replaced (--out DIR keeps both)", out_dir)
-    try:
-        metrics = evaluate(cfg, weights, out_dir)
-    except WeightsMismatchError as error:
-        raise _explained_mismatch(error, cfg, saved) from error
-    logging.info("evaluation written to %s", os.path.join(out_dir, 'metrics.json'))
-    return metrics
-
-
-def run_training(args: argparse.Namespace) -> dict:
-    cfg = load_config(args.config, args.overrides)
-    _check_task(cfg)
-    if cfg.task == 'linearize':
-        metrics = linearize(cfg, overwrite=args.overwrite)
-        logging.info("run directory %s: metrics.json and metrics.csv (the report), model.safetensors (the student), "
-                     "stage1/ and stage2/ (each a run directory: checkpoints, curves, pictures, tb/)", cfg.output_dir)
-        return metrics
-    metrics = train(cfg, overwrite=args.overwrite)
-    logging.info("run directory %s: metrics.json, curves.png, pictures/, last.pt, best.pt, "
-                 "model.safetensors, tb/ (%s --logdir %s)", cfg.output_dir, _tensorboard_command(), cfg.output_dir)
-    return metrics
-
-
-def _tensorboard_command() -> str:
-    """The tensorboard of this interpreter's environment (its bin/ is not on PATH unless the venv is active)."""
-    here = os.path.join(os.path.dirname(sys.executable), 'tensorboard')
-    return os.path.relpath(here) if os.path.isfile(here) else 'tensorboard'
-
-
 def one_line(error: BaseException) -> str:
     """An error's message on one line. An error raised in a DataLoader worker arrives with the worker's traceback
     in its message: its last line holds the original message."""
@@ -202,27 +72,6 @@ def one_line(error: BaseException) -> str:
     return ' '.join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    _setup_logging()
-    try:
-        if args.resume:
-            metrics = run_resume(args)
-        elif args.eval_only:
-            metrics = run_eval_only(args)
-        else:
-            metrics = run_training(args)
-    except (ConfigError, LayoutError) as error:
-        print(f"train.py: config error: {one_line(error)}", file=sys.stderr)
-        return EXIT_CONFIG
-    except (DataError, CheckpointError, NonFiniteLossError, FileNotFoundError) as error:
-        print(f"train.py: error: {one_line(error)}", file=sys.stderr)
-        return EXIT_FAILURE
-    if os.environ.get('RANK', '0') == '0':
-        print(summary_line(metrics))
-    return 0
-
-
 def summary_line(metrics: dict, prefix: str = '') -> str:
     """'top1=0.8110 loss=0.5123 ...'; nested results (per-class IoU) as 'per_class_iou.road=0.9012'."""
     items = []
@@ -232,6 +81,29 @@ def summary_line(metrics: dict, prefix: str = '') -> str:
         else:
             items.append(f"{prefix}{key}={value:.4f}" if isinstance(value, float) else f"{prefix}{key}={value}")
     return ' '.join(items)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank0 = os.environ.get('RANK', '0') == '0'
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, stream=sys.stderr,
+                        format='%(asctime)s %(levelname)s %(message)s', datefmt='%H:%M:%S')
+    try:
+        if args.resume:
+            metrics = resume_run(args.resume, args.config, args.overrides)
+        elif args.eval_only:
+            metrics = evaluate_saved(args.eval_only, args.config, args.overrides, args.out)
+        else:
+            metrics = start_run(args.config, args.overrides, overwrite=args.overwrite)
+    except (ConfigError, LayoutError) as error:
+        print(f"train.py: config error: {one_line(error)}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (DataError, CheckpointError, NonFiniteLossError, FileNotFoundError) as error:
+        print(f"train.py: error: {one_line(error)}", file=sys.stderr)
+        return EXIT_FAILURE
+    if rank0:
+        print(summary_line(metrics))
+    return 0
 
 
 if __name__ == '__main__':

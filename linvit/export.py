@@ -22,9 +22,9 @@ so that outputs near zero do not make it meaningless). Tolerances: 1e-4 (float32
 float16 export: weights and activations are float16, the linear-attention core stays float32 inside the graph (the
 layer casts to float32 and back, see ``linvit.ops.linear_attention``), and the reference stays the float32 model.
 
-The file carries its own description in ONNX ``metadata_props`` (``read_metadata``): the task (classification or
-segmentation), class names, input normalisation (mean, std), the input multiple and the export size, so
-``tools/predict.py`` needs nothing else.
+The file carries its own description in ONNX ``metadata_props`` (``read_metadata``): the task (a run's, or the one
+whose logits have the model's output rank: ``Task.logits_rank``), class names, input normalisation (mean, std), the
+input multiple and the export size, so ``tools/predict.py`` needs nothing else.
 
 Something that cannot be exported raises ``ExportError`` naming the module that was running when tracing failed (or
 the op that has no ONNX translation), with the original error chained; nothing falls back to another exporter.
@@ -178,19 +178,30 @@ def default_check_sizes(img_size: Size2, multiple: int, dynamic_size: bool) -> L
     return sizes
 
 
-def _model_metadata(model: nn.Module, img_size: Size2, dtype: torch.dtype,
+def _model_metadata(model: nn.Module, example: torch.Tensor, dtype: torch.dtype,
                     extra: Optional[Dict[str, Any]]) -> Dict[str, str]:
-    """What the file says about itself (``read_metadata``): values are JSON text."""
-    task = 'segmentation' if hasattr(model, 'num_classes') and hasattr(model, 'neck') else 'classification'
-    values: Dict[str, Any] = {'task': task, 'input_multiple': input_multiple(model), 'img_size': list(img_size),
+    """What the file says about itself (``read_metadata``): values are JSON text. ``extra`` (a run's task, class
+    names, ...) wins; a model no run describes is read as the task whose logits have its output's rank."""
+    extra = extra or {}
+    values: Dict[str, Any] = {'input_multiple': input_multiple(model), 'img_size': list(example.shape[-2:]),
                               'dtype': str(dtype).replace('torch.', ''),
                               'num_classes': int(getattr(model, 'num_classes', 0) or 0)}
+    if 'task' not in extra:
+        values['task'] = _task_of_outputs(model, example)
     pretrained = getattr(model, 'pretrained_cfg', None) or getattr(getattr(model, 'backbone', None),
                                                                     'pretrained_cfg', None) or {}
     if 'mean' in pretrained and 'std' in pretrained:
         values.update(mean=list(pretrained['mean']), std=list(pretrained['std']))
-    values.update(extra or {})
+    values.update(extra)
     return {METADATA_PREFIX + key: json.dumps(value) for key, value in values.items()}
+
+
+def _task_of_outputs(model: nn.Module, example: torch.Tensor) -> Optional[str]:
+    """The task (``linvit.engine.tasks.task_of_logits``) whose models' logits have the rank of ``model``'s output on
+    ``example`` [B, 3, H, W] (float32, eval mode): [B, K] classification, [B, K, H, W] segmentation."""
+    from .engine.tasks import task_of_logits
+    with torch.no_grad():
+        return task_of_logits(model(example).ndim)
 
 
 # ---------------------------------------------------------------------------------------------------- tracing
@@ -357,7 +368,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
     example = torch.randn(batch, 3, *img_size, dtype=dtype)
     program = _trace(exported, example, multiple, dynamic_size, dynamic_batch)
     onnx_program = _to_onnx(program, type(model).__name__, opset)
-    props = _model_metadata(model, img_size, dtype, metadata)
+    props = _model_metadata(reference, example.float(), dtype, metadata)
     onnx_program.model.metadata_props.update(props)
     opset_used = int(onnx_program.model.opset_imports.get('', opset or 0))
 
@@ -450,8 +461,8 @@ def measure_latency(model: nn.Module, path: Union[str, os.PathLike], sizes: Sequ
     (``linvit.fast.compile_model``, one static graph per size) and of the ONNX file at ``path`` in onnxruntime
     (inputs in ``dtype``, the file's), at each (height, width): rows {height, width, eager, compiled, onnxruntime}.
     The three run interleaved round by round after ``warmup`` untimed rounds (at least 1: the first compiles)."""
-    from .bench.timing import time_interleaved
     from .fast import compile_model
+    from .timing import time_interleaved
     dtype = precision_dtype(dtype, 'dtype') if isinstance(dtype, str) else dtype
     session = ort_session(path)
     compiled = compile_model(model)

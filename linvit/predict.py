@@ -32,13 +32,11 @@ from .inference import segment
 
 __all__ = ['Predictor', 'torch_predictor', 'onnx_predictor', 'load_predictor', 'Item', 'collect_inputs',
            'classify_images', 'write_predictions', 'segment_image', 'segment_images', 'save_mask_png',
-           'PREDICTION_FIELDS', 'PREDICTABLE_TASKS']
+           'PREDICTION_FIELDS']
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 Skipped = List[Tuple[str, str]]  # (path, reason)
 
-#: the tasks whose models map an image to class scores or a mask (an autoregressive model predicts next patches)
-PREDICTABLE_TASKS = ('classification', 'segmentation')
 #: the columns of predictions.csv
 PREDICTION_FIELDS = ['file', 'rank', 'class_index', 'class_name', 'probability']
 
@@ -47,38 +45,39 @@ PREDICTION_FIELDS = ['file', 'rank', 'class_index', 'class_name', 'probability']
 class Predictor:
     """What predictions need from a model, whichever runtime holds it."""
     run: Logits  # normalised images float32 [B, 3, H, W] -> logits float32 [B, K] or [B, K, H, W]
-    task: str
+    task: str  # the task whose model it is (linvit.engine.TASKS): its logits_rank says how to read the output
     class_names: List[str]
     mean: Sequence[float]
     std: Sequence[float]
     img_size: Tuple[int, int]  # classification: images are resized to this; segmentation: the default window
     multiple: int  # image sides the model takes are multiples of this
     max_batch: Optional[int] = None  # a file exported for a fixed batch takes exactly this many images
-    seg_defaults: Dict[str, object] = field(default_factory=dict)  # a run's seg.eval: mode, window, stride
+    seg_defaults: Dict[str, object] = field(default_factory=dict)  # a run's task's (seg.eval: mode, window, stride)
 
 
 # ---------------------------------------------------------------------------------------------------- models
 
 def torch_predictor(path: str, device: str = 'cpu') -> Predictor:
-    """A trained run (directory, .pt or .safetensors beside config.yaml) on ``device``; ValueError for a task
-    other than classification and segmentation."""
+    """A trained run (directory, .pt or .safetensors beside config.yaml) on ``device``; ValueError for a run whose
+    task's models predict no labels (``Task.logits_rank`` 0: autoregressive)."""
     from .engine.loading import load_trained
+    from .engine.tasks import TASKS
     trained = load_trained(path, device=device)
-    if trained.task not in PREDICTABLE_TASKS:
-        raise ValueError(f"{path} is a task={trained.task!r} run; predict.py takes classification and segmentation "
-                         f"runs (an autoregressive model predicts next patches: run it with model.recurrent_init / "
-                         f"recurrent_step, or fine-tune it for classification, see configs/cls_from_ar_demo.yaml)")
+    task = TASKS.get(trained.task)
+    if not task.logits_rank:
+        predicted = ' and '.join(name for name, other in TASKS.items() if other.logits_rank)
+        raise ValueError(f"{path} is a task={trained.task!r} run; predict.py takes {predicted} runs "
+                         f"({task.not_predicted})")
     model = trained.model
 
     @torch.no_grad()
     def run(images: torch.Tensor) -> torch.Tensor:
         return model(images.to(device)).float().cpu()
 
-    seg = trained.cfg.seg.eval if trained.task == 'segmentation' else None
     multiple = getattr(model, 'input_multiple', None) or max(model.patch_embed.patch_size)
-    defaults = {'mode': seg.mode, 'window': seg.window, 'stride': seg.stride} if seg is not None else {}
     return Predictor(run=run, task=trained.task, class_names=trained.class_names, mean=trained.mean, std=trained.std,
-                     img_size=(trained.img_size, trained.img_size), multiple=int(multiple), seg_defaults=defaults)
+                     img_size=(trained.img_size, trained.img_size), multiple=int(multiple),
+                     seg_defaults=dict(trained.prediction_defaults))
 
 
 def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
@@ -98,9 +97,15 @@ def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
     names = [str(n) for n in meta.get('class_names') or range(num_classes)]
     mean, std = meta.get('mean', (0.5, 0.5, 0.5)), meta.get('std', (0.5, 0.5, 0.5))
     size = meta.get('img_size', [224, 224])
-    return Predictor(run=run, task=meta.get('task', 'classification'), class_names=names, mean=mean, std=std,
-                     img_size=(int(size[0]), int(size[1])), multiple=int(meta.get('input_multiple', 1)),
+    return Predictor(run=run, task=meta.get('task') or _task_of_output(session), class_names=names, mean=mean,
+                     std=std, img_size=(int(size[0]), int(size[1])), multiple=int(meta.get('input_multiple', 1)),
                      max_batch=fixed_batch)
+
+
+def _task_of_output(session: object) -> str:
+    """What an ONNX file without linvit's metadata is read as: the task whose logits have its output's rank."""
+    from .engine.tasks import task_of_logits
+    return task_of_logits(len(session.get_outputs()[0].shape)) or ''
 
 
 def load_predictor(model: str, device: str = 'cpu', threads: Optional[int] = None) -> Predictor:

@@ -1,8 +1,11 @@
 """Checkpoints that survive a crash at any moment, RNG state that survives ``torch.load(weights_only=True)``, and
 model weights as a ``.safetensors`` file that ``timm.create_model(..., pretrained=True)`` loads.
 
-    save_checkpoint(run_dir / 'last.pth', {'model': model.state_dict(), 'rng': capture_rng_state(), 'epoch': 3})
-    state = load_checkpoint(run_dir / 'last.pth')
+    Checkpoint(config=yaml_text, model=model.state_dict(), progress=Progress(step=40)).save(run_dir / 'last.pt')
+    checkpoint = Checkpoint.load(run_dir / 'last.pt')      # a training checkpoint, typed
+    checkpoint.progress.step, checkpoint.evaluated_weights() # 40, its EMA weights when it has them
+    save_checkpoint(run_dir / 'other.pt', {'model': model.state_dict(), 'rng': capture_rng_state(), 'epoch': 3})
+    state = load_checkpoint(run_dir / 'other.pt')            # any dict of weights-only data
     restore_rng_state(state['rng'])
     save_model_safetensors(model, run_dir / 'model.safetensors')
     overlay = dict(file=str(run_dir / 'model.safetensors'), num_classes=10, custom_load=False)
@@ -22,21 +25,24 @@ it, instead of producing a checkpoint that cannot be resumed.
 """
 import contextlib
 import logging
+import math
 import os
 import pickle
 import random
 import re
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Dict, Iterator, Union
+from typing import IO, Any, Dict, Iterator, List, Optional, Union
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-__all__ = ['CheckpointError', 'atomic_write', 'atomic_path', 'save_checkpoint', 'load_checkpoint',
-           'load_safetensors', 'capture_rng_state', 'restore_rng_state', 'save_model_safetensors', 'unwrap_model']
+__all__ = ['CheckpointError', 'Checkpoint', 'Progress', 'CHECKPOINT_VERSION', 'atomic_write', 'atomic_path',
+           'save_checkpoint', 'load_checkpoint', 'load_safetensors', 'capture_rng_state', 'restore_rng_state',
+           'save_model_safetensors', 'unwrap_model']
 
 _logger = logging.getLogger(__name__)
 
@@ -184,6 +190,82 @@ def load_checkpoint(path: PathLike, map_location: Any = 'cpu') -> Dict[str, Any]
     if not isinstance(state, dict):
         raise CheckpointError(f'{path} is not a linvit checkpoint: it holds a {type(state).__name__}, not a dict')
     return state
+
+
+#: the layout ``Checkpoint.save`` writes (version 1: the dict ``Checkpoint.to_dict`` documents)
+CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class Progress:
+    """Where a run is: optimizer steps done, the epoch, the micro-batches of that epoch already consumed (a multiple
+    of train.accum_steps; the sampler resumes there), and the best evaluation so far (main metric, its step)."""
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    best: float = -math.inf
+    best_step: int = -1
+
+
+@dataclass
+class Checkpoint:
+    """A training checkpoint (``last.pt`` / ``best.pt``): what continues a run exactly, and what rebuilds its model.
+
+    On disk it is the plain dict of ``to_dict`` (tensors, dicts, lists, str, numbers: what
+    ``torch.load(weights_only=True)`` reads), written crash-safely by ``save_checkpoint``; ``load`` reads every file
+    train.py has written so far (keys a file lacks take the defaults below).
+    """
+    model: Dict[str, torch.Tensor]  # the model's state_dict (the bare model: no DDP / compile prefixes)
+    config: Optional[str] = None  # the run's resolved config, YAML (config_to_yaml); train.py's files all have it
+    class_names: Optional[List[str]] = None
+    progress: Progress = field(default_factory=Progress)
+    optimizer: Optional[Dict[str, Any]] = None  # optimizer.state_dict()
+    scheduler: Optional[Dict[str, Any]] = None  # scheduler.state_dict() (kept; the schedule is rebuilt from config)
+    scaler: Optional[Dict[str, Any]] = None  # the float16 GradScaler's state_dict
+    ema: Optional[Dict[str, torch.Tensor]] = None  # the EMA copy's state_dict (train.ema)
+    rng: Optional[Dict[str, Any]] = None  # capture_rng_state()
+    world_size: int = 1  # processes that trained it (another count changes the data order)
+    version: int = CHECKPOINT_VERSION
+
+    def evaluated_weights(self) -> Dict[str, torch.Tensor]:
+        """The weights its run evaluates and exports: the EMA weights when it has them, else the model's."""
+        return self.ema if self.ema is not None else self.model
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The on-disk layout: {'version', 'config', 'class_names', 'model', 'ema', 'optimizer', 'scheduler',
+        'scaler', 'progress': {'step', 'epoch', 'batch_in_epoch', 'best', 'best_step'}, 'rng', 'world_size'}."""
+        p = self.progress
+        return {'version': self.version, 'config': self.config,
+                'class_names': list(self.class_names) if self.class_names is not None else None,
+                'model': self.model, 'ema': self.ema, 'optimizer': self.optimizer, 'scheduler': self.scheduler,
+                'scaler': self.scaler,
+                'progress': {'step': p.step, 'epoch': p.epoch, 'batch_in_epoch': p.batch_in_epoch, 'best': p.best,
+                             'best_step': p.best_step},
+                'rng': self.rng, 'world_size': self.world_size}
+
+    @classmethod
+    def from_dict(cls, state: Dict[str, Any]) -> 'Checkpoint':
+        names = state.get('class_names')
+        return cls(model=state['model'], config=state.get('config'),
+                   class_names=[str(n) for n in names] if names is not None else None,
+                   progress=Progress(**state.get('progress', {})), optimizer=state.get('optimizer'),
+                   scheduler=state.get('scheduler'), scaler=state.get('scaler'), ema=state.get('ema'),
+                   rng=state.get('rng'), world_size=int(state.get('world_size', 1)),
+                   version=int(state.get('version', CHECKPOINT_VERSION)))
+
+    def save(self, path: PathLike) -> None:
+        """Write it to ``path`` atomically: a crash at any moment leaves the previous file whole."""
+        save_checkpoint(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: PathLike, map_location: Any = 'cpu') -> 'Checkpoint':
+        """The checkpoint at ``path``: FileNotFoundError if it is missing, CheckpointError (one line naming the file)
+        if it is not a torch file of plain data or holds no model weights."""
+        state = load_checkpoint(path, map_location)
+        if not isinstance(state.get('model'), dict):
+            raise CheckpointError(f"{path} is not a linvit training checkpoint: it has no 'model' weights (expected a "
+                                  f"best.pt / last.pt that train.py wrote, or a .safetensors weights file)")
+        return cls.from_dict(state)
 
 
 def load_safetensors(path: PathLike) -> Dict[str, torch.Tensor]:

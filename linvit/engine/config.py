@@ -140,8 +140,8 @@ class SegConfig:
 @dataclass
 class LinearizeConfig:
     """``task: linearize``: turn a trained softmax ViT (the teacher) into linear attention (the student) in two stages
-    (``linvit.engine.linearize``). model.* and seg.* describe the teacher's architecture; a teacher run directory
-    supplies them (and its task and training size) itself."""
+    (``linvit.engine.tasks.linearize``, trained by ``linvit.engine.train``). model.* and seg.* describe the teacher's
+    architecture; a teacher run directory supplies them (and its task and training size) itself."""
     teacher: Optional[str] = None  # a run directory of this toolkit, or a weights file (.pth / .pt / .safetensors)
     task: str = 'classification'  # the teacher's task (a weights file); a run directory says its own
     teacher_img_size: Optional[int] = None  # a weights file's training size (default data.img_size)

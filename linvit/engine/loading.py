@@ -17,15 +17,14 @@ one line names the first differing key.
 """
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from ..deprecation import module_getattr
-from .checkpoint import CheckpointError, load_checkpoint, load_safetensors
+from .checkpoint import Checkpoint, CheckpointError, load_safetensors
 from .config import ConfigError, config_from_yaml, load_config
 
 # the file-level functions live in run_files (no task imports, so the tasks can use them); re-exported here
@@ -33,30 +32,18 @@ from .run_files import (
     RUN_WEIGHTS,
     RunFiles,
     WeightsMismatchError,
-    evaluated_weights,
     find_run_files,
     load_weights,
     read_weights,
     resample_position_embeddings,
     saved_config_text,
 )
-from .tasks import build_task, normalization_of
+from .tasks import Task, build_task, normalization_of
 
-__all__ = ['TrainedModel', 'load_trained', 'find_run_files', 'saved_config_text', 'read_weights',
-           'evaluated_weights', 'load_weights', 'resample_position_embeddings', 'WeightsMismatchError', 'RUN_WEIGHTS']
+__all__ = ['TrainedModel', 'load_trained', 'find_run_files', 'saved_config_text', 'read_weights', 'load_weights',
+           'resample_position_embeddings', 'WeightsMismatchError', 'RUN_WEIGHTS']
 
 _logger = logging.getLogger(__name__)
-
-#: the classifier weight of each task's model (by config task name), whose rows are the classes
-_CLASSIFIER_KEYS = {'classification': ('head.weight',), 'segmentation': ('head.classifier.weight',)}
-
-_RENAMED = {'TASK_KINDS': ("the config's task (cfg.task, TrainedModel.task)",
-                           lambda: {'classification': 'classification', 'seg': 'segmentation',
-                                    'segmentation': 'segmentation'})}
-
-
-def __getattr__(name: str) -> Any:
-    return module_getattr(__name__, _RENAMED, name)
 
 
 @dataclass
@@ -64,11 +51,12 @@ class TrainedModel:
     """A trained model in eval mode with what inference needs to feed it and read its output."""
     model: nn.Module
     cfg: DictConfig
-    task: str  # the config's task: 'classification', 'segmentation' (or 'autoregressive')
+    task: str  # the task whose model it is (a linearization's: the task it linearized), a key of TASKS
     class_names: List[str]
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
     weights_path: str
+    prediction_defaults: Dict[str, Any] = field(default_factory=dict)  # the task's (segmentation: seg.eval's)
 
     @property
     def img_size(self) -> int:
@@ -79,23 +67,19 @@ class TrainedModel:
 def _weights(files: RunFiles) -> Dict[str, torch.Tensor]:
     if files.weights_path.endswith('.safetensors'):
         return load_safetensors(files.weights_path)
-    return evaluated_weights(files.checkpoint if files.checkpoint is not None else load_checkpoint(files.weights_path))
+    checkpoint = files.checkpoint if files.checkpoint is not None else Checkpoint.load(files.weights_path)
+    return checkpoint.evaluated_weights()
 
 
-def _class_names(files: RunFiles) -> Optional[List[str]]:
-    if files.checkpoint_path is None:
-        return None
-    state = files.checkpoint if files.checkpoint is not None else load_checkpoint(files.checkpoint_path)
-    names = state.get('class_names')
-    return [str(n) for n in names] if names is not None else None
+def _class_names(checkpoint_path: Optional[str]) -> Optional[List[str]]:
+    return Checkpoint.load(checkpoint_path).class_names if checkpoint_path is not None else None
 
 
-def _classes_in_weights(weights: Dict[str, torch.Tensor], task: str, where: str) -> int:
-    for key in _CLASSIFIER_KEYS.get(task, ()):
-        if key in weights:
-            return int(weights[key].shape[0])
-    raise CheckpointError(f"{where}: found no classifier weight ({', '.join(_CLASSIFIER_KEYS.get(task, ()))}) to "
-                          f"count the classes of this {task} model")
+def _classes_in_weights(weights: Dict[str, torch.Tensor], task: Task, where: str) -> int:
+    if task.classifier_key in weights:
+        return int(weights[task.classifier_key].shape[0])
+    raise CheckpointError(f"{where}: found no classifier weight ({task.classifier_key or 'none'}) to count the "
+                          f"classes of this {task.name} model")
 
 
 def load_trained(path: str, dynamic_img_size: bool = False, overrides: Sequence[str] = (),
@@ -115,18 +99,20 @@ def load_trained(path: str, dynamic_img_size: bool = False, overrides: Sequence[
     except ConfigError as error:
         raise ConfigError(f"the config saved with {path} does not load: {error}") from error
     weights = _weights(files)
-    # a linearization (task: linearize) predicts as the task it linearized; its stages keep the checkpoints
-    task = cfg.linearize.task if cfg.task == 'linearize' else cfg.task
-    names = _class_names(files)
-    if names is None and cfg.task == 'linearize':
-        names = _class_names(find_run_files(os.path.join(os.path.dirname(files.weights_path), 'stage2')))
+    task = build_task(cfg)
+    served = task.inference_task()  # a linearization predicts as the task it linearized
+    names = files.checkpoint.class_names if files.checkpoint is not None else _class_names(files.checkpoint_path)
+    run_dir = os.path.dirname(os.path.abspath(files.weights_path))
+    if names is None and task.final_run_dir(run_dir) != run_dir:
+        # a run trained in stages keeps its checkpoints in its last stage's folder
+        names = _class_names(find_run_files(task.final_run_dir(run_dir)).checkpoint_path)
     if names is None:
-        count = _classes_in_weights(weights, task, files.weights_path)
+        count = _classes_in_weights(weights, served, files.weights_path)
         _logger.warning("%s: no checkpoint with class names next to the weights; classes are numbered 0..%d",
                         path, count - 1)
         names = [str(i) for i in range(count)]
-    model = build_task(cfg).build_model(len(names))
+    model = task.build_model(len(names))
     load_weights(model, weights, f"{files.weights_path} ({cfg.model.name}, {len(names)} classes)")
     mean, std = normalization_of(cfg.model.name)
-    return TrainedModel(model=model.to(device).eval(), cfg=cfg, task=task,
-                        class_names=names, mean=mean, std=std, weights_path=files.weights_path)
+    return TrainedModel(model=model.to(device).eval(), cfg=cfg, task=served.name, class_names=names, mean=mean,
+                        std=std, weights_path=files.weights_path, prediction_defaults=served.prediction_defaults())

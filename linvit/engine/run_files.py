@@ -8,19 +8,18 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from timm.layers import resample_abs_pos_embed
 
-from .checkpoint import CheckpointError, load_checkpoint, load_safetensors
+from .checkpoint import Checkpoint, CheckpointError, load_safetensors
 from .config import ConfigError
 
 __all__ = ['RUN_WEIGHTS', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError', 'run_entries_in', 'claim_run_dir', 'RunFiles',
-           'find_run_files', 'saved_config_text', 'read_weights',
-           'evaluated_weights',
-           'load_weights', 'resample_position_embeddings', 'WeightsMismatchError']
+           'find_run_files', 'saved_config_text', 'read_weights', 'load_weights', 'resample_position_embeddings',
+           'WeightsMismatchError']
 
 _logger = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ class RunFiles:
     config_text: str
     weights_path: str
     checkpoint_path: Optional[str]  # where the class names are read from
-    checkpoint: Optional[Dict[str, Any]] = None  # its contents, when already loaded
+    checkpoint: Optional[Checkpoint] = None  # its contents, when already loaded
 
 
 def _existing(directory: str, names: Sequence[str]) -> Optional[str]:
@@ -113,19 +112,10 @@ def find_run_files(path: str) -> RunFiles:
             raise FileNotFoundError(f"{path} carries no config and there is no config.yaml next to it: pass its run "
                                     f"directory, or a checkpoint (.pt)")
         return RunFiles(_read_text(config), path, _existing(os.path.dirname(config), _CHECKPOINTS))
-    state = load_checkpoint(path)
-    if 'config' not in state or 'model' not in state:
-        raise CheckpointError(f"{path} is not a linvit training checkpoint: it has no 'config' or 'model' entry")
-    return RunFiles(state['config'], path, path, checkpoint=state)
-
-
-def _training_checkpoint(path: str) -> Dict[str, Any]:
-    """The contents of a checkpoint train.py wrote (CheckpointError for another torch file)."""
-    state = load_checkpoint(path)
-    if not isinstance(state.get('model'), dict):
-        raise CheckpointError(f"{path} is not a linvit training checkpoint: it has no 'model' weights (expected a "
-                              f"best.pt / last.pt that train.py wrote, or a .safetensors weights file)")
-    return state
+    checkpoint = Checkpoint.load(path)
+    if checkpoint.config is None:
+        raise CheckpointError(f"{path} is not a linvit training checkpoint: it has no 'config' entry")
+    return RunFiles(checkpoint.config, path, path, checkpoint=checkpoint)
 
 
 def saved_config_text(path: str) -> Optional[str]:
@@ -138,21 +128,16 @@ def saved_config_text(path: str) -> Optional[str]:
             raise FileNotFoundError(f"weights file {path} does not exist")
         config = os.path.join(os.path.dirname(os.path.abspath(path)), 'config.yaml')
         return _read_text(config) if os.path.isfile(config) else None
-    return _training_checkpoint(path).get('config')
+    return Checkpoint.load(path).config
 
 
 def read_weights(path: str) -> Tuple[Dict[str, torch.Tensor], Optional[List[str]]]:
-    """(the weights a run evaluates, its class names or None) from a checkpoint .pt or a .safetensors file."""
+    """(the weights a run evaluates, its class names or None) from a checkpoint .pt (its EMA weights when it has
+    them) or a .safetensors file."""
     if path.endswith('.safetensors'):
         return load_safetensors(path), None
-    state = _training_checkpoint(path)
-    names = state.get('class_names')
-    return evaluated_weights(state), [str(n) for n in names] if names is not None else None
-
-
-def evaluated_weights(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    """The weights a training checkpoint's run evaluates: its EMA weights when it has them, else its model's."""
-    return state['ema'] if state.get('ema') is not None else state['model']
+    checkpoint = Checkpoint.load(path)
+    return checkpoint.evaluated_weights(), checkpoint.class_names
 
 
 def _owner(model: nn.Module, key: str) -> nn.Module:

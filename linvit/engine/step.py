@@ -2,7 +2,7 @@
 gradient clipping and the optimizer step, around one model.
 
     step = TrainStep(model, loss_fn, optimizer, compile=True)     # one whole step per batch
-    loss = step(images, targets)
+    loss = step(images, targets)                                  # (compile_train_step(model, loss_fn, optimizer))
 
     step = TrainStep(ddp_model, loss_fn, optimizer, grad_scaler=scaler, accum_steps=4, clip_grad=1.0)
     for micro, (images, targets) in enumerate(batches):           # the trainer's loop
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..fast.compiler import LossFn, LossGraph
 
-__all__ = ['TrainStep']
+__all__ = ['TrainStep', 'compile_train_step']
 
 
 class TrainStep:
@@ -112,3 +112,11 @@ class TrainStep:
             if self.clip_grad:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
             self.optimizer.step()
+
+
+def compile_train_step(model: nn.Module, loss_fn: LossFn, optimizer: Optional[torch.optim.Optimizer] = None,
+                       **kwargs: Any) -> TrainStep:
+    """``TrainStep(model, loss_fn, optimizer, compile=True, **kwargs)``: forward + loss compiled as one graph
+    (``linvit.fast.LossGraph``), then backward and, with an optimizer, its step. ``step(images, targets) -> loss``
+    for images [B, C, H, W]; kwargs as for ``TrainStep`` (amp_dtype, mode, dynamic, backend, ...)."""
+    return TrainStep(model, loss_fn, optimizer, compile=True, **kwargs)

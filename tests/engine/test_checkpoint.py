@@ -19,7 +19,9 @@ import torch
 import torch.nn as nn
 
 from linvit.engine.checkpoint import (
+    Checkpoint,
     CheckpointError,
+    Progress,
     _check_weights_only_loadable,
     atomic_write,
     capture_rng_state,
@@ -392,3 +394,63 @@ def test_safetensors_keys_have_no_wrapper_prefix(tmp_path):
     path = tmp_path / 'model.safetensors'
     save_model_safetensors(torch.compile(model), path)
     assert sorted(safetensors.torch.load_file(path)) == ['0.bias', '0.weight']
+
+
+# --- the typed training checkpoint ---------------------------------------------------------------------------------
+
+
+def _training_checkpoint(ema: bool = True) -> Checkpoint:
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return Checkpoint(model=model.state_dict(), config='task: classification\n', class_names=['cat', 'dog'],
+                      progress=Progress(step=7, epoch=1, batch_in_epoch=4, best=0.5, best_step=6),
+                      optimizer=optimizer.state_dict(), scheduler={'last_epoch': 7},
+                      ema={k: v + 1 for k, v in model.state_dict().items()} if ema else None,
+                      rng=capture_rng_state(), world_size=2)
+
+
+def test_a_checkpoint_round_trips_every_field_through_its_file(tmp_path):
+    written = _training_checkpoint()
+    written.save(tmp_path / 'last.pt')
+    read = Checkpoint.load(tmp_path / 'last.pt')
+    assert read.progress == Progress(step=7, epoch=1, batch_in_epoch=4, best=0.5, best_step=6)
+    assert (read.config, read.class_names, read.world_size, read.scaler) == ('task: classification\n', ['cat', 'dog'],
+                                                                           2, None)
+    assert_same_tree(read.to_dict(), written.to_dict())
+    assert read.evaluated_weights() is read.ema and not torch.equal(read.ema['weight'], read.model['weight'])
+
+
+def test_the_file_is_the_plain_dict_layout_train_py_has_always_written(tmp_path):
+    """Files keep their layout: a plain dict that torch.load(weights_only=True) reads, and such a dict loads."""
+    _training_checkpoint(ema=False).save(tmp_path / 'new.pt')
+    state = load_checkpoint(tmp_path / 'new.pt')
+    assert sorted(state) == ['class_names', 'config', 'ema', 'model', 'optimizer', 'progress', 'rng', 'scaler',
+                             'scheduler', 'version', 'world_size']
+    assert state['progress'] == {'step': 7, 'epoch': 1, 'batch_in_epoch': 4, 'best': 0.5, 'best_step': 6}
+    weights = {'weight': torch.ones(2, 3)}
+    save_checkpoint(tmp_path / 'old.pt', {'config': 'seed: 1\n', 'model': weights, 'class_names': [0, 1],
+                                          'progress': {'step': 3, 'epoch': 0, 'batch_in_epoch': 3, 'best': 0.25,
+                                                       'best_step': 2}})
+    old = Checkpoint.load(tmp_path / 'old.pt')
+    assert old.progress.step == 3 and old.class_names == ['0', '1'] and old.ema is None
+    assert old.evaluated_weights() is old.model and old.world_size == 1
+
+
+def test_a_file_without_model_weights_is_not_a_checkpoint(tmp_path):
+    save_checkpoint(tmp_path / 'other.pt', {'weights': torch.zeros(3)})
+    with pytest.raises(CheckpointError, match=r"other\.pt is not a linvit training checkpoint: it has no 'model'"):
+        Checkpoint.load(tmp_path / 'other.pt')
+    with pytest.raises(FileNotFoundError, match='does not exist'):
+        Checkpoint.load(tmp_path / 'missing.pt')
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one(tmp_path):
+    path = tmp_path / 'last.pt'
+    _training_checkpoint().save(path)
+    broken = _training_checkpoint()
+    broken.scheduler = {'not loadable': np.float64(1.0)}
+    with pytest.raises(TypeError, match='numpy'):
+        broken.save(path)
+    assert Checkpoint.load(path).scheduler == {'last_epoch': 7} and files_in(tmp_path) == ['last.pt']

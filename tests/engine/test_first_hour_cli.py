@@ -190,18 +190,18 @@ def test_small_data_warns_about_steps_logging_and_small_images(tmp_path):
 
 
 def test_busy_cores_warn_with_the_threads_setting(monkeypatch, caplog):
-    from linvit.engine import trainer
+    from linvit.engine.run import use_threads
     monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(os, 'getloadavg', lambda: (3.0, 3.0, 3.0))  # this process and 2 others
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(4)
         with caplog.at_level(logging.INFO, logger='linvit'):
-            trainer._use_threads(None, torch.device('cpu'))
+            use_threads(None, torch.device('cpu'))
         assert 'keep about 2 of the 4 cores busy' in caplog.text and 'set threads=2' in caplog.text
         caplog.clear()
         with caplog.at_level(logging.INFO, logger='linvit'):
-            trainer._use_threads(2, torch.device('cpu'))
+            use_threads(2, torch.device('cpu'))
         assert torch.get_num_threads() == 2 and 'busy' not in caplog.text
     finally:
         torch.set_num_threads(threads)

@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 from tiny_run import TINY_RUN, TINY_SEG
 
 import linvit
-from linvit.engine import linearize, load_config, train
-from linvit.engine.linearize import STAGE_DIRS, resolve_teacher
+from linvit.engine import Checkpoint, load_config, train
 from linvit.engine.loading import load_trained
-from linvit.engine.tasks.linearize import DistillationLoss, LinearizeTask
+from linvit.engine.tasks.distillation import DistillationLoss
+from linvit.engine.tasks.linearize import STAGE_DIRS, LinearizeTask, resolve_teacher
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEACHER_MODEL = ['model.name=vit_tiny_patch16_224', 'model.kwargs.depth=2', 'model.kwargs.embed_dim=48',
@@ -97,7 +97,7 @@ def test_stage1_lowers_every_layers_attention_output_error(teacher_dir, tmp_path
     images = _val_images()
     before = _layer_errors(teacher, student, images)
     cfg = lin_config(teacher_dir, tmp_path / 'lin', 'linearize.attention_epochs=3')
-    linearize(cfg)
+    train(cfg)
     student.load_state_dict(load_file(tmp_path / 'lin' / STAGE_DIRS['attention'] / 'model.safetensors'))
     after = _layer_errors(teacher, student, images)
     assert all(a < 0.85 * b for a, b in zip(after, before)), (before, after)  # measured 0.64x and 0.79x
@@ -105,7 +105,7 @@ def test_stage1_lowers_every_layers_attention_output_error(teacher_dir, tmp_path
 
 def test_stage1_changes_only_the_added_tensors(teacher_dir, tmp_path):
     _, start = _teacher_and_student(teacher_dir)
-    linearize(lin_config(teacher_dir, tmp_path / 'lin'))
+    train(lin_config(teacher_dir, tmp_path / 'lin'))
     trained = load_file(tmp_path / 'lin' / STAGE_DIRS['attention'] / 'model.safetensors')
     initial = start.state_dict()
     assert sorted(trained) == sorted(initial)
@@ -115,7 +115,7 @@ def test_stage1_changes_only_the_added_tensors(teacher_dir, tmp_path):
 
 def test_stage1_with_train_qk_changes_q_and_k_rows_only(teacher_dir, tmp_path):
     _, start = _teacher_and_student(teacher_dir)
-    linearize(lin_config(teacher_dir, tmp_path / 'lin', 'linearize.train_qk=true'))
+    train(lin_config(teacher_dir, tmp_path / 'lin', 'linearize.train_qk=true'))
     trained = load_file(tmp_path / 'lin' / STAGE_DIRS['attention'] / 'model.safetensors')
     initial = start.state_dict()
     changed = sorted(key for key in initial if not torch.equal(initial[key], trained[key]))
@@ -142,7 +142,7 @@ def _hand_top1(model, cfg):
 
 def test_report_holds_the_accuracies_steps_and_files(teacher_dir, tmp_path):
     cfg = lin_config(teacher_dir, tmp_path / 'lin', 'linearize.speed=true')
-    report = linearize(cfg)
+    report = train(cfg)
     teacher, converted = _teacher_and_student(teacher_dir)
     assert report['teacher_top1'] == pytest.approx(_hand_top1(teacher, cfg))
     assert report['converted_top1'] == pytest.approx(_hand_top1(converted, cfg))
@@ -175,16 +175,15 @@ class Crash(RuntimeError):
 
 
 def _crash_at(monkeypatch, stage_dir, step):
-    """Make the run of ``stage_dir`` raise Crash once it reaches ``step`` (after its checkpoint of that step)."""
-    from linvit.engine import trainer
-    original = trainer.TrainingLoop._save_last
+    """Make the run of ``stage_dir`` raise Crash once it reaches ``step`` (after its last.pt of that step)."""
+    original = Checkpoint.save
 
-    def save_then_crash(self, also_best=False):
-        original(self, also_best)
-        if str(self.run.cfg.output_dir).endswith(stage_dir) and self.progress.step == step:
+    def save_then_crash(self, path):
+        original(self, path)
+        if str(path).endswith(os.path.join(stage_dir, 'last.pt')) and self.progress.step == step:
             raise Crash(f"interrupted at step {step}")
 
-    monkeypatch.setattr(trainer.TrainingLoop, '_save_last', save_then_crash)
+    monkeypatch.setattr(Checkpoint, 'save', save_then_crash)
 
 
 def _train_losses(run_dir):
@@ -195,10 +194,10 @@ def _train_losses(run_dir):
 @pytest.mark.parametrize('stage', ['attention', 'finetune'])
 def test_resume_in_the_middle_of_a_stage_reproduces_the_losses(teacher_dir, tmp_path, monkeypatch, stage):
     overrides = ['train.checkpoint_every=3', 'linearize.attention_epochs=1']
-    whole = linearize(lin_config(teacher_dir, tmp_path / 'whole', *overrides))
+    whole = train(lin_config(teacher_dir, tmp_path / 'whole', *overrides))
     _crash_at(monkeypatch, STAGE_DIRS[stage], 3)
     with pytest.raises(Crash):
-        linearize(lin_config(teacher_dir, tmp_path / 'cut', *overrides))
+        train(lin_config(teacher_dir, tmp_path / 'cut', *overrides))
     monkeypatch.undo()
     resumed = subprocess.run([sys.executable, 'train.py', '--resume', str(tmp_path / 'cut')], cwd=REPO,
                              capture_output=True, text=True)
@@ -237,7 +236,7 @@ def test_segmentation_teacher_is_linearized(tmp_path):
     train(load_config(None, [*seg_model, *TINY_SEG, 'train.epochs=1', f'output_dir={teacher}']))
     cfg = load_config(None, [*TINY_SEG, 'task=linearize', f'linearize.teacher={teacher}', 'linearize.speed=false',
                              'train.epochs=1', f'output_dir={tmp_path / "lin"}'])
-    report = linearize(cfg)
+    report = train(cfg)
     for key in ('teacher_miou', 'converted_miou', 'stage1_miou', 'miou'):
         assert 0 <= report[key] <= 1, key
     assert report['teacher_input'] == "the student's images as they are"
@@ -252,7 +251,7 @@ def test_a_pooled_teacher_without_class_token_is_linearized_as_it_was_built(tmp_
     teacher_dir = tmp_path / 'teacher'
     train(load_config(None, [*TEACHER_MODEL, *pooled, *TINY_RUN, 'train.epochs=1', f'output_dir={teacher_dir}']))
     cfg = lin_config(str(teacher_dir), tmp_path / 'lin')
-    report = linearize(cfg)
+    report = train(cfg)
     student = timm.create_model('vit_tiny_patch16_224', img_size=32, depth=2, embed_dim=48, num_heads=3,
                                 patch_size=8, num_classes=4, global_pool='avg', class_token=False)
     linvit.convert_to_linear(student, feature_map='hedgehog')
@@ -286,7 +285,7 @@ def test_a_larger_student_size_feeds_the_teacher_at_its_own_size(teacher_dir, tm
     that, counted here by hand), the student's position embedding is resampled, and both stages run at 48 px."""
     cfg = lin_config(teacher_dir, tmp_path / 'lin', 'data.img_size=48', 'linearize.attention_epochs=0',
                      'linearize.speed=true')
-    report = linearize(cfg)
+    report = train(cfg)
     assert report['teacher_input'] == 'resized to 32 px (its training size)'
     assert report['img_size'] == 48 and report['teacher_img_size'] == 32 and report['stage1_steps'] == 0
     assert report['stage1_top1'] is None and not (tmp_path / 'lin' / STAGE_DIRS['attention']).exists()
@@ -309,7 +308,7 @@ def test_attention_weights_of_both_layers_match_their_n_by_n_matrices():
     against the layer's own output: weights @ v then proj), and linear attention's normalised phi(q) phi(k)^T."""
     from timm.layers import Attention
 
-    from linvit.engine.tasks.linearize import (
+    from linvit.engine.tasks.distillation import (
         attention_transfer_loss,
         linear_attention_weights,
         softmax_attention_weights,

@@ -137,20 +137,3 @@ def test_weights_that_do_not_fit_are_one_line_naming_the_keys():
     assert 'extra.weight is in the weights but not in the model' in message
     with pytest.raises(WeightsMismatchError, match='backbone.pos_embed is'):
         load_weights(_tiny_seg_model(48), trained.state_dict(), 'seg.pt', resample_pos_embed=False)
-
-
-def test_a_run_saved_with_the_old_config_words_still_loads(ema_run, tmp_path):
-    run = tmp_path / 'old_run'
-    shutil.copytree(ema_run, run)
-    text = (run / 'config.yaml').read_text()
-    assert 'precision: float32' in text
-    (run / 'config.yaml').write_text(text.replace('precision: float32', 'amp: none'))
-    with pytest.warns(FutureWarning, match='train.amp=none is deprecated'):
-        trained = load_trained(str(run))
-    assert trained.cfg.train.precision == 'float32'
-
-
-def test_the_old_task_kinds_table_warns():
-    from linvit.engine import loading
-    with pytest.warns(FutureWarning, match="TASK_KINDS is deprecated.*cfg.task"):
-        assert loading.TASK_KINDS['seg'] == 'segmentation'

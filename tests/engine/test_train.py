@@ -10,7 +10,7 @@ import timm
 import torch
 from PIL import Image
 
-from linvit.engine import evaluate, register_task, train
+from linvit.engine import Checkpoint, evaluate, register_task, train
 from linvit.engine.checkpoint import load_checkpoint
 from linvit.engine.tasks.classification import ClassificationTask
 from linvit.engine.trainer import NonFiniteLossError
@@ -69,10 +69,10 @@ def test_resume_after_an_interruption_follows_the_same_trajectory(tiny_config):
     full_metrics = train(whole)
     interrupted = tiny_config(*extra, 'train.max_steps=5', out='cut')
     train(interrupted)
-    state = load_checkpoint(os.path.join(interrupted.output_dir, 'last.pt'))
-    assert state['progress']['step'] == 5 and state['progress']['batch_in_epoch'] == 10
+    checkpoint = Checkpoint.load(os.path.join(interrupted.output_dir, 'last.pt'))
+    assert checkpoint.progress.step == 5 and checkpoint.progress.batch_in_epoch == 10
     resumed_cfg = tiny_config(*extra, out='cut')
-    resumed = train(resumed_cfg, resume=state)
+    resumed = train(resumed_cfg, resume=checkpoint)
     whole_losses = [float(r['loss']) for r in _rows(whole.output_dir, 'train')]
     cut_rows = _rows(interrupted.output_dir, 'train')
     assert [int(r['step']) for r in cut_rows] == list(range(1, 13))  # no duplicated or missing steps

@@ -75,3 +75,10 @@ def test_torchrun_segmentation_matches_a_single_process_evaluation(tmp_path):
     assert alone.pop('per_class_iou') == pytest.approx(ddp.pop('per_class_iou'), rel=1e-6)
     assert alone == pytest.approx(ddp, rel=1e-6)
     assert 'miou=' in result.stdout and 'per_class_iou.background=' in result.stdout
+
+
+def test_train_py_parses_and_calls_the_engine():
+    """train.py stays a command line (parse, call, one line per expected error): the rest is linvit.engine's."""
+    with open(os.path.join(ROOT, 'train.py')) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 120, f"train.py has {len(lines)} lines: move library logic into linvit.engine"

@@ -93,8 +93,7 @@ def test_seg_resume_follows_the_same_trajectory(seg_config):
     full = train(whole)
     cut = seg_config(*extra, 'train.max_steps=3', out='cut')
     train(cut)
-    from linvit.engine.checkpoint import load_checkpoint
-    resumed = train(seg_config(*extra, out='cut'), resume=load_checkpoint(os.path.join(cut.output_dir, 'last.pt')))
+    resumed = train(seg_config(*extra, out='cut'), resume=True)  # from its last.pt
     losses = [float(r['loss']) for r in _rows(whole.output_dir, 'train')]
     np.testing.assert_allclose([float(r['loss']) for r in _rows(cut.output_dir, 'train')], losses, rtol=1e-5)
     _assert_same_metrics(resumed, full)

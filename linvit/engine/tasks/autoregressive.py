@@ -147,6 +147,8 @@ class AutoregressiveTask(Task):
     name = 'autoregressive'
     main_metric = 'r2'
     metric_columns = ('r2',)
+    not_predicted = ("an autoregressive model predicts next patches: run it with model.recurrent_init / "
+                     "recurrent_step, or fine-tune it for classification, see configs/cls_from_ar_demo.yaml")
 
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)

@@ -26,6 +26,8 @@ class ClassificationTask(Task):
     name = 'classification'
     main_metric = 'top1'
     metric_columns = ('top1', 'top5')
+    classifier_key = 'head.weight'
+    logits_rank = 2
 
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)

@@ -1,49 +1,95 @@
-"""Linearization: a trained softmax ViT (the teacher) becomes linear attention (the student), one stage per run.
+"""Linearization (``task: linearize``): a trained softmax ViT (the teacher) becomes linear attention (the student) in
+two stages, each a whole run in a folder of the run directory, and a report of how much of the teacher's accuracy
+comes back.
 
-``task: linearize`` runs two stages (``linvit.engine.linearize`` chains them and writes the report); this module is
-one stage, chosen by ``linearize.stage``:
+    cfg = load_config('configs/linearize_cls_fmnist.yaml', ['linearize.teacher=runs/teacher', 'data.root=...'])
+    report = train(cfg)                  # linvit.engine.train: both stages, then the report (metrics.json)
+    report = train(cfg, resume=True)     # continue an interrupted linearization in cfg.output_dir (either stage)
 
-- ``attention`` (stage 1, attention transfer): the student is the teacher converted with ``linearize.convert``.
-  Only the tensors the conversion added (a learnable feature map, local mixing, a family's gates) train, plus the
-  q / k projections with ``linearize.train_qk``. The frozen teacher runs once per batch (in the batch mixer,
-  outside the trained graph); forward hooks keep each attention layer's input and output, and every student layer
-  is trained to map the teacher's input to the teacher's output: the layers learn independently, on the hidden
-  states the teacher itself produces. Optionally (``linearize.attention_weights_loss``) the student's attention
-  weights on a few queries are also pulled towards softmax's.
-- ``finetune`` (stage 2): every tensor of the student trains on the task's own loss plus distillation from the
-  teacher (logits at temperature T; per-pixel class distributions for segmentation), with the whole engine (AMP,
-  EMA, resume, torchrun, compiled step, pictures). The teacher's outputs are computed in the batch mixer too.
+The task trains in stages (``staged_run``: the engine runs each stage through its loop, keeps what it measured in
+``linearize.json`` and asks the task for the report); a stage's run is this task with ``linearize.stage``:
+
+- ``attention`` (stage 1, attention transfer, ``stage1/``): the student is the teacher converted with
+  ``linearize.convert``. Only the tensors the conversion added (a learnable feature map, local mixing, a family's
+  gates) train, plus the q / k projections with ``linearize.train_qk``. The frozen teacher runs once per batch (in
+  the batch mixer, outside the trained graph); forward hooks keep each attention layer's input and output, and every
+  student layer is trained to map the teacher's input to the teacher's output: the layers learn independently, on the
+  hidden states the teacher itself produces (``distillation.AttentionTransfer``). Optionally
+  (``linearize.attention_weights_loss``) the student's attention weights on a few queries are also pulled towards
+  softmax's. Trained with linearize.attention_* (no weight decay, no warmup, no EMA, eager).
+- ``finetune`` (stage 2, ``stage2/``): every tensor of the student trains on the task's own loss plus distillation
+  from the teacher (logits at temperature T; per-pixel class distributions for segmentation), with the whole engine
+  (AMP, EMA, resume, torchrun, compiled step, pictures). The teacher's outputs are computed in the batch mixer too.
 
 Evaluation and pictures are the underlying task's (``linearize.task``, classification or segmentation), on the
 student. The teacher sees the student's images at its own training size when its model has a fixed size
 (``teacher_input`` in the report), at the student's size when it takes any size (segmentation backbones).
+
+The run directory holds ``config.yaml`` (the config with the teacher's architecture filled in), ``stage1/`` and
+``stage2/`` (each a complete run directory), ``model.safetensors`` (the final student, the converted timm model's
+keys), ``metrics.json`` (the report) and ``metrics.csv`` (the report as rows: split = teacher / converted / stage1 /
+final, then the speed rows). The report: ``teacher_<metric>`` (the teacher on this validation set, fed as during
+training), ``converted_<metric>`` (the student right after conversion, before any training), ``stage1_<metric>``,
+the final metrics (``<metric>`` ...), each stage's steps and wall time, the teacher's own training steps when its
+run directory has them, ``teacher_input``, and img/s of student and teacher at the training size and at twice the
+side (4x the tokens): inference, float32, eval mode, batch ``SPEED_BATCH``, the median of interleaved rounds.
 """
+import csv
+import functools
+import logging
+import math
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import Dataset
 
 from ...layers import LinearAttention, linear_only_parameter_names
-from ...models.convert import attention_sites, convert_to_linear
+from ...models.convert import convert_to_linear
 from ...precision import PRECISIONS
-from ..config import ConfigError
+from ...timing import time_interleaved
+from ..checkpoint import atomic_write, load_checkpoint
+from ..config import CHOICES, ConfigError, RunConfig, config_from_yaml, load_config
+from ..distributed import setup_distributed
 from ..metrics import Meter
-from ..run_files import find_run_files, load_weights, read_weights
-from .base import TASKS, Task, register_task
+from ..run_files import find_run_files, load_weights, read_weights, saved_config_text
+from .base import TASKS, Stage, StagedRun, Task, register_task
+from .distillation import (
+    AttentionTransfer,
+    DistillationLoss,
+    HiddenStates,
+    ResizedInput,
+    attention_transfer_loss,
+    query_positions,
+    row_mask_hook,
+    softmax_attention_weights,
+    student_of,
+    transfer_pairs,
+    vit_of,
+)
+from .segmentation import SegmentationTask
 
-__all__ = ['LinearizeTask', 'teacher_weights_path', 'AttentionTransfer', 'DistillationLoss', 'attention_transfer_loss',
-           'ResizedInput', 'student_of', 'vit_of', 'transfer_pairs', 'linear_attention_weights',
-           'softmax_attention_weights']
+__all__ = ['LinearizeTask', 'STAGE_DIRS', 'NO_TEACHER', 'teacher_weights_path', 'resolve_teacher',
+           'teacher_training_steps', 'SPEED_BATCH']
 
+_logger = logging.getLogger('linvit.linearize')
 
 #: the error of a linearization without a teacher
 NO_TEACHER = ("task=linearize needs linearize.teacher: a run directory of train.py or a weights file (.pth / .pt / "
               ".safetensors) of a softmax timm ViT")
+#: the stages' run directories inside the linearization's own
+STAGE_DIRS = {'attention': 'stage1', 'finetune': 'stage2'}
+#: images per call when the report measures speed
+SPEED_BATCH = 4
+#: untimed and timed interleaved rounds of that measurement: 5 timed rounds at batch 4 left the reported img/s
+#: moving by up to 2x between runs on a 2-core machine; 15 keep each model's median within about 15%
+SPEED_WARMUP, SPEED_REPEATS = 3, 15
 
+
+# ---------------------------------------------------------------------------------------------------- the teacher
 
 def teacher_weights_path(teacher: str) -> str:
     """The weights file of ``linearize.teacher``: a run directory's evaluated weights (model.safetensors, best.pt or
@@ -56,192 +102,98 @@ def teacher_weights_path(teacher: str) -> str:
     return teacher
 
 
-def student_of(model: nn.Module) -> nn.Module:
-    """The student inside a stage-1 wrapper (``AttentionTransfer``), or the model itself."""
-    return model.student if isinstance(model, AttentionTransfer) else model
+def _teacher_config_text(teacher: str) -> Optional[str]:
+    """The config a teacher was trained with (YAML), when it says: a run directory's, a train.py checkpoint's, or
+    the config.yaml beside a .safetensors file; None for a bare weights file."""
+    teacher_weights_path(teacher)  # FileNotFoundError for a path that holds no weights
+    if os.path.isdir(teacher):
+        return find_run_files(teacher).config_text
+    if teacher.endswith('.safetensors'):
+        return saved_config_text(teacher)
+    state = load_checkpoint(teacher)  # a train.py checkpoint holds its config; another weights file, none
+    return state.get('config') if isinstance(state.get('config'), str) else None
 
 
-def vit_of(model: nn.Module) -> nn.Module:
-    """The ViT a task's model is built on: a segmentation model's backbone, else the model itself."""
-    return getattr(model, 'backbone', model)
+def teacher_training_steps(teacher: str) -> Optional[int]:
+    """The optimizer steps the teacher was trained for, when its run directory records them (the last train row of
+    metrics.csv); None otherwise."""
+    path = os.path.join(teacher, 'metrics.csv')
+    if not (os.path.isdir(teacher) and os.path.isfile(path)):
+        return None
+    with open(path, newline='') as f:
+        steps = [int(row['step']) for row in csv.DictReader(f) if row.get('split') == 'train' and row.get('step')]
+    return max(steps) if steps else None
 
 
-def transfer_pairs(teacher: nn.Module, student: nn.Module) -> List[str]:
-    """Paths of the attention layers stage 1 trains: where the teacher has softmax attention and the student linear
-    (blocks the student keeps softmax in, ``softmax_blocks``, are identical and skipped)."""
-    teacher_sites = dict(attention_sites(teacher))
-    return [path for path, module in attention_sites(student)
-            if isinstance(module, LinearAttention) and path in teacher_sites
-            and not isinstance(teacher_sites[path], LinearAttention)]
+def resolve_teacher(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with the teacher's architecture filled in from its saved config, when it has one: model.* (without
+    pretrained_file), its task's architecture keys (segmentation's head), linearize.task and
+    linearize.teacher_img_size (its data.img_size, unless set). A bare weights file keeps the config's model.* and
+    linearize.task."""
+    lin = cfg.linearize
+    if not lin.teacher:
+        raise ConfigError(NO_TEACHER)
+    text = _teacher_config_text(lin.teacher)
+    if text is None:
+        return cfg
+    saved = load_config(None, [], base=config_from_yaml(text))
+    if saved.task not in CHOICES['linearize.task']:
+        raise ConfigError(f"linearize.teacher {lin.teacher} was trained with task={saved.task!r}; linearization "
+                          f"takes a {' or '.join(CHOICES['linearize.task'])} teacher")
+    values = OmegaConf.to_container(cfg)
+    # the teacher's model replaces the config's whole model section (its kwargs are the architecture)
+    values['model'] = {**OmegaConf.to_container(saved.model), 'pretrained_file': None}
+    for key in TASKS.get(saved.task).architecture_keys:
+        _copy_key(values, saved, key)
+    values['linearize'].update(task=saved.task, teacher_img_size=lin.teacher_img_size or saved.data.img_size)
+    resolved = OmegaConf.merge(OmegaConf.structured(RunConfig), values)
+    OmegaConf.set_readonly(resolved, OmegaConf.is_readonly(cfg))
+    return resolved
 
 
-def query_positions(n_tokens: int, count: int, device: torch.device) -> torch.Tensor:
-    """``count`` evenly spaced token indices in [0, n_tokens) (all of them when count >= n_tokens): int64 [count]."""
-    count = min(count, n_tokens)
-    return torch.linspace(0, n_tokens - 1, count, device=device).round().long()
+def _copy_key(values: Dict[str, Any], source: DictConfig, key: str) -> None:
+    """values[a][b] = source.a.b for the dotted key 'a.b', as plain python."""
+    *parents, leaf = key.split('.')
+    for part in parents:
+        values = values[part]
+    value = OmegaConf.select(source, key)
+    values[leaf] = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
-def _heads(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q, k [B, H, N, D] of attention layer ``attn`` (timm's Attention or LinearAttention) on tokens x [B, N, C],
-    after its q / k norms."""
-    B, N, _ = x.shape
-    q, k, _ = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    return attn.q_norm(q), attn.k_norm(k)
+def _stage_config(cfg: DictConfig, stage: str, student_weights: Optional[str]) -> DictConfig:
+    """The run config of one stage: its own run directory; stage 1 trains with linearize.attention_* (no weight
+    decay, no warmup, no EMA, eager: a short imitation of fixed targets), stage 2 with train.* as it is."""
+    lin = cfg.linearize
+    values: Dict[str, Any] = {'output_dir': os.path.join(cfg.output_dir, STAGE_DIRS[stage]),
+                              'linearize': {'stage': stage, 'student_weights': student_weights}}
+    if stage == 'attention':
+        values['train'] = {'epochs': lin.attention_epochs, 'max_steps': lin.attention_max_steps,
+                           'lr': lin.attention_lr, 'weight_decay': 0.0, 'warmup_epochs': 0.0, 'layer_decay': None,
+                           'ema': False, 'compile': False, 'eval_every': max(1, lin.attention_epochs)}
+    return OmegaConf.merge(cfg, values)
 
 
-def softmax_attention_weights(attn: nn.Module, x: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Softmax attention weights of timm's ``Attention`` for the query tokens ``queries`` [Q] over all keys:
-    x [B, N, C] -> float32 [B, H, Q, N] (rows sum to 1)."""
-    q, k = _heads(attn, x)
-    logits = (q[:, :, queries].float() * attn.scale) @ k.float().transpose(-2, -1)
-    return logits.softmax(dim=-1)
-
-
-def linear_attention_weights(attn: LinearAttention, x: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """The weights linear attention gives each key, phi(q)^T phi(k_j) / (sum_j phi(q)^T phi(k_j) + eps N), for the
-    query tokens ``queries`` [Q]: x [B, N, C] -> float32 [B, H, Q, N] (the local-mix branch is not part of them)."""
-    q, k = _heads(attn, x)
-    phi_q = attn.feature_map(q[:, :, queries].float())
-    phi_k = attn.feature_map(k.float())
-    sims = phi_q @ phi_k.transpose(-2, -1)
-    return sims / (sims.sum(dim=-1, keepdim=True) + attn.eps * k.shape[-2])
-
-
-class AttentionTransfer(nn.Module):
-    """The stage-1 model: the student's attention layers at ``paths``, each applied to the teacher's input of that
-    layer. forward(inputs [B, L, N, C]) -> (outputs [B, L, N, C], weights [B, L, H, Q, N] or None).
-
-    Its state dict is the student's (checkpoints and model.safetensors hold the student's keys, as any run's)."""
-
-    def __init__(self, student: nn.Module, paths: Sequence[str], queries: int = 0) -> None:
-        super().__init__()
-        self.student = student
-        self.paths = list(paths)
-        self.queries = queries
-
-    def layers(self) -> List[nn.Module]:
-        return [self.student.get_submodule(path) for path in self.paths]
-
-    def forward(self, inputs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        layers = self.layers()
-        outputs = torch.stack([layer(inputs[:, i]) for i, layer in enumerate(layers)], dim=1)
-        if not self.queries:
-            return outputs, None
-        positions = query_positions(inputs.shape[2], self.queries, inputs.device)
-        weights = torch.stack([linear_attention_weights(layer, inputs[:, i], positions)
-                               for i, layer in enumerate(layers)], dim=1)
-        return outputs, weights
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        return self.student.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.student.load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def attention_transfer_loss(weights_loss: float) -> Callable[[Any, Any], torch.Tensor]:
-    """The stage-1 loss of (student outputs, weights) against (teacher outputs, teacher weights): the mean over
-    layers of the squared error relative to the teacher output's mean square (so every layer counts alike, whatever
-    its scale), plus ``weights_loss`` x the cross-entropy of the student's attention weights to the teacher's."""
-
-    def loss_fn(outputs: Tuple[torch.Tensor, Optional[torch.Tensor]],
-                targets: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
-        student, student_weights = outputs
-        teacher, teacher_weights = targets
-        error = (student.float() - teacher.float()).pow(2).mean(dim=(0, 2, 3))
-        scale = teacher.float().pow(2).mean(dim=(0, 2, 3)).clamp_min(1e-12)
-        loss = (error / scale).mean()
-        if weights_loss > 0 and student_weights is not None:
-            ce = -(teacher_weights * student_weights.clamp_min(1e-12).log()).sum(dim=-1).mean()
-            loss = loss + weights_loss * ce
-        return loss
-
-    return loss_fn
-
-
-class DistillationLoss(nn.Module):
-    """Stage 2: (1 - w) task_loss(student, labels) + w T^2 KL(softmax(teacher / T) || softmax(student / T)).
-
-    Classification: logits [B, K]; segmentation: [B, K, H, W], the KL per pixel averaged over the labelled ones
-    (targets != ignore_index). targets = (the task's targets, the teacher's logits)."""
-
-    def __init__(self, task_loss: Callable, weight: float, temperature: float, ignore_index: Optional[int] = None):
-        super().__init__()
-        if not 0 <= weight <= 1:
-            raise ConfigError(f"linearize.distill_weight must be in [0, 1], got {weight}")
-        if temperature <= 0:
-            raise ConfigError(f"linearize.temperature must be > 0, got {temperature}")
-        self.task_loss = task_loss
-        self.weight = weight
-        self.temperature = temperature
-        self.ignore_index = ignore_index
-
-    def forward(self, outputs: torch.Tensor, targets: Tuple[Any, torch.Tensor]) -> torch.Tensor:
-        labels, teacher = targets
-        t = self.temperature
-        log_student = F.log_softmax(outputs.float() / t, dim=1)
-        log_teacher = F.log_softmax(teacher.float() / t, dim=1)
-        kl = F.kl_div(log_student, log_teacher, reduction='none', log_target=True).sum(dim=1)  # [B] or [B, H, W]
-        if self.ignore_index is not None:
-            valid = (labels != self.ignore_index).to(kl.dtype)
-            kl = (kl * valid).sum() / valid.sum().clamp_min(1.0)
-        else:
-            kl = kl.mean()
-        return (1 - self.weight) * self.task_loss(outputs, labels) + self.weight * t * t * kl
-
-
-class ResizedInput(nn.Module):
-    """model(resize(images, size)): a fixed-size teacher fed the student's images at its own size (bilinear,
-    antialiased). size None: the images as they come."""
-
-    def __init__(self, model: nn.Module, size: Optional[int]) -> None:
-        super().__init__()
-        self.model = model
-        self.size = size
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if self.size is None or tuple(images.shape[-2:]) == (self.size, self.size):
-            return self.model(images)
-        return self.model(F.interpolate(images, size=(self.size, self.size), mode='bilinear', align_corners=False,
-                                        antialias=True))
-
-
-class _HiddenStates:
-    """Forward hooks on the teacher's attention layers at ``paths`` that keep each one's input and output."""
-
-    def __init__(self, teacher: nn.Module, paths: Sequence[str]) -> None:
-        self.modules = [teacher.get_submodule(path) for path in paths]
-        self.inputs: Dict[int, torch.Tensor] = {}
-        self.outputs: Dict[int, torch.Tensor] = {}
-        for index, module in enumerate(self.modules):
-            module.register_forward_hook(self._hook(index))
-
-    def _hook(self, index: int) -> Callable:
-        def keep(module: nn.Module, args: Tuple, output: torch.Tensor) -> None:
-            self.inputs[index], self.outputs[index] = args[0], output
-        return keep
-
-    def take(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, outputs) [B, L, N, C] of the last forward, in layer order."""
-        count = len(self.modules)
-        inputs = torch.stack([self.inputs[i] for i in range(count)], dim=1)
-        outputs = torch.stack([self.outputs[i] for i in range(count)], dim=1)
-        self.inputs.clear()
-        self.outputs.clear()
-        return inputs, outputs
-
-
-def _row_mask_hook(mask: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A gradient hook that zeroes the rows of a parameter's gradient where ``mask`` is 0."""
-    return lambda grad: grad * mask.to(grad.dtype)
+def _log_report(report: Dict[str, Any], main: str) -> None:
+    stage1 = report[f"stage1_{main}"]
+    _logger.info("linearized: teacher %s=%.4f, converted %.4f, after stage 1 %s, final %.4f (%.1f%% of the teacher); "
+                 "steps %d + %d (teacher %s)", main, report[f"teacher_{main}"], report[f"converted_{main}"],
+                 'skipped' if stage1 is None else f"{stage1:.4f}", report[main],
+                 100 * report[main] / max(report[f"teacher_{main}"], 1e-12), report['stage1_steps'],
+                 report['stage2_steps'], report['teacher_steps'])
+    for key, value in report.get('speed', {}).items():
+        _logger.info("speed %s: %.2f", key, value)
+    if not math.isfinite(report[main]):
+        _logger.warning("the final %s is not finite", main)
 
 
 @register_task
 class LinearizeTask(Task):
-    """One stage of a linearization (``linearize.stage``: 'attention' or 'finetune'); the data, metrics and pictures
-    are those of the task ``linearize.task``. ``linvit.engine.linearize`` resolves the teacher into the config
-    (model.*, seg.*, linearize.task, linearize.teacher_img_size) before the stages run."""
+    """A linearization: with ``linearize.stage: all`` the two stages and the report (``staged_run``), else one stage
+    ('attention' or 'finetune'), trained as any run. The data, metrics and pictures are those of the task
+    ``linearize.task``; ``staged_run`` resolves the teacher into the stages' configs (model.*, its head,
+    linearize.task, linearize.teacher_img_size)."""
     name = 'linearize'
+    architecture_keys = SegmentationTask.architecture_keys  # the student may be a segmentation model
 
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
@@ -254,6 +206,106 @@ class LinearizeTask(Task):
         self.teacher: Optional[nn.Module] = None
         self.paths: List[str] = []
         self._teacher_state: Optional[Dict[str, torch.Tensor]] = None
+
+    # ---------------------------------------------------------------- the stages and their report
+
+    def staged_run(self) -> Optional[StagedRun]:
+        """Stage 1 (attention transfer, unless linearize.attention_epochs is 0) then stage 2 (fine-tuning from stage
+        1's weights), in stage1/ and stage2/; None for a run of one stage."""
+        if self.cfg.linearize.stage != 'all':
+            return None
+        cfg = resolve_teacher(self.cfg)
+        student_weights = cfg.linearize.student_weights  # None: the teacher's, converted
+        stages = []
+        if cfg.linearize.attention_epochs > 0:
+            stages.append(Stage(STAGE_DIRS['attention'], _stage_config(cfg, 'attention', student_weights)))
+            student_weights = os.path.join(cfg.output_dir, STAGE_DIRS['attention'], 'model.safetensors')
+        stages.append(Stage(STAGE_DIRS['finetune'], _stage_config(cfg, 'finetune', student_weights)))
+        return StagedRun(config=cfg, stages=tuple(stages))
+
+    def baselines(self, first_stage: Task, model: nn.Module) -> Dict[str, nn.Module]:
+        """The teacher (the first stage built it), fed as during training, and the student right after conversion
+        (``model``, before any training)."""
+        size = self.teacher_size()
+        teacher = first_stage.teacher.to(next(model.parameters()).device)
+        fed = teacher if size is None or size == self.cfg.data.img_size else ResizedInput(teacher, size)
+        return {'teacher': fed, 'converted': student_of(model)}
+
+    def report(self, state: Dict[str, Any], is_main: bool) -> Dict[str, Any]:
+        """The report (see the module docstring); rank 0 measures the speeds once (kept in ``state``)."""
+        cfg, main = self.cfg, self.main_metric
+        if is_main and cfg.linearize.speed and 'speed' not in state:
+            state['speed'] = self._speed(state['before']['num_classes'])
+        before, stage1, stage2 = state['before'], state.get(STAGE_DIRS['attention']), state[STAGE_DIRS['finetune']]
+        size = self.teacher_size()
+        report: Dict[str, Any] = {
+            f"teacher_{main}": before['teacher'][main],
+            f"converted_{main}": before['converted'][main],
+            f"stage1_{main}": stage1['metrics'][main] if stage1 else None,
+            **stage2['metrics'],
+            'teacher_steps': teacher_training_steps(cfg.linearize.teacher),
+            'stage1_steps': stage1['steps'] if stage1 else 0,
+            'stage1_wall_s': stage1['wall_s'] if stage1 else 0.0,
+            'stage2_steps': stage2['steps'],
+            'stage2_wall_s': stage2['wall_s'],
+            'teacher_input': (f"resized to {size} px (its training size)" if size not in (None, cfg.data.img_size)
+                              else "the student's images as they are"),
+            'teacher_img_size': cfg.linearize.teacher_img_size or cfg.data.img_size,
+            'img_size': cfg.data.img_size,
+        }
+        if report['teacher_steps']:
+            steps = report['stage1_steps'] + report['stage2_steps']
+            report['student_steps_fraction'] = steps / report['teacher_steps']
+        if 'speed' in state:
+            report['speed'] = state['speed']
+        return report
+
+    def write_report(self, out_dir: str, report: Dict[str, Any]) -> None:
+        """metrics.csv: the report as rows (split = teacher / converted / stage1 / final, then the speed rows); and
+        its summary in the log."""
+        main = self.main_metric
+        rows = [{'split': 'teacher', 'step': report['teacher_steps'], main: report[f"teacher_{main}"]},
+                {'split': 'converted', 'step': 0, main: report[f"converted_{main}"]},
+                {'split': 'stage1', 'step': report['stage1_steps'], main: report[f"stage1_{main}"]},
+                {'split': 'final', 'step': report['stage1_steps'] + report['stage2_steps'], main: report[main]}]
+        for key, value in report.get('speed', {}).items():
+            if '_img_per_s@' in key:
+                rows.append({'split': f"speed_{key.replace('_img_per_s@', '@')}", 'img_per_s': value})
+        fields = ['split', 'step', *self.metric_columns, 'loss', 'img_per_s']
+        with atomic_write(os.path.join(out_dir, 'metrics.csv'), mode='w') as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction='ignore')
+            writer.writeheader()
+            writer.writerows({k: ('' if v is None else v) for k, v in row.items()} for row in rows)
+        _log_report(report, main)
+
+    def _speed(self, num_classes: int) -> Dict[str, float]:
+        """img/s of the student and the teacher architectures at data.img_size and at twice the side (inference,
+        float32, eval mode, interleaved rounds on this process's device)."""
+        device = setup_distributed(self.cfg.device).device
+        builder = LinearizeTask(OmegaConf.merge(self.cfg, {'linearize': {'stage': 'finetune'}}))
+        speed: Dict[str, float] = {}
+        for size in (self.cfg.data.img_size, 2 * self.cfg.data.img_size):
+            models = {'student': builder.build_student(num_classes, size, with_weights=False).to(device).eval(),
+                      'teacher': builder.base_model(num_classes, size).to(device).eval()}
+            images = torch.randn(SPEED_BATCH, 3, size, size, device=device)
+            with torch.no_grad():
+                ms = time_interleaved({name: functools.partial(model, images) for name, model in models.items()},
+                                      warmup=SPEED_WARMUP, repeats=SPEED_REPEATS, device=str(device))
+            for name, value in ms.items():
+                speed[f"{name}_img_per_s@{size}px"] = SPEED_BATCH * 1e3 / value
+            speed[f"student_over_teacher@{size}px"] = ms['teacher'] / ms['student']
+        return speed
+
+    # ---------------------------------------------------------------- the trained student, for prediction and export
+
+    def inference_task(self) -> Task:
+        return self.base
+
+    def prediction_defaults(self) -> Dict[str, Any]:
+        return self.base.prediction_defaults()
+
+    def final_run_dir(self, run_dir: str) -> str:
+        return os.path.join(run_dir, STAGE_DIRS['finetune']) if self.cfg.linearize.stage == 'all' else run_dir
 
     # ---------------------------------------------------------------- data and models
 
@@ -355,7 +407,7 @@ class LinearizeTask(Task):
         keep[2 * rows // 3:] = 0  # the v projection: its outputs feed the teacher-identical values
         for parameter in attn.qkv.parameters():
             parameter.requires_grad_(True)
-            parameter.register_hook(_row_mask_hook(keep.view((-1,) + (1,) * (parameter.dim() - 1))))
+            parameter.register_hook(row_mask_hook(keep.view((-1,) + (1,) * (parameter.dim() - 1))))
 
     # ---------------------------------------------------------------- losses and the teacher's targets
 
@@ -384,7 +436,7 @@ class LinearizeTask(Task):
 
     def _attention_targets(self) -> Callable:
         """images -> (the teacher's attention inputs [B, L, N, C], (its outputs, its weights on the queries))."""
-        hidden = _HiddenStates(self.teacher, self.paths)
+        hidden = HiddenStates(self.teacher, self.paths)
         resized = ResizedInput(self.teacher, self.teacher_size())
         lin = self.cfg.linearize
 

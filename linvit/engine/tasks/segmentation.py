@@ -93,6 +93,9 @@ class SegmentationTask(Task):
     name = 'segmentation'
     main_metric = 'miou'
     metric_columns = ('miou', 'pixel_acc')
+    architecture_keys = ('seg.head', 'seg.neck_dim', 'seg.head_dim', 'seg.feature_blocks')
+    classifier_key = 'head.classifier.weight'
+    logits_rank = 4
 
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
@@ -154,6 +157,10 @@ class SegmentationTask(Task):
                               f"{nearest_multiples(window, multiple)}")
         if ev.stride is not None and not 0 < ev.stride <= window:
             raise ConfigError(f"seg.eval.stride={ev.stride} must be between 1 and the window ({window} px)")
+
+    def prediction_defaults(self) -> Dict[str, Any]:
+        ev = self.cfg.seg.eval
+        return {'mode': ev.mode, 'window': ev.window, 'stride': ev.stride}
 
     def predict(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """Full-resolution logits float32 [B, K, H, W] for images [B, 3, H, W], as ``seg.eval`` says."""

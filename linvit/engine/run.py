@@ -1,0 +1,290 @@
+"""Setting a run up from its config, before the loop: the task, its data and model (``Run``), then what training
+adds (``Training``: data order, optimizer, schedule, loss scaling, EMA, the step runner), and the two directions
+between these and a ``Checkpoint``.
+
+    run = build_run(cfg, info)                         # task, datasets, model on info.device (seeded with cfg.seed)
+    training = build_training(run)                     # sampler, optimizer, scheduler, scaler, EMA, TrainStep
+    progress = restore(run, training, checkpoint)      # a resumed run: weights, states, RNGs and where it was
+    checkpoint = checkpoint_of(run, training, progress)
+"""
+import logging
+import os
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.scheduler.scheduler import Scheduler
+from timm.utils import ModelEmaV3
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..precision import PRECISIONS
+from .checkpoint import Checkpoint, Progress, capture_rng_state, restore_rng_state
+from .config import ConfigError, config_from_yaml, config_to_yaml, differing_keys
+from .distributed import DistInfo
+from .run_files import load_weights
+from .sampler import ResumableSampler
+from .step import TrainStep
+from .tasks import Task, build_task, normalization_of
+
+__all__ = ['Run', 'Training', 'BatchMixer', 'build_run', 'build_training', 'loader', 'use_threads',
+           'seed_everything', 'autocast_factory', 'learning_rate', 'evaluated_model', 'restore', 'checkpoint_of']
+
+_logger = logging.getLogger('linvit.train')
+
+#: a task's batch mixing: (images, targets) -> (images, targets), e.g. Mixup
+BatchMixer = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+#: fewer optimizer steps than this in a whole run rarely learn anything: say so
+_FEW_STEPS = 100
+#: the keys that shape the learning-rate schedule
+_SCHEDULE_KEYS = ('train.epochs', 'train.sched', 'train.lr', 'train.min_lr', 'train.warmup_epochs',
+                  'train.warmup_lr')
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[.*?\])\) from "
+                            r"checkpoint, the shape in current model is torch\.Size\((\[.*?\])\)\.?")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a run builds from its config before training or evaluating: the task, its data and its model."""
+    cfg: DictConfig
+    info: DistInfo
+    task: Task
+    model: nn.Module  # the bare model, on info.device
+    class_names: List[str]
+    train_set: Optional[Dataset]  # None when only evaluating
+    val_set: Dataset
+    mean: Tuple[float, ...]
+    std: Tuple[float, ...]
+    amp_dtype: Optional[torch.dtype]  # autocast dtype of train.precision; None: float32, no autocast
+
+
+@dataclass(frozen=True)
+class Training:
+    """What training adds to a Run: data order, optimizer, schedule, loss scaling, EMA and the step runner."""
+    sampler: ResumableSampler
+    steps_per_epoch: int  # optimizer steps per epoch (each accumulates train.accum_steps micro-batches)
+    total_steps: int  # train.epochs * steps_per_epoch
+    stop_at: int  # the step training stops at: total_steps, or train.max_steps when smaller
+    optimizer: torch.optim.Optimizer
+    scheduler: Scheduler
+    scaler: Optional[torch.amp.GradScaler]  # float16 only
+    ema: Optional[ModelEmaV3]
+    step: TrainStep  # around the model (DistributedDataParallel around it when distributed)
+    mixer: Optional[BatchMixer]  # the task's batch mixing (e.g. Mixup); None: off
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches per epoch: steps_per_epoch x train.accum_steps (a last partial step's are not drawn)."""
+        return self.steps_per_epoch * self.step.accum_steps
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+
+def build_run(cfg: DictConfig, info: DistInfo, with_train: bool = True) -> Run:
+    """The task, its datasets and its model (seeded with cfg.seed, so every rank starts from the same weights);
+    with_train=False (evaluating saved weights) builds no training set (``Run.train_set`` is None)."""
+    task = build_task(cfg)
+    mean, std = normalization_of(cfg.model.name)
+    train_set, val_set, class_names = task.build_datasets(mean, std, with_train)
+    if info.is_main:
+        if train_set is not None:
+            _logger.info("train data: %s", train_set.describe())
+        _logger.info("val data: %s", val_set.describe())
+        bad = getattr(train_set, 'num_bad', 0) + getattr(val_set, 'num_bad', 0)
+        if bad:
+            _logger.warning("%d unreadable image file(s) skipped (named in the warnings above)", bad)
+    seed_everything(cfg.seed)  # the same initial weights on every rank
+    model = _build_model(task, len(class_names)).to(info.device)
+    amp_dtype = None if cfg.train.precision == 'float32' else PRECISIONS[cfg.train.precision]
+    return Run(cfg=cfg, info=info, task=task, model=model, class_names=class_names, train_set=train_set,
+               val_set=val_set, mean=mean, std=std, amp_dtype=amp_dtype)
+
+
+def _build_model(task: Task, num_classes: int) -> nn.Module:
+    """The task's model; a ValueError of the model's own argument checks, or a keyword the model does not take, is
+    a ConfigError (train.py's one line): those come from the config's model.* / task keys, not from a bug."""
+    model_cfg = task.cfg.model
+    try:
+        model = task.build_model(num_classes)
+    except ConfigError:
+        raise
+    except RuntimeError as error:
+        if not (model_cfg.pretrained_file and 'loading state_dict' in str(error)):
+            raise
+        raise ConfigError(f"model.pretrained_file={model_cfg.pretrained_file!r} does not fit model.name="
+                          f"{model_cfg.name!r} with this config's model.kwargs: "
+                          f"{_first_load_errors(str(error))}") from error
+    except ValueError as error:
+        raise ConfigError(f"cannot build model.name={model_cfg.name!r} from the config: {error}") from error
+    except TypeError as error:
+        if 'unexpected keyword argument' not in str(error):
+            raise
+        raise ConfigError(f"model.name={model_cfg.name!r} does not take an argument of model.kwargs: "
+                          f"{error}") from error
+    task.check_input_size(model)
+    return model
+
+
+def _first_load_errors(message: str, count: int = 3) -> str:
+    """The first problems of torch's load_state_dict error, shortened, on one line: 'pos_embed is [1, 65, 48] in
+    the file, [1, 65, 96] in the model; ...'."""
+    lines = [line.strip() for line in message.splitlines()[1:] if line.strip()]
+    lines = [_SIZE_MISMATCH.sub(r"\1 is \2 in the file, \3 in the model", line) for line in lines]
+    more = f" (and {len(lines) - count} more)" if len(lines) > count else ''
+    return '; '.join(lines[:count]) + more
+
+
+def loader(run: Run, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool) -> DataLoader:
+    """A DataLoader of ``dataset`` in the sampler's order, with data.num_workers workers."""
+    # a private generator: creating a loader iterator draws its worker base seed from it, not from torch's global
+    # generator, whose stream (dropout, drop path) must be the same whether or not a run was resumed
+    workers = run.cfg.data.num_workers
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                      pin_memory=run.info.device.type == 'cuda', drop_last=drop_last,
+                      persistent_workers=False, generator=torch.Generator().manual_seed(run.cfg.seed),
+                      prefetch_factor=4 if workers > 0 else None)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global generators."""
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+
+
+def autocast_factory(run: Run) -> Callable:
+    """A function returning the autocast context of train.precision on the run's device (off for float32)."""
+    device, dtype = run.info.device, run.amp_dtype
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def use_threads(threads: Optional[int], device: torch.device) -> None:
+    """Apply ``threads`` (torch's intra-op CPU threads); on CPU, warn when other processes keep cores busy, where
+    torch's default of one thread per core makes every step wait for the slowest, shared core."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if device.type != 'cpu' or not hasattr(os, 'getloadavg'):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    # the 1-minute load counts this process too (about one core while it started up)
+    others = max(0.0, os.getloadavg()[0] - 1.0)
+    free = max(1, cores - round(others))
+    used = torch.get_num_threads()
+    _logger.info("CPU: %d torch thread(s) on %d core(s) (threads=%s)", used, cores, threads)
+    if used > free:
+        _logger.warning("other processes keep about %.0f of the %d cores busy (load average %.1f) and torch uses %d "
+                        "threads, which then wait for the busy cores: set threads=%d (or free the cores)",
+                        others, cores, os.getloadavg()[0], used, free)
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+def build_training(run: Run) -> Training:
+    """Sampler, optimizer, scheduler, scaler, EMA and the step runner of ``run``, as cfg.train says."""
+    train, info = run.cfg.train, run.info
+    if train.accum_steps < 1:
+        raise ValueError(f"train.accum_steps must be >= 1, got {train.accum_steps}")
+    wrapped = run.model
+    if info.distributed:
+        wrapped = DistributedDataParallel(run.model, device_ids=[info.device.index] if info.device.type == 'cuda'
+                                          else None)
+    sampler = ResumableSampler(len(run.train_set), run.cfg.data.batch_size, seed=run.cfg.seed, shuffle=True,
+                               rank=info.rank, world_size=info.world_size)
+    steps_per_epoch = sampler.batches_per_epoch // train.accum_steps
+    if steps_per_epoch < 1:
+        raise ConfigError(f"an epoch of the {len(run.train_set)} training samples has {sampler.batches_per_epoch} "
+                          f"full batch(es) of data.batch_size={run.cfg.data.batch_size} per process, fewer than "
+                          f"train.accum_steps={train.accum_steps}: lower data.batch_size")
+    optimizer = create_optimizer_v2(run.model, opt=train.opt, lr=train.lr, weight_decay=train.weight_decay,
+                                    layer_decay=train.layer_decay)
+    scheduler, _ = create_scheduler_v2(optimizer, sched=train.sched, num_epochs=train.epochs,
+                                       warmup_epochs=train.warmup_epochs, warmup_lr=train.warmup_lr,
+                                       min_lr=train.min_lr, step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+    scaler = torch.amp.GradScaler(info.device.type) if run.amp_dtype == torch.float16 else None
+    ema = ModelEmaV3(run.model, decay=train.ema_decay) if train.ema else None
+    step = TrainStep(wrapped, run.task.train_loss(), optimizer, compile=train.compile, amp_dtype=run.amp_dtype,
+                     grad_scaler=scaler, accum_steps=train.accum_steps, clip_grad=train.clip_grad)
+    total_steps = train.epochs * steps_per_epoch
+    stop_at = min(total_steps, train.max_steps) if train.max_steps else total_steps
+    if info.is_main:
+        _warn_small_data(run, steps_per_epoch, total_steps)
+    return Training(sampler=sampler, steps_per_epoch=steps_per_epoch, total_steps=total_steps, stop_at=stop_at,
+                    optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, step=step,
+                    mixer=run.task.batch_mixer(len(run.class_names)))
+
+
+def _warn_small_data(run: Run, steps_per_epoch: int, total_steps: int) -> None:
+    """Warnings for a plan that a small data set makes useless: too few steps to learn, or to log."""
+    cfg = run.cfg
+    plan = (f"{len(run.train_set)} training samples make {steps_per_epoch} step(s) per epoch at data.batch_size="
+            f"{cfg.data.batch_size}")
+    if total_steps < _FEW_STEPS:
+        _logger.warning("%s, %d in all over train.epochs=%d: too few to learn much; lower data.batch_size and raise "
+                        "train.epochs (docs/training.md: small data sets)", plan, total_steps, cfg.train.epochs)
+    if steps_per_epoch < cfg.train.log_every:
+        _logger.warning("%s, fewer than train.log_every=%d: a train row is logged at each epoch's end instead; set "
+                        "train.log_every=%d for finer curves", plan, cfg.train.log_every,
+                        max(1, steps_per_epoch // 4))
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate a train row shows."""
+    # with layer-wise decay the groups differ; the largest is the configured lr's schedule (the head's group)
+    return max(group['lr'] for group in optimizer.param_groups)
+
+
+def evaluated_model(run: Run, training: Training) -> nn.Module:
+    """The weights that are evaluated and exported: the EMA copy when train.ema is on, else the model."""
+    return training.ema.module if training.ema is not None else run.model
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+def checkpoint_of(run: Run, training: Training, progress: Progress) -> Checkpoint:
+    """Everything that continues this run exactly from ``progress``: weights, optimizer, scaler, EMA, RNGs."""
+    return Checkpoint(
+        config=config_to_yaml(run.cfg), class_names=list(run.class_names), model=run.model.state_dict(),
+        progress=Progress(**vars(progress)), optimizer=training.optimizer.state_dict(),
+        scheduler=training.scheduler.state_dict(),
+        scaler=training.scaler.state_dict() if training.scaler is not None else None,
+        ema=training.ema.module.state_dict() if training.ema is not None else None,
+        rng=capture_rng_state(), world_size=run.info.world_size)
+
+
+def restore(run: Run, training: Training, checkpoint: Checkpoint) -> Progress:
+    """Load a 'last' checkpoint's weights, optimizer, scaler, EMA and RNG states; returns where it was."""
+    load_weights(run.model, checkpoint.model, 'the resumed checkpoint', resample_pos_embed=False)
+    if training.ema is not None:
+        if checkpoint.ema is None:
+            raise ValueError("the checkpoint has no EMA weights but train.ema=true; resume with train.ema=false")
+        training.ema.module.load_state_dict(checkpoint.ema)
+    training.optimizer.load_state_dict(checkpoint.optimizer)
+    if training.scaler is not None and checkpoint.scaler is not None:
+        training.scaler.load_state_dict(checkpoint.scaler)
+    if checkpoint.world_size != run.info.world_size:
+        _logger.warning("resuming a run of %d process(es) on %d: the data order differs from here on",
+                        checkpoint.world_size, run.info.world_size)
+    restore_rng_state(checkpoint.rng)
+    progress = Progress(**vars(checkpoint.progress))
+    _schedule_from_config(run, training, checkpoint.config, progress.step)
+    return progress
+
+
+def _schedule_from_config(run: Run, training: Training, saved_config: str, step: int) -> None:
+    """Set the learning rate of ``step`` from this run's config. The schedule is a function of the step and the
+    config, so it is rebuilt rather than restored: a resume with more train.epochs re-plans it over the new length
+    instead of training on at the old schedule's final learning rate."""
+    before = learning_rate(training.optimizer)
+    training.scheduler.step_update(step)
+    changed = differing_keys(run.cfg, OmegaConf.create(config_from_yaml(saved_config)), _SCHEDULE_KEYS)
+    if changed and run.info.is_main:
+        _logger.info("the learning-rate schedule is re-planned for %s: lr at step %d %.3g -> %.3g",
+                     ', '.join(f"{key}={new} (was {old})" for key, new, old in changed), step, before,
+                     learning_rate(training.optimizer))

@@ -1,0 +1,203 @@
+"""The teacher-student pieces a linearization trains with (``linvit.engine.tasks.linearize``): its stage-1 model and
+loss (attention transfer: every linear attention layer learns to map the teacher's input of that layer to the
+teacher's output), its stage-2 loss (distillation), the attention weights both kinds of layer give, and the hooks
+that collect the teacher's hidden states.
+
+    pairs = transfer_pairs(teacher, student)                    # paths of the layers stage 1 trains
+    model = AttentionTransfer(student, pairs)                   # inputs [B, L, N, C] -> (outputs [B, L, N, C], None)
+    loss = attention_transfer_loss(0.0)(model(inputs), (teacher_outputs, None))
+    loss = DistillationLoss(task_loss, weight=0.5, temperature=2.0)(student_logits, (labels, teacher_logits))
+"""
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...layers import LinearAttention
+from ...models.convert import attention_sites
+from ..config import ConfigError
+
+__all__ = ['student_of', 'vit_of', 'transfer_pairs', 'query_positions', 'softmax_attention_weights',
+           'linear_attention_weights', 'AttentionTransfer', 'attention_transfer_loss', 'DistillationLoss',
+           'ResizedInput', 'HiddenStates', 'row_mask_hook']
+
+
+def student_of(model: nn.Module) -> nn.Module:
+    """The student inside a stage-1 wrapper (``AttentionTransfer``), or the model itself."""
+    return model.student if isinstance(model, AttentionTransfer) else model
+
+
+def vit_of(model: nn.Module) -> nn.Module:
+    """The ViT a task's model is built on: a segmentation model's backbone, else the model itself."""
+    return getattr(model, 'backbone', model)
+
+
+def transfer_pairs(teacher: nn.Module, student: nn.Module) -> List[str]:
+    """Paths of the attention layers stage 1 trains: where the teacher has softmax attention and the student linear
+    (blocks the student keeps softmax in, ``softmax_blocks``, are identical and skipped)."""
+    teacher_sites = dict(attention_sites(teacher))
+    return [path for path, module in attention_sites(student)
+            if isinstance(module, LinearAttention) and path in teacher_sites
+            and not isinstance(teacher_sites[path], LinearAttention)]
+
+
+def query_positions(n_tokens: int, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` evenly spaced token indices in [0, n_tokens) (all of them when count >= n_tokens): int64 [count]."""
+    count = min(count, n_tokens)
+    return torch.linspace(0, n_tokens - 1, count, device=device).round().long()
+
+
+def _heads(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, H, N, D] of attention layer ``attn`` (timm's Attention or LinearAttention) on tokens x [B, N, C],
+    after its q / k norms."""
+    B, N, _ = x.shape
+    q, k, _ = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return attn.q_norm(q), attn.k_norm(k)
+
+
+def softmax_attention_weights(attn: nn.Module, x: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Softmax attention weights of timm's ``Attention`` for the query tokens ``queries`` [Q] over all keys:
+    x [B, N, C] -> float32 [B, H, Q, N] (rows sum to 1)."""
+    q, k = _heads(attn, x)
+    logits = (q[:, :, queries].float() * attn.scale) @ k.float().transpose(-2, -1)
+    return logits.softmax(dim=-1)
+
+
+def linear_attention_weights(attn: LinearAttention, x: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """The weights linear attention gives each key, phi(q)^T phi(k_j) / (sum_j phi(q)^T phi(k_j) + eps N), for the
+    query tokens ``queries`` [Q]: x [B, N, C] -> float32 [B, H, Q, N] (the local-mix branch is not part of them)."""
+    q, k = _heads(attn, x)
+    phi_q = attn.feature_map(q[:, :, queries].float())
+    phi_k = attn.feature_map(k.float())
+    sims = phi_q @ phi_k.transpose(-2, -1)
+    return sims / (sims.sum(dim=-1, keepdim=True) + attn.eps * k.shape[-2])
+
+
+class AttentionTransfer(nn.Module):
+    """The stage-1 model: the student's attention layers at ``paths``, each applied to the teacher's input of that
+    layer. forward(inputs [B, L, N, C]) -> (outputs [B, L, N, C], weights [B, L, H, Q, N] or None).
+
+    Its state dict is the student's (checkpoints and model.safetensors hold the student's keys, as any run's)."""
+
+    def __init__(self, student: nn.Module, paths: Sequence[str], queries: int = 0) -> None:
+        super().__init__()
+        self.student = student
+        self.paths = list(paths)
+        self.queries = queries
+
+    def layers(self) -> List[nn.Module]:
+        return [self.student.get_submodule(path) for path in self.paths]
+
+    def forward(self, inputs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        layers = self.layers()
+        outputs = torch.stack([layer(inputs[:, i]) for i, layer in enumerate(layers)], dim=1)
+        if not self.queries:
+            return outputs, None
+        positions = query_positions(inputs.shape[2], self.queries, inputs.device)
+        weights = torch.stack([linear_attention_weights(layer, inputs[:, i], positions)
+                               for i, layer in enumerate(layers)], dim=1)
+        return outputs, weights
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        return self.student.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.student.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def attention_transfer_loss(weights_loss: float) -> Callable[[Any, Any], torch.Tensor]:
+    """The stage-1 loss of (student outputs, weights) against (teacher outputs, teacher weights): the mean over
+    layers of the squared error relative to the teacher output's mean square (so every layer counts alike, whatever
+    its scale), plus ``weights_loss`` x the cross-entropy of the student's attention weights to the teacher's."""
+
+    def loss_fn(outputs: Tuple[torch.Tensor, Optional[torch.Tensor]],
+                targets: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
+        student, student_weights = outputs
+        teacher, teacher_weights = targets
+        error = (student.float() - teacher.float()).pow(2).mean(dim=(0, 2, 3))
+        scale = teacher.float().pow(2).mean(dim=(0, 2, 3)).clamp_min(1e-12)
+        loss = (error / scale).mean()
+        if weights_loss > 0 and student_weights is not None:
+            ce = -(teacher_weights * student_weights.clamp_min(1e-12).log()).sum(dim=-1).mean()
+            loss = loss + weights_loss * ce
+        return loss
+
+    return loss_fn
+
+
+class DistillationLoss(nn.Module):
+    """Stage 2: (1 - w) task_loss(student, labels) + w T^2 KL(softmax(teacher / T) || softmax(student / T)).
+
+    Classification: logits [B, K]; segmentation: [B, K, H, W], the KL per pixel averaged over the labelled ones
+    (targets != ignore_index). targets = (the task's targets, the teacher's logits)."""
+
+    def __init__(self, task_loss: Callable, weight: float, temperature: float, ignore_index: Optional[int] = None):
+        super().__init__()
+        if not 0 <= weight <= 1:
+            raise ConfigError(f"linearize.distill_weight must be in [0, 1], got {weight}")
+        if temperature <= 0:
+            raise ConfigError(f"linearize.temperature must be > 0, got {temperature}")
+        self.task_loss = task_loss
+        self.weight = weight
+        self.temperature = temperature
+        self.ignore_index = ignore_index
+
+    def forward(self, outputs: torch.Tensor, targets: Tuple[Any, torch.Tensor]) -> torch.Tensor:
+        labels, teacher = targets
+        t = self.temperature
+        log_student = F.log_softmax(outputs.float() / t, dim=1)
+        log_teacher = F.log_softmax(teacher.float() / t, dim=1)
+        kl = F.kl_div(log_student, log_teacher, reduction='none', log_target=True).sum(dim=1)  # [B] or [B, H, W]
+        if self.ignore_index is not None:
+            valid = (labels != self.ignore_index).to(kl.dtype)
+            kl = (kl * valid).sum() / valid.sum().clamp_min(1.0)
+        else:
+            kl = kl.mean()
+        return (1 - self.weight) * self.task_loss(outputs, labels) + self.weight * t * t * kl
+
+
+class ResizedInput(nn.Module):
+    """model(resize(images, size)): a fixed-size teacher fed the student's images at its own size (bilinear,
+    antialiased). size None: the images as they come."""
+
+    def __init__(self, model: nn.Module, size: Optional[int]) -> None:
+        super().__init__()
+        self.model = model
+        self.size = size
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.size is None or tuple(images.shape[-2:]) == (self.size, self.size):
+            return self.model(images)
+        return self.model(F.interpolate(images, size=(self.size, self.size), mode='bilinear', align_corners=False,
+                                        antialias=True))
+
+
+class HiddenStates:
+    """Forward hooks on the teacher's attention layers at ``paths`` that keep each one's input and output."""
+
+    def __init__(self, teacher: nn.Module, paths: Sequence[str]) -> None:
+        self.modules = [teacher.get_submodule(path) for path in paths]
+        self.inputs: Dict[int, torch.Tensor] = {}
+        self.outputs: Dict[int, torch.Tensor] = {}
+        for index, module in enumerate(self.modules):
+            module.register_forward_hook(self._hook(index))
+
+    def _hook(self, index: int) -> Callable:
+        def keep(module: nn.Module, args: Tuple, output: torch.Tensor) -> None:
+            self.inputs[index], self.outputs[index] = args[0], output
+        return keep
+
+    def take(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, outputs) [B, L, N, C] of the last forward, in layer order."""
+        count = len(self.modules)
+        inputs = torch.stack([self.inputs[i] for i in range(count)], dim=1)
+        outputs = torch.stack([self.outputs[i] for i in range(count)], dim=1)
+        self.inputs.clear()
+        self.outputs.clear()
+        return inputs, outputs
+
+
+def row_mask_hook(mask: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook that zeroes the rows of a parameter's gradient where ``mask`` is 0."""
+    return lambda grad: grad * mask.to(grad.dtype)
