@@ -10,7 +10,7 @@ import timm
 import torch
 from PIL import Image
 
-from linvit.engine import Checkpoint, evaluate, register_task, train
+from linvit.engine import TASKS, Checkpoint, evaluate, register_task, train
 from linvit.engine.checkpoint import load_checkpoint
 from linvit.engine.tasks.classification import ClassificationTask
 from linvit.engine.trainer import NonFiniteLossError
@@ -93,8 +93,14 @@ class _NanAfterThree(ClassificationTask):
         return loss
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config):
+@pytest.fixture
+def nan_after_three_task():
     register_task(_NanAfterThree)
+    yield
+    TASKS.unregister(_NanAfterThree.name)  # the registry is global: later tests see only the shipped tasks
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config, nan_after_three_task):
     cfg = tiny_config('task=test_nan_after_three', 'train.checkpoint_every=2', 'train.log_every=3')
     with pytest.raises(NonFiniteLossError, match=r'non-finite training loss at step 4: .*last\.pt \(step 2\) is kept'):
         train(cfg)
