@@ -15,7 +15,7 @@ from .cli import crossover
 from .specs import MODES, counterpart, size_label
 
 __all__ = ['CSV_FIELDS', 'write_csv', 'read_csv', 'describe_row', 'failure_lines', 'aggregate_rounds', 'group_key',
-           'Table', 'family_summary', 'doublings', 'plain_summary', 'mode_summary', 'summarize']
+           'Table', 'model_summary', 'doublings', 'plain_summary', 'mode_summary', 'summarize']
 
 CSV_FIELDS = ['round', 'model', 'name', 'kwargs', 'kind', 'height', 'width', 'tokens', 'batch', 'dtype', 'mode',
               'workload', 'device', 'machine', 'compile_mode', 'status', 'median_ms', 'p90_ms', 'img_per_s',
@@ -148,7 +148,7 @@ class Table:
         return _fmt(self.value(label, hw, key), self.status(label, hw), digits)
 
 
-def _family_columns(table: Table, linear: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+def _compared_columns(table: Table, linear: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
     """(softmax counterpart label or None, [(label, title)] of the columns present: linvit, floor, softmax, its
     floor)."""
     softmax_by_name = {r['name']: r['model'] for r in table.rows if r['kind'] == 'softmax'}
@@ -160,7 +160,7 @@ def _family_columns(table: Table, linear: str) -> Tuple[Optional[str], List[Tupl
     return soft, [(label, title) for label, title in columns if label and any(k[0] == label for k in table.by_key)]
 
 
-def _family_row(table: Table, linear: str, soft: Optional[str], columns: List[Tuple[str, str]],
+def _compared_row(table: Table, linear: str, soft: Optional[str], columns: List[Tuple[str, str]],
                 hw: Tuple[int, int]) -> str:
     floor = f"floor({linear})"
     lin, fl, sm = table.value(linear, hw), table.value(floor, hw), table.value(soft, hw)
@@ -192,17 +192,17 @@ def _versus_softmax(table: Table, linear: str, soft: str) -> List[str]:
     return lines
 
 
-def family_summary(table: Table, linear: str) -> List[str]:
+def model_summary(table: Table, linear: str) -> List[str]:
     """Lines for one linvit model: img/s of it, its floor, its softmax counterpart and that one's floor; the ratios
     linvit/floor and linvit/softmax at each size; the crossover size; the time growth per doubling of the side."""
-    soft, columns = _family_columns(table, linear)
+    soft, columns = _compared_columns(table, linear)
     lines = [f"## {linear}" + (f" vs {soft}" if soft else " (no softmax counterpart in this run)")
              + "; peak linvit/floor = ratio of the timed calls' peak memory"]
     header = f"{'size':>10} {'tokens':>7} " + ' '.join(f"{title + ' img/s':>15}" for _, title in columns)
     header += f" {'linvit/floor':>13} {'linvit/softmax':>15} {'linvit +MiB':>12}"
     header += f" {'softmax +MiB':>13}" if soft else ''
     lines.append(header + f" {'peak linvit/floor':>18}")
-    lines.extend(_family_row(table, linear, soft, columns, hw) for hw in table.sizes())
+    lines.extend(_compared_row(table, linear, soft, columns, hw) for hw in table.sizes())
     if soft:
         lines.extend(_versus_softmax(table, linear, soft))
     for small, large in doublings(table.sizes()):
@@ -274,7 +274,7 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
             lines.append(_table_heading(table, key, mode, rounds))
             linvit = table.labels('linvit')
             for label in linvit:
-                lines.extend(family_summary(table, label))
+                lines.extend(model_summary(table, label))
             if not linvit:
                 lines.extend(plain_summary(table))
         if len(modes) == 2:

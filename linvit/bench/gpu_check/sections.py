@@ -257,9 +257,9 @@ def build_model(case: ModelCase, preset: Preset) -> nn.Module:
     kwargs = dict(preset.model_kwargs)
     if case.kind == TORCH_PATH:
         kwargs['attn_backend'] = 'torch'
-    family = 'vit' if case.kind == 'softmax' else 'linvit'
+    prefix = 'vit' if case.kind == 'softmax' else 'linvit'
     torch.manual_seed(0)
-    model = timm.create_model(f"{family}_{case.size}_patch16_224", img_size=case.px, **kwargs)
+    model = timm.create_model(f"{prefix}_{case.size}_patch16_224", img_size=case.px, **kwargs)
     return make_floor(model) if case.kind == 'floor' else model
 
 

@@ -114,8 +114,8 @@ def pair_runs(size: str, res: str) -> Tuple[RunSpec, RunSpec]:
     """linvit and timm's softmax ViT of one size ('tiny', 'small') at one canvas ('base': equal steps, 'high':
     equal seconds)."""
     compared = 'equal steps' if res == 'base' else 'equal seconds'
-    return tuple(RunSpec(f"{size}/{res}/{kind}", f"{size}/{res}", f"{family}_{size}_patch16_224", res, 'train',
-                         compared) for kind, family in (('linvit', 'linvit'), ('softmax', 'vit')))
+    return tuple(RunSpec(f"{size}/{res}/{kind}", f"{size}/{res}", f"{prefix}_{size}_patch16_224", res, 'train',
+                         compared) for kind, prefix in (('linvit', 'linvit'), ('softmax', 'vit')))
 
 
 RUNS: Tuple[RunSpec, ...] = (
