@@ -3,12 +3,14 @@
 Each ``test_the_shipped_*`` pins one registry's names on purpose; every other test takes names from the registries,
 so adding a family, map, task, head or data builder breaks only these lines.
 """
+from dataclasses import dataclass
+
 import pytest
 
 import linvit
 from linvit.data import DATASET_BUILDERS, SEG_DATASET_BUILDERS
 from linvit.engine import TASKS, list_tasks, load_config
-from linvit.engine.config import CHOICES, ConfigError
+from linvit.engine.config import CHOICES, CONFIG_SECTIONS, ConfigError, config_section
 from linvit.models import BLOCK_TYPES, SEG_HEADS
 from linvit.registry import Registry, UnknownNameError
 
@@ -47,7 +49,7 @@ def test_names_keep_registration_order_and_unregister_removes_one():
 
 
 @pytest.mark.parametrize('registry', [linvit.ATTENTION_FAMILIES, linvit.ops.FEATURE_MAPS, TASKS, SEG_HEADS,
-                                      BLOCK_TYPES, DATASET_BUILDERS, SEG_DATASET_BUILDERS],
+                                      BLOCK_TYPES, DATASET_BUILDERS, SEG_DATASET_BUILDERS, CONFIG_SECTIONS],
                          ids=lambda registry: registry.key)
 def test_every_name_set_is_a_registry(registry):
     assert isinstance(registry, Registry) and registry.names()
@@ -71,8 +73,27 @@ def test_the_config_checks_tasks_heads_and_data_builders_by_their_registries():
     assert DATASET_BUILDERS.names() == SEG_DATASET_BUILDERS.names()  # one data.name for both kinds of task
 
 
-def test_the_shipped_tasks():
+def test_a_task_s_config_section_joins_every_run_config():
+    """A task module declares its own keys (``config_section``); they load, with defaults and type checks, until the
+    section is removed."""
+    @dataclass
+    class ToySection:
+        width: int = 3
+
+    config_section('toy', ToySection)
+    try:
+        assert load_config(None).toy.width == 3 and load_config(None, ['toy.width=5']).toy.width == 5
+        with pytest.raises(ConfigError, match="unknown config key 'toy.widht'; did you mean 'toy.width'"):
+            load_config(None, ['toy.widht=5'])
+    finally:
+        CONFIG_SECTIONS.unregister('toy')
+    with pytest.raises(ConfigError, match="unknown config key 'toy'"):
+        load_config(None, ['toy.width=5'])
+
+
+def test_the_shipped_tasks_and_their_sections():
     assert sorted(list_tasks()) == ['autoregressive', 'classification', 'linearize', 'segmentation']
+    assert CONFIG_SECTIONS.names() == ['seg', 'linearize']
 
 
 def test_the_shipped_heads_block_types_and_data_builders():

@@ -13,6 +13,7 @@ layer sets it. Saved weights are rebuilt as they were trained: ``load_config(fil
 keep_from_base=ARCHITECTURE_KEYS)`` takes the model, the task and the training size from the saved config unless
 the overrides set them, so the file only says where data lives and how to evaluate.
 """
+import dataclasses
 import difflib
 import logging
 import os
@@ -26,13 +27,12 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..data import DATASET_BUILDERS
-from ..models import SEG_HEADS
 from ..precision import PRECISIONS
 from ..registry import Registry
 
-__all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'SegConfig',
-           'SegEvalConfig', 'LinearizeConfig', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys', 'check_runs_here',
-           'load_config', 'config_to_yaml', 'config_from_yaml', 'MISSING']
+__all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'CONFIG_SECTIONS',
+           'config_section', 'config_schema', 'config_choice', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys',
+           'check_runs_here', 'load_config', 'config_to_yaml', 'config_from_yaml', 'MISSING']
 
 _logger = logging.getLogger(__name__)
 
@@ -119,53 +119,9 @@ class TrainConfig:
 
 
 @dataclass
-class SegEvalConfig:
-    mode: str = 'whole'  # 'whole' (one forward per full image) or 'slide' (windows, logits averaged where they overlap)
-    window: Optional[int] = None  # slide: window side in pixels (default: data.img_size)
-    stride: Optional[int] = None  # slide: step between windows (default: 2/3 of the window)
-    max_pixels: int = 4194304  # whole: refuse larger images (H * W) with an error instead of running out of memory
-
-
-@dataclass
-class SegConfig:
-    """Segmentation model, loss and evaluation (used when task=segmentation)."""
-    head: str = 'mlp'  # decoder head (linvit.models.segmentation.SEG_HEADS)
-    neck_dim: int = 128  # channels of every feature-pyramid level
-    head_dim: int = 128  # channels of the head's fused features
-    feature_blocks: List[int] = field(default_factory=list)  # backbone blocks feeding the pyramid ([]: 4 evenly spaced)
-    dice_weight: float = 0.0  # loss = cross-entropy + dice_weight * dice
-    eval: SegEvalConfig = field(default_factory=SegEvalConfig)
-
-
-@dataclass
-class LinearizeConfig:
-    """``task: linearize``: turn a trained softmax ViT (the teacher) into linear attention (the student) in two stages
-    (``linvit.engine.tasks.linearize``, trained by ``linvit.engine.train``). model.* and seg.* describe the teacher's
-    architecture; a teacher run directory supplies them (and its task and training size) itself."""
-    teacher: Optional[str] = None  # a run directory of this toolkit, or a weights file (.pth / .pt / .safetensors)
-    task: str = 'classification'  # the teacher's task (a weights file); a run directory says its own
-    teacher_img_size: Optional[int] = None  # a weights file's training size (default data.img_size)
-    convert: Dict[str, Any] = field(default_factory=lambda: {'feature_map': 'hedgehog'})  # convert_to_linear keywords
-    # stage 1, attention transfer: attention-side tensors learn to imitate each frozen teacher layer
-    attention_epochs: int = 1  # 0 skips stage 1
-    attention_max_steps: Optional[int] = None  # stop stage 1 after this many steps
-    attention_lr: float = 1.0e-3
-    train_qk: bool = False  # also train the q and k projections in stage 1
-    attention_weights_loss: float = 0.0  # weight of the attention-distribution term (cross-entropy on a few queries)
-    attention_queries: int = 16  # queries (evenly spaced tokens) that term compares per layer
-    # stage 2, fine-tune: every tensor, the task loss plus distillation from the teacher (train.* as any run)
-    distill_weight: float = 0.5  # loss = (1 - w) task loss + w T^2 KL(teacher / T || student / T)
-    temperature: float = 2.0
-    speed: bool = True  # measure student and teacher img/s at the training size and at 4x the tokens for the report
-    # start the student from these weights (a linearized run's model.safetensors) instead of the teacher's: continue
-    # a linearization at another data.img_size (with attention_epochs=0); the engine sets it for stage 2
-    student_weights: Optional[str] = None
-    # which stage a run is: 'all' (both, and the report), or the engine's run of one stage ('attention', 'finetune')
-    stage: str = 'all'
-
-
-@dataclass
 class RunConfig:
+    """The keys every run has; each task that needs keys of its own adds its section (``config_section``:
+    segmentation's ``seg``, linearization's ``linearize``), and ``config_schema`` joins them."""
     task: str = 'classification'  # a key of linvit.engine.TASKS: classification, segmentation, autoregressive
     output_dir: str = 'runs/default'  # with a config file: runs/<file stem> unless a layer sets it
     seed: int = 0
@@ -174,16 +130,28 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    seg: SegConfig = field(default_factory=SegConfig)
-    linearize: LinearizeConfig = field(default_factory=LinearizeConfig)
 
 
 class ConfigError(ValueError):
     """A configuration file or override that does not fit the schema; the message names the key and the fix."""
 
 
-def _schema() -> DictConfig:
-    return OmegaConf.structured(RunConfig)
+#: config sections the tasks own: section name -> its dataclass, in registration order (``config_section``)
+CONFIG_SECTIONS: Registry[type] = Registry('config section')
+
+
+def config_section(name: str, section: type) -> type:
+    """Add a task's own section ``name`` (a dataclass of its keys and defaults) to every run config; returns the
+    dataclass. The task module calls it when it is imported, so a task and its keys live in one file."""
+    if not dataclasses.is_dataclass(section):
+        raise TypeError(f"config section {name!r} must be a dataclass, got {section!r}")
+    return CONFIG_SECTIONS.register(name, section)
+
+
+def config_schema() -> DictConfig:
+    """The schema every config is checked against: RunConfig's keys, then each task's section."""
+    sections = [(name, section, field(default_factory=section)) for name, section in CONFIG_SECTIONS.items()]
+    return OmegaConf.structured(dataclasses.make_dataclass('RunConfig', sections, bases=(RunConfig,)))
 
 
 def _free_form(schema: DictConfig, key: str) -> bool:
@@ -271,21 +239,19 @@ def _merge(schema: DictConfig, source: str, values: Dict[str, Any]) -> DictConfi
         raise ConfigError(f"{source}: bad value for '{key}': {str(error).splitlines()[0]}") from error
 
 
-#: keys whose string value must be one of a few names: a registry's (the task registry adds itself when the tasks
-#: are imported, ``config_choice``; classification and segmentation data builders share their names) or a fixed set
+#: keys whose string value must be one of a few names: a registry's or a fixed set; the tasks add the task registry
+#: and their own sections' keys when they are imported (``config_choice``); classification and segmentation data
+#: builders share their names
 CHOICES: Dict[str, Union[Registry, Sequence[str]]] = {
     'data.name': DATASET_BUILDERS,
-    'seg.head': SEG_HEADS,
     'train.precision': tuple(PRECISIONS),
-    'seg.eval.mode': ('whole', 'slide'),
-    'linearize.task': ('classification', 'segmentation'),
-    'linearize.stage': ('all', 'attention', 'finetune'),
 }
 
 
-def config_choice(key: str, registry: Registry) -> None:
-    """Make ``key``'s values the names of ``registry`` (for registries that live above the config: the tasks)."""
-    CHOICES[key] = registry
+def config_choice(key: str, choices: Union[Registry, Sequence[str]]) -> None:
+    """Make ``key``'s values the names of ``choices`` (a registry, or a fixed set): for keys of a task's own section
+    and for registries that live above the config (the tasks)."""
+    CHOICES[key] = choices
 
 
 def _check_choices(cfg: DictConfig) -> None:
@@ -461,7 +427,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     also for a required value (``???`` in a YAML file) that nothing set, and for a model.name timm does not know.
     """
     saved, files, command_line = _layers(base, path, overrides)
-    cfg = _merged(_schema(), saved)
+    cfg = _merged(config_schema(), saved)
     saved_cfg = cfg.copy()
     cfg = _merged(cfg, files)
     if saved and files and keep_from_base:

@@ -15,7 +15,7 @@ from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
 import linvit
 from linvit.engine import TASKS, build_task, load_config, register_task, train
-from linvit.engine.config import ARCHITECTURE_KEYS, RunConfig
+from linvit.engine.config import ARCHITECTURE_KEYS, config_schema
 from linvit.engine.tasks import Stage, StagedRun, architecture_keys, task_of_logits
 from linvit.engine.tasks.classification import ClassificationTask
 
@@ -47,7 +47,7 @@ def test_ranks_no_task_predicts_name_no_task_and_every_unpredicted_task_says_why
 
 @pytest.mark.parametrize('name', TASKS.names())
 def test_architecture_keys_are_config_keys(name):
-    schema = OmegaConf.structured(RunConfig)
+    schema = config_schema()
     keys = architecture_keys(name)
     assert keys[:len(ARCHITECTURE_KEYS)] == tuple(ARCHITECTURE_KEYS)
     assert all(OmegaConf.select(schema, key, default='absent') != 'absent' for key in keys), keys

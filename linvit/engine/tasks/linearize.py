@@ -39,6 +39,7 @@ import functools
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,7 +53,7 @@ from ...models.convert import convert_to_linear
 from ...precision import PRECISIONS
 from ...timing import time_interleaved
 from ..checkpoint import atomic_write, load_checkpoint
-from ..config import CHOICES, ConfigError, RunConfig, config_from_yaml, load_config
+from ..config import CHOICES, ConfigError, config_choice, config_from_yaml, config_schema, config_section, load_config
 from ..distributed import setup_distributed
 from ..metrics import Meter
 from ..run_files import find_run_files, load_weights, read_weights, saved_config_text
@@ -72,10 +73,42 @@ from .distillation import (
 )
 from .segmentation import SegmentationTask
 
-__all__ = ['LinearizeTask', 'STAGE_DIRS', 'NO_TEACHER', 'teacher_weights_path', 'resolve_teacher',
+__all__ = ['LinearizeTask', 'LinearizeConfig', 'STAGE_DIRS', 'NO_TEACHER', 'teacher_weights_path', 'resolve_teacher',
            'teacher_training_steps', 'SPEED_BATCH']
 
 _logger = logging.getLogger('linvit.linearize')
+
+
+@dataclass
+class LinearizeConfig:
+    """The ``linearize`` section of every run config. ``task: linearize``: turn a trained softmax ViT (the teacher)
+    into linear attention (the student) in two stages (trained by ``linvit.engine.train``). model.* and seg.*
+    describe the teacher's architecture; a teacher run directory supplies them (and its task and training size)."""
+    teacher: Optional[str] = None  # a run directory of this toolkit, or a weights file (.pth / .pt / .safetensors)
+    task: str = 'classification'  # the teacher's task (a weights file); a run directory says its own
+    teacher_img_size: Optional[int] = None  # a weights file's training size (default data.img_size)
+    convert: Dict[str, Any] = field(default_factory=lambda: {'feature_map': 'hedgehog'})  # convert_to_linear keywords
+    # stage 1, attention transfer: attention-side tensors learn to imitate each frozen teacher layer
+    attention_epochs: int = 1  # 0 skips stage 1
+    attention_max_steps: Optional[int] = None  # stop stage 1 after this many steps
+    attention_lr: float = 1.0e-3
+    train_qk: bool = False  # also train the q and k projections in stage 1
+    attention_weights_loss: float = 0.0  # weight of the attention-distribution term (cross-entropy on a few queries)
+    attention_queries: int = 16  # queries (evenly spaced tokens) that term compares per layer
+    # stage 2, fine-tune: every tensor, the task loss plus distillation from the teacher (train.* as any run)
+    distill_weight: float = 0.5  # loss = (1 - w) task loss + w T^2 KL(teacher / T || student / T)
+    temperature: float = 2.0
+    speed: bool = True  # measure student and teacher img/s at the training size and at 4x the tokens for the report
+    # start the student from these weights (a linearized run's model.safetensors) instead of the teacher's: continue
+    # a linearization at another data.img_size (with attention_epochs=0); the engine sets it for stage 2
+    student_weights: Optional[str] = None
+    # which stage a run is: 'all' (both, and the report), or the engine's run of one stage ('attention', 'finetune')
+    stage: str = 'all'
+
+
+config_section('linearize', LinearizeConfig)
+config_choice('linearize.task', ('classification', 'segmentation'))
+config_choice('linearize.stage', ('all', 'attention', 'finetune'))
 
 #: the error of a linearization without a teacher
 NO_TEACHER = ("task=linearize needs linearize.teacher: a run directory of train.py or a weights file (.pth / .pt / "
@@ -146,7 +179,7 @@ def resolve_teacher(cfg: DictConfig) -> DictConfig:
     for key in TASKS.get(saved.task).architecture_keys:
         _copy_key(values, saved, key)
     values['linearize'].update(task=saved.task, teacher_img_size=lin.teacher_img_size or saved.data.img_size)
-    resolved = OmegaConf.merge(OmegaConf.structured(RunConfig), values)
+    resolved = OmegaConf.merge(config_schema(), values)
     OmegaConf.set_readonly(resolved, OmegaConf.is_readonly(cfg))
     return resolved
 

@@ -8,6 +8,7 @@ accuracy, and the mean cross-entropy per labelled pixel.
 """
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -17,13 +18,40 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
 from ...inference import segment
+from ...models import SEG_HEADS
 from ...models.segmentation import SegmentationModel
-from ..config import ConfigError
+from ..config import ConfigError, config_choice, config_section
 from ..metrics import Meter, SegmentationMeter
 from ..plots import plot_confusion_matrix, plot_segmentation_grid
 from .base import Task, create_model_from_config, input_multiple, nearest_multiples, register_task
 
-__all__ = ['SegmentationTask', 'SegmentationLoss', 'dice_loss', 'create_segmentation_model']
+__all__ = ['SegmentationTask', 'SegmentationLoss', 'SegConfig', 'SegEvalConfig', 'dice_loss',
+           'create_segmentation_model']
+
+
+@dataclass
+class SegEvalConfig:
+    mode: str = 'whole'  # 'whole' (one forward per full image) or 'slide' (windows, logits averaged where they overlap)
+    window: Optional[int] = None  # slide: window side in pixels (default: data.img_size)
+    stride: Optional[int] = None  # slide: step between windows (default: 2/3 of the window)
+    max_pixels: int = 4194304  # whole: refuse larger images (H * W) with an error instead of running out of memory
+
+
+@dataclass
+class SegConfig:
+    """The ``seg`` section of every run config: the segmentation model, loss and evaluation (task=segmentation;
+    the linearization reads a segmentation teacher's architecture from it)."""
+    head: str = 'mlp'  # decoder head (linvit.models.SEG_HEADS)
+    neck_dim: int = 128  # channels of every feature-pyramid level
+    head_dim: int = 128  # channels of the head's fused features
+    feature_blocks: List[int] = field(default_factory=list)  # backbone blocks feeding the pyramid ([]: 4 evenly spaced)
+    dice_weight: float = 0.0  # loss = cross-entropy + dice_weight * dice
+    eval: SegEvalConfig = field(default_factory=SegEvalConfig)
+
+
+config_section('seg', SegConfig)
+config_choice('seg.head', SEG_HEADS)
+config_choice('seg.eval.mode', ('whole', 'slide'))
 
 _logger = logging.getLogger(__name__)
 
