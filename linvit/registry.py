@@ -14,7 +14,7 @@ verbs with one behaviour everywhere::
 This module is a leaf: it imports nothing from linvit, so every layer can hold a registry.
 """
 import difflib
-from typing import Callable, Dict, Generic, Iterator, List, Optional, TypeVar
+from typing import Dict, Generic, Iterator, List, Optional, TypeVar
 
 __all__ = ['Registry', 'UnknownNameError']
 
@@ -51,10 +51,6 @@ class Registry(Generic[T]):
                              f"first or choose another name")
         self._entries[name] = entry
         return entry
-
-    def decorator(self, name_of: Callable[[T], str]) -> Callable[[T], T]:
-        """A decorator registering its argument under ``name_of(argument)`` (e.g. a class's ``name`` attribute)."""
-        return lambda entry: self.register(name_of(entry), entry)
 
     def get(self, name: str) -> T:
         """The entry of ``name``; ``UnknownNameError`` naming the closest known names and all known ones."""
