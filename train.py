@@ -19,7 +19,8 @@ output_dir or --overwrite (which deletes that run's files first). Resuming a fin
 
 Exit status: 0 done; 2 the command line or a config file is wrong (unknown key, model or task, a bad value, an
 architecture change the weights do not fit); 1 a file or the data is wrong (missing, not a checkpoint, unreadable
-images) or the training loss diverged. Each of these ends with one line on stderr; a traceback means a bug.
+images) or the training loss diverged; 130 interrupted (Ctrl-C: the line says what is kept and how to continue).
+Each of these ends with one line on stderr; a traceback means a bug.
 """
 import argparse
 import logging
@@ -28,12 +29,14 @@ import sys
 
 import linvit  # noqa: F401  (registers the linvit_* models with timm)
 from linvit.data import DataError, LayoutError
-from linvit.engine import ConfigError, NonFiniteLossError
+from linvit.engine import ConfigError, NonFiniteLossError, RunInterrupted
 from linvit.engine.checkpoint import CheckpointError
 from linvit.engine.commands import evaluate_saved, resume_run, start_run
 
 #: exit status of an expected failure: the command line or a config is wrong / a file, the data or the run is
 EXIT_CONFIG, EXIT_FAILURE = 2, 1
+#: exit status after Ctrl-C (128 + SIGINT), as shells report it
+EXIT_INTERRUPTED = 130
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,6 +104,10 @@ def main(argv=None) -> int:
     except (DataError, CheckpointError, NonFiniteLossError, FileNotFoundError) as error:
         print(f"train.py: error: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: where the run stands instead of a traceback
+        said = one_line(interrupt) if isinstance(interrupt, RunInterrupted) else 'interrupted'
+        print(f"train.py: {said}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if rank0:
         print(summary_line(metrics))
     return 0

@@ -20,8 +20,8 @@ from .config import ConfigError, RunConfig, config_from_yaml, config_to_yaml, lo
 from .evaluation import evaluate
 from .step import TrainStep, compile_train_step
 from .tasks import TASKS, Task, build_task, list_tasks, register_task
-from .trainer import NonFiniteLossError, train
+from .trainer import NonFiniteLossError, RunInterrupted, train
 
 __all__ = ['ConfigError', 'RunConfig', 'load_config', 'config_to_yaml', 'config_from_yaml', 'TASKS', 'Task',
            'build_task', 'register_task', 'list_tasks', 'TrainStep', 'compile_train_step', 'NonFiniteLossError',
-           'Checkpoint', 'train', 'evaluate']
+           'RunInterrupted', 'Checkpoint', 'train', 'evaluate']

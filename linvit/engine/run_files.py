@@ -4,6 +4,7 @@ config they hold, and loading weights into a model strictly (position embeddings
 These need no model registry or task, so everything that builds models (the tasks, the trainer,
 ``linvit.engine.loading``'s ``load_trained``) can use them without importing each other.
 """
+import fnmatch
 import logging
 import os
 import shutil
@@ -17,7 +18,8 @@ from timm.layers import resample_abs_pos_embed
 from .checkpoint import Checkpoint, CheckpointError, load_safetensors
 from .config import ConfigError
 
-__all__ = ['RUN_WEIGHTS', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError', 'run_entries_in', 'claim_run_dir', 'RunFiles',
+__all__ = ['RUN_WEIGHTS', 'RUN_DERIVED', 'RUN_STAGES', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError',
+           'run_entries_in', 'run_results_in', 'claim_run_dir', 'remove_unstarted_run', 'RunFiles',
            'find_run_files', 'saved_config_text', 'read_weights', 'load_weights', 'resample_position_embeddings',
            'WeightsMismatchError']
 
@@ -26,12 +28,20 @@ _logger = logging.getLogger(__name__)
 #: the weights a run directory offers, in order of preference
 RUN_WEIGHTS = ('model.safetensors', 'best.pt', 'last.pt')
 _CHECKPOINTS = ('best.pt', 'last.pt')
-#: what train.py writes into a run directory (a linearization adds its stage folders and state)
+#: what other commands write into a run directory from its weights, by default: the ONNX file of
+#: tools/export_onnx.py and the evaluations of train.py --eval-only (eval_<weights name>/). They describe the run's
+#: weights, so they go with them: a run replaced by --overwrite takes them along.
+RUN_DERIVED = ('model.onnx', 'eval_*')
+#: the folders of a run trained in stages (a linearization), each a run directory of its own
+RUN_STAGES = ('stage1', 'stage2')
+#: what train.py writes into a run directory (a staged run adds its stage folders and its state <task>.json), and
+#: what is derived from it: the entries a replaced run takes along. Names or fnmatch patterns.
 RUN_ENTRIES = ('config.yaml', 'train.log', 'metrics.csv', 'metrics.json', 'last.pt', 'best.pt', 'model.safetensors',
-               'curves.png', 'pictures', 'tb', 'linearize.json', 'stage1', 'stage2')
-#: the entries that make a folder hold a run: something to resume or a result (the rest alone is what a run that
-#: stopped before its first checkpoint leaves: nothing that --resume could use)
-RUN_RESULTS = ('last.pt', 'best.pt', 'model.safetensors', 'metrics.json', 'linearize.json', 'stage1', 'stage2')
+               'curves.png', 'pictures', 'tb', 'linearize.json', *RUN_STAGES, *RUN_DERIVED)
+#: the entries that make a folder hold a run: something to resume or a result, of its own or in a stage folder (the
+#: rest alone, a staged run's state included, is what a run that stopped before its first checkpoint leaves:
+#: nothing that --resume could continue)
+RUN_RESULTS = ('last.pt', 'best.pt', 'model.safetensors', 'metrics.json', *RUN_DERIVED)
 #: how many differing keys a WeightsMismatchError names before '(and N more)'
 _NAMED_KEYS = 3
 
@@ -44,9 +54,23 @@ class RunExistsError(ConfigError):
     """A new run was pointed at a folder that already holds a run; the message offers the three ways on."""
 
 
+def _present(directory: str, patterns: Sequence[str]) -> List[str]:
+    """The entries of ``directory`` that match ``patterns`` (names or fnmatch patterns), in the patterns' order."""
+    if not os.path.isdir(directory):
+        return []
+    names = sorted(os.listdir(directory))
+    return [name for pattern in patterns for name in fnmatch.filter(names, pattern)]
+
+
 def run_entries_in(directory: str) -> List[str]:
     """The RUN_ENTRIES present in ``directory`` (none when it does not exist)."""
-    return [name for name in RUN_ENTRIES if os.path.lexists(os.path.join(directory, name))]
+    return _present(directory, RUN_ENTRIES)
+
+
+def run_results_in(directory: str) -> List[str]:
+    """The entries of ``directory`` that make it hold a run (RUN_RESULTS, and stage folders that hold a run)."""
+    stages = [name for name in _present(directory, RUN_STAGES) if run_results_in(os.path.join(directory, name))]
+    return _present(directory, RUN_RESULTS) + stages
 
 
 def _free_sibling(directory: str) -> str:
@@ -55,26 +79,43 @@ def _free_sibling(directory: str) -> str:
     return next(f"{base}_{n}" for n in range(2, 10 ** 6) if not os.path.exists(f"{base}_{n}"))
 
 
-def claim_run_dir(directory: str, found: Sequence[str], overwrite: bool, is_main: bool) -> None:
-    """Make ``directory`` ready for a new run whose check found ``found`` (``run_entries_in``, read by every
-    process before any of them wrote): RunExistsError when it holds a run (any of RUN_RESULTS), unless
-    ``overwrite``. The main process then deletes the entries found (other files in the folder stay): those of the
-    run replaced, or of a run that stopped before its first checkpoint. A second run never mixes its checkpoints,
-    CSV rows, logs, events or pictures with the first's."""
-    if set(found) & set(RUN_RESULTS) and not overwrite:
-        raise RunExistsError(f"{directory} already holds a run ({', '.join(found[:4])}): continue it with "
-                             f"--resume {directory}, start a new one with output_dir={_free_sibling(directory)}, or "
-                             f"replace it with --overwrite")
-    if not (found and is_main):
-        return
-    for name in found:
+def _remove_entries(directory: str, names: Sequence[str]) -> None:
+    for name in names:
         path = os.path.join(directory, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
             os.remove(path)
-    why = "--overwrite" if overwrite else "a run that stopped before its first checkpoint"
+
+
+def claim_run_dir(directory: str, found: Sequence[str], results: Sequence[str], overwrite: bool,
+                  is_main: bool) -> None:
+    """Make ``directory`` ready for a new run whose check found the entries ``found`` (``run_entries_in``) and the
+    results ``results`` (``run_results_in``), both read by every process before any of them wrote: RunExistsError
+    when it holds a run (a result), unless ``overwrite``. The main process then deletes the entries found (other
+    files in the folder stay): those of the run replaced and what was derived from it (an ONNX export, evaluations),
+    or what a run that stopped before its first checkpoint left. A second run never mixes its checkpoints, CSV rows,
+    logs, events or pictures with the first's, nor leaves the first's export beside its own weights."""
+    if results and not overwrite:
+        raise RunExistsError(f"{directory} already holds a run ({', '.join(results[:4])}): continue it with "
+                             f"--resume {directory}, start a new one with output_dir={_free_sibling(directory)}, or "
+                             f"replace it with --overwrite")
+    if not (found and is_main):
+        return
+    _remove_entries(directory, found)
+    why = "--overwrite" if results else "a run that stopped before its first checkpoint"
     _logger.info("%s: removed the previous run's %s from %s", why, ', '.join(found), directory)
+
+
+def remove_unstarted_run(directory: str, created: bool) -> None:
+    """What a run refused by a check before its first result wrote into ``directory`` (config.yaml, an empty
+    train.log, ...): removed, and the folder too when the run ``created`` it and it is left empty. A folder that holds
+    a run (``run_results_in``) is left as it is."""
+    if not os.path.isdir(directory) or run_results_in(directory):
+        return
+    _remove_entries(directory, run_entries_in(directory))
+    if created and not os.listdir(directory):
+        os.rmdir(directory)
 
 
 @dataclass

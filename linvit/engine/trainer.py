@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
@@ -32,8 +33,9 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from ..data import LayoutError
 from .checkpoint import Checkpoint, Progress, atomic_write, save_model_safetensors
-from .config import check_runs_here, config_to_yaml
+from .config import ConfigError, check_runs_here, config_to_yaml
 from .distributed import DistInfo, all_reduce_max, all_reduce_mean, barrier, setup_distributed
 from .evaluation import evaluated_meter, save_prediction_picture
 from .run import (
@@ -49,17 +51,21 @@ from .run import (
     seed_everything,
     use_threads,
 )
-from .run_files import claim_run_dir, run_entries_in
+from .run_files import claim_run_dir, remove_unstarted_run, run_entries_in, run_results_in
 from .run_log import CSV_BASE_COLUMNS, RunLog, TrainWindow, format_metrics, run_directory, write_json
 from .tasks import StagedRun, Task, build_task
 
-__all__ = ['train', 'fit', 'NonFiniteLossError', 'RunOutcome']
+__all__ = ['train', 'fit', 'NonFiniteLossError', 'RunInterrupted', 'RunOutcome']
 
 _logger = logging.getLogger('linvit.train')
 
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; the message names the step and the checkpoint that is kept."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Training stopped by Ctrl-C (SIGINT); the one-line message says what is kept and the command that continues."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +89,16 @@ def train(cfg: DictConfig, resume: Union[bool, Checkpoint] = False, overwrite: b
     evaluation runs). Raises NonFiniteLossError when the loss stops being finite, leaving the last good checkpoint.
     """
     check_runs_here(cfg)
-    staged = build_task(cfg).staged_run()
-    if staged is not None:
-        return _train_stages(staged, resume=bool(resume), overwrite=overwrite)
-    checkpoint = Checkpoint.load(os.path.join(cfg.output_dir, 'last.pt')) if resume is True else resume or None
-    outcome = _train_run(cfg, checkpoint, overwrite)
+    try:
+        staged = build_task(cfg).staged_run()
+        if staged is not None:
+            return _train_stages(staged, resume=bool(resume), overwrite=overwrite)
+        checkpoint = Checkpoint.load(os.path.join(cfg.output_dir, 'last.pt')) if resume is True else resume or None
+        outcome = _train_run(cfg, checkpoint, overwrite)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise RunInterrupted(_interrupted(cfg.output_dir)) from None
     if setup_distributed(cfg.device).is_main:
         if outcome.stopped_early:
             _logger.info("stopped at train.max_steps=%d of %d steps; continue with: train.py --resume %s "
@@ -95,6 +106,15 @@ def train(cfg: DictConfig, resume: Union[bool, Checkpoint] = False, overwrite: b
         _logger.info("run directory %s: metrics.json, curves.png, pictures/, last.pt, best.pt, model.safetensors, tb/ "
                      "(%s --logdir %s)", cfg.output_dir, _tensorboard_command(), cfg.output_dir)
     return outcome.metrics
+
+
+def _interrupted(output_dir: str) -> str:
+    """What an interrupted run keeps and how to go on, in one line."""
+    if run_results_in(output_dir):
+        return (f"interrupted: {output_dir} keeps its checkpoints up to the last one written; continue with: "
+                f"train.py --resume {output_dir}")
+    return (f"interrupted before the first checkpoint: nothing to resume in {output_dir}; the same command starts "
+            f"the run again in that folder")
 
 
 def _tensorboard_command() -> str:
@@ -115,6 +135,27 @@ def _train_stages(staged: StagedRun, resume: bool, overwrite: bool) -> Dict[str,
         _claim_run_dir(cfg.output_dir, info, overwrite)
     task = build_task(cfg)
     state_path = os.path.join(cfg.output_dir, f'{task.name}.json')
+    with _nothing_left_if_refused(cfg.output_dir, info):
+        state = _train_each_stage(staged, task, state_path, info, resume)
+    report = task.report(state, info.is_main)
+    barrier()
+    if info.is_main:
+        _write_state(state_path, state, info)
+        shutil.copyfile(os.path.join(staged.stages[-1].config.output_dir, 'model.safetensors'),
+                        os.path.join(cfg.output_dir, 'model.safetensors'))
+        write_json(os.path.join(cfg.output_dir, 'metrics.json'), report)
+        task.write_report(cfg.output_dir, report)
+        _logger.info("run directory %s: metrics.json (the report), model.safetensors (the final model), %s (each a "
+                     "run directory: checkpoints, curves, pictures, tb/)", cfg.output_dir,
+                     ', '.join(f"{stage.folder}/" for stage in staged.stages))
+    return report
+
+
+def _train_each_stage(staged: StagedRun, task: Task, state_path: str, info: DistInfo,
+                      resume: bool) -> Dict[str, Any]:
+    """The staged run's config.yaml, its baselines, then each stage not yet finished; returns the state (what
+    ``state_path``, <task>.json, holds: the baselines' metrics and each stage's)."""
+    cfg = staged.config
     if info.is_main:
         os.makedirs(cfg.output_dir, exist_ok=True)
         with atomic_write(os.path.join(cfg.output_dir, 'config.yaml'), mode='w') as f:
@@ -128,18 +169,7 @@ def _train_stages(staged: StagedRun, resume: bool, overwrite: bool) -> Dict[str,
             continue
         state[stage.folder] = _train_stage(stage.config, resume)
         _write_state(state_path, state, info)
-    report = task.report(state, info.is_main)
-    barrier()
-    if info.is_main:
-        _write_state(state_path, state, info)
-        shutil.copyfile(os.path.join(staged.stages[-1].config.output_dir, 'model.safetensors'),
-                        os.path.join(cfg.output_dir, 'model.safetensors'))
-        write_json(os.path.join(cfg.output_dir, 'metrics.json'), report)
-        task.write_report(cfg.output_dir, report)
-        _logger.info("run directory %s: metrics.json (the report), model.safetensors (the final model), %s (each a "
-                     "run directory: checkpoints, curves, pictures, tb/)", cfg.output_dir,
-                     ', '.join(f"{stage.folder}/" for stage in staged.stages))
-    return report
+    return state
 
 
 def _evaluate_baselines(task: Task, first_stage: DictConfig, info: DistInfo) -> Dict[str, Any]:
@@ -193,7 +223,7 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
         if finished is not None:
             return RunOutcome(finished, checkpoint.progress.step, checkpoint.progress.step)
     use_threads(cfg.threads, info.device)
-    with run_directory(cfg, info):
+    with _nothing_left_if_refused(cfg.output_dir, info), run_directory(cfg, info):
         run = build_run(cfg, info)
         training = build_training(run)
         seed_everything(cfg.seed + 1 + info.rank)  # per-rank dropout / drop-path / mixup streams
@@ -207,9 +237,22 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
 
 def _claim_run_dir(output_dir: str, info: DistInfo, overwrite: bool) -> None:
     """Refuse (or, with ``overwrite``, clear) an output_dir that holds a run, before any process writes to it."""
-    found = run_entries_in(output_dir)
+    found, results = run_entries_in(output_dir), run_results_in(output_dir)
     barrier()  # every process has looked before the main one writes
-    claim_run_dir(output_dir, found, overwrite, info.is_main)
+    claim_run_dir(output_dir, found, results, overwrite, info.is_main)
+
+
+@contextmanager
+def _nothing_left_if_refused(output_dir: str, info: DistInfo) -> Iterator[None]:
+    """A run refused by a check of its config or data layout (ConfigError, LayoutError) before its first result
+    leaves no files behind (config.yaml, an empty train.log), and no folder it created: only the one-line error."""
+    created = not os.path.exists(output_dir)
+    try:
+        yield
+    except (ConfigError, LayoutError):
+        if info.is_main:
+            remove_unstarted_run(output_dir, created)
+        raise
 
 
 def _finished_metrics(cfg: DictConfig, progress: Progress) -> Optional[Dict[str, Any]]:

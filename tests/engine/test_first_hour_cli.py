@@ -8,8 +8,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -82,12 +84,35 @@ def test_overwrite_replaces_the_run_without_mixing(tmp_path, trained):
     run = str(tmp_path / 'run')
     shutil.copytree(trained[0], run)
     open(os.path.join(run, 'notes.txt'), 'w').write('mine')
-    _ok(_run(*CLS, 'train.epochs=1', f'output_dir={run}', '--overwrite'))
+    _ok(_run('--eval-only', run))  # -> run/eval_model/
+    exported = subprocess.run([sys.executable, 'tools/export_onnx.py', run], cwd=ROOT, capture_output=True, text=True)
+    assert exported.returncode == 0 and os.path.isfile(os.path.join(run, 'model.onnx')), exported.stderr[-3000:]
+    replaced = _ok(_run(*CLS, 'train.epochs=1', f'output_dir={run}', '--overwrite'))
+    assert 'model.onnx, eval_model' in replaced.stderr  # the log names what went with the replaced run
     rows = [row for row in _csv_rows(run) if row['split'] == 'train']
     assert [int(row['step']) for row in rows] == list(range(1, 9))  # one run's steps, once
     assert not os.path.exists(os.path.join(run, 'pictures'))  # the replaced run's pictures went with it
     assert len(os.listdir(os.path.join(run, 'tb'))) == 1
     assert open(os.path.join(run, 'notes.txt')).read() == 'mine'
+    # the replaced run's export and evaluation describe weights that are gone: they went with them
+    assert not os.path.exists(os.path.join(run, 'eval_model'))
+    _save_png(str(tmp_path / 'images' / 'a.png'), np.zeros((32, 32, 3), dtype=np.uint8))
+    stale = subprocess.run([sys.executable, 'tools/predict.py', os.path.join(run, 'model.onnx'),
+                            str(tmp_path / 'images'), '--out', str(tmp_path / 'p.csv')], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert stale.returncode != 0 and 'Traceback' not in stale.stderr and 'model.onnx' in stale.stderr
+    assert not os.path.exists(tmp_path / 'p.csv')
+
+
+def test_an_export_or_evaluation_alone_makes_a_folder_hold_a_run(tmp_path):
+    from linvit.engine.run_files import run_results_in
+    (tmp_path / 'eval_best').mkdir()
+    (tmp_path / 'stage1').mkdir()
+    (tmp_path / 'stage1' / 'train.log').write_text('')
+    assert run_results_in(str(tmp_path)) == ['eval_best']
+    (tmp_path / 'model.onnx').write_text('')
+    (tmp_path / 'stage1' / 'last.pt').write_text('')
+    assert run_results_in(str(tmp_path)) == ['model.onnx', 'eval_best', 'stage1']
 
 
 def test_a_folder_left_by_a_run_that_stopped_before_its_first_checkpoint_is_reused(tmp_path):
@@ -112,7 +137,37 @@ def test_a_folder_left_by_a_run_that_stopped_before_its_first_checkpoint_is_reus
 ])
 def test_an_expected_mistake_is_one_line_and_exit_2(tmp_path, overrides, phrases):
     _one_config_error(_run(*CLS, *overrides, f'output_dir={tmp_path / "run"}'), *phrases)
-    assert not os.path.exists(tmp_path / 'run' / 'last.pt')
+    assert not os.path.exists(tmp_path / 'run')  # refused: no config.yaml, no empty train.log, no folder
+
+
+def test_a_refused_run_keeps_a_folder_it_did_not_create_and_the_files_it_did_not_write(tmp_path):
+    run = tmp_path / 'run'
+    run.mkdir()
+    (run / 'notes.txt').write_text('mine')
+    _one_config_error(_run(*CLS, 'data.batch_size=100', f'output_dir={run}'), 'lower data.batch_size')
+    assert os.listdir(run) == ['notes.txt']
+
+
+def test_ctrl_c_is_one_line_with_the_command_that_continues(tmp_path):
+    run = tmp_path / 'run'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    process = subprocess.Popen([sys.executable, 'train.py', *CLS, 'train.epochs=100', f'output_dir={run}'], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        waited = 0.0
+        while not (run / 'last.pt').exists() and process.poll() is None and waited < 300:
+            time.sleep(0.2)
+            waited += 0.2
+        process.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr[-3000:]
+    assert 'Traceback' not in stderr and 'KeyboardInterrupt' not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last == (f"train.py: interrupted: {run} keeps its checkpoints up to the last one written; continue "
+                    f"with: train.py --resume {run}")
+    _ok(_run('--resume', str(run), 'train.epochs=2'))  # the command it printed, with a shorter plan
 
 
 @pytest.mark.parametrize('overrides, phrases', [

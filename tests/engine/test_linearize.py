@@ -280,6 +280,23 @@ def test_a_linear_teacher_or_a_missing_one_is_a_clear_error(teacher_dir, tmp_pat
         task.build_teacher(4)
 
 
+def test_a_first_start_refused_by_its_batch_size_reruns_corrected_without_overwrite(teacher_dir, tmp_path):
+    out = tmp_path / 'lin'
+    command = [sys.executable, 'train.py', '--config', 'configs/cls_demo.yaml', *TINY_RUN, 'task=linearize',
+               f'linearize.teacher={teacher_dir}', 'linearize.speed=false', 'train.epochs=1', f'output_dir={out}']
+    refused = subprocess.run([*command, 'data.batch_size=100'], cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and 'lower data.batch_size' in refused.stderr, refused.stderr[-2000:]
+    assert not out.exists()  # no config.yaml, no baselines' state, no stage folder: nothing that counts as a run
+    corrected = subprocess.run([*command, 'data.batch_size=8'], cwd=REPO, capture_output=True, text=True)
+    assert corrected.returncode == 0, corrected.stderr[-2000:]
+    assert set(STAGE_DIRS.values()) <= set(os.listdir(out)) and 'top1' in json.load(open(out / 'metrics.json'))
+
+
+def test_the_run_folder_rules_know_the_stage_folders():
+    from linvit.engine.run_files import RUN_STAGES
+    assert set(STAGE_DIRS.values()) == set(RUN_STAGES)
+
+
 def test_a_larger_student_size_feeds_the_teacher_at_its_own_size(teacher_dir, tmp_path):
     """Stage 2 at 48 px for a 32 px teacher: the teacher sees the images resized to 32 px (its report accuracy is
     that, counted here by hand), the student's position embedding is resampled, and both stages run at 48 px."""
