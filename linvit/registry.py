@@ -14,9 +14,9 @@ verbs with one behaviour everywhere::
 This module is a leaf: it imports nothing from linvit, so every layer can hold a registry.
 """
 import difflib
-from typing import Dict, Generic, Iterator, List, Optional, TypeVar
+from typing import Dict, Generic, Iterable, Iterator, List, Optional, TypeVar
 
-__all__ = ['Registry', 'UnknownNameError']
+__all__ = ['Registry', 'UnknownNameError', 'suggestion']
 
 T = TypeVar('T')
 
@@ -61,8 +61,8 @@ class Registry(Generic[T]):
     def unknown_message(self, name: object, hint: str = '') -> str:
         """"unknown <key> <name>; did you mean ...? known: ..." (``hint``: one more sentence, e.g. another registry
         that holds the name)."""
-        close = difflib.get_close_matches(name, self._entries, n=3, cutoff=0.6) if isinstance(name, str) else []
-        guess = f" did you mean {_one_of([repr(c) for c in close])}?" if close else ''
+        guess = suggestion(name, self._entries) if isinstance(name, str) else ''
+        guess = f" {guess}" if guess else ''
         extra = f" ({hint})" if hint else ''
         return f"unknown {self.key} {name!r};{guess} known: {', '.join(self._entries) or 'none'}{extra}"
 
@@ -103,6 +103,13 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.key!r}: {', '.join(self._entries)})"
+
+
+def suggestion(name: str, known: Iterable[str]) -> str:
+    """"did you mean 'depth'?" naming the (up to three) known names closest to a misspelt ``name``; '' when none is
+    close."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    return f"did you mean {_one_of([repr(c) for c in close])}?" if close else ''
 
 
 def _one_of(words: List[str]) -> str:

@@ -6,7 +6,7 @@ process), the prediction picture of a step, and evaluating saved weights (``trai
     metrics = evaluate(cfg, 'runs/x/best.pt', 'runs/x/eval_best')   # saved weights -> metrics.json
 """
 import os
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -68,6 +68,29 @@ def save_prediction_picture(run: Run, model: nn.Module, step: int) -> str:
     return png_path
 
 
+def _check_classes(run: Run, weights: Dict[str, torch.Tensor], class_names: Optional[List[str]],
+                   weights_path: str) -> None:
+    """DataError when the weights were trained on other classes than the validation data has: by name when the
+    weights carry their class names (a checkpoint), else by count (the rows of the task's classifier weight)."""
+    if class_names is not None:
+        if list(class_names) != list(run.class_names):
+            raise DataError(f"{weights_path} was trained on classes {class_names} but the validation data has "
+                            f"{run.class_names}")
+        return
+    key = run.task.classifier_key
+    trained = int(weights[key].shape[0]) if key in weights else len(run.class_names)
+    if trained != len(run.class_names):
+        raise DataError(f"{weights_path} was trained on {trained} classes ({key} has {trained} rows) but the "
+                        f"validation data has {len(run.class_names)}: {_listed(run.class_names)}; evaluate it on data "
+                        f"with the classes it was trained on")
+
+
+def _listed(names: Sequence[str], shown: int = 8) -> str:
+    """'cat, dog' (the first ``shown`` names, then '... (N in all)')."""
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ''
+    return ', '.join(names[:shown]) + more
+
+
 def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, Any]:
     """Evaluate saved weights (a linvit checkpoint, its EMA weights when it has them, or a .safetensors file) on the
     validation set of ``cfg``; writes metrics.json (and a picture) into ``out_dir``; returns the metrics.
@@ -84,9 +107,7 @@ def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, Any]
         # its train masks to find it
         cfg = OmegaConf.merge(cfg, {'data': {'num_classes': len(class_names)}})
     run = build_run(cfg, info, with_train=False)
-    if class_names is not None and list(class_names) != list(run.class_names):
-        raise DataError(f"{weights_path} was trained on classes {class_names} but the validation data has "
-                        f"{run.class_names}")
+    _check_classes(run, weights, class_names, weights_path)
     load_weights(run.model, weights, weights_path)
     metrics = run.task.final_metrics(evaluated_meter(run, run.model).compute())
     if info.is_main:

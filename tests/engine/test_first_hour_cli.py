@@ -134,6 +134,7 @@ def test_a_folder_left_by_a_run_that_stopped_before_its_first_checkpoint_is_reus
     (['data.batch_size=100'], ['64 samples', 'data.batch_size=100', 'lower data.batch_size']),
     (['threads=0'], ['threads=0 must be >= 1']),
     (['model.name=linvit_tiny'], ["model.name='linvit_tiny' is not a timm model", "'linvit_tiny_patch16_224'"]),
+    (['model.kwargs.dept=2'], ["does not take model.kwargs.dept; did you mean 'depth'?"]),
 ])
 def test_an_expected_mistake_is_one_line_and_exit_2(tmp_path, overrides, phrases):
     _one_config_error(_run(*CLS, *overrides, f'output_dir={tmp_path / "run"}'), *phrases)
@@ -226,6 +227,17 @@ def test_a_class_folder_given_to_segmentation_names_the_classification_config(tm
     result = _run('--config', 'configs/seg_folder.yaml', *TINY_MODEL, *TINY_SEG, 'data.name=folder',
                   f'data.root={root}', f'output_dir={tmp_path}/r')
     _one_config_error(result, 'a classification folder', '--config configs/cls_folder.yaml')
+
+
+def test_eval_only_on_data_with_another_class_count_names_both_counts(tmp_path, trained):
+    root = _class_folder(tmp_path / 'cls', classes=('cat', 'dog', 'eel'), count=2)
+    result = _run('--eval-only', trained[0], '--config', 'configs/cls_folder.yaml', f'data.root={root}',
+                  '--out', str(tmp_path / 'eval'))
+    errors = [line for line in result.stderr.splitlines() if line.startswith('train.py: error: ')]
+    assert result.returncode == 1 and len(errors) == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+    assert (f"{trained[0]}/model.safetensors was trained on 4 classes (head.weight has 4 rows) but the validation "
+            f"data has 3: cat, dog, eel") in errors[0]
+    assert not os.path.exists(tmp_path / 'eval')
 
 
 # ---------------------------------------------------------------------------------------------------- small data

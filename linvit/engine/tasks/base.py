@@ -12,7 +12,7 @@ package's ``__init__`` imports every such module, so ``TASKS`` is complete as so
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import timm
 import torch
@@ -28,7 +28,7 @@ from ..metrics import Meter
 
 __all__ = ['Task', 'Stage', 'StagedRun', 'TASKS', 'register_task', 'list_tasks', 'input_multiple',
            'nearest_multiples', 'build_task', 'architecture_keys', 'task_of_logits', 'create_model_from_config',
-           'normalization_of']
+           'normalization_of', 'model_keywords']
 
 
 @dataclass(frozen=True)
@@ -224,15 +224,20 @@ def normalization_of(model_name: str) -> Tuple[Tuple[float, ...], Tuple[float, .
     return tuple(float(m) for m in mean), tuple(float(s) for s in std)
 
 
-def _accepts_img_size(model_name: str) -> bool:
-    """Whether the model's class takes ``img_size`` (ViTs do, CNNs don't), read from the class's signature."""
+def model_keywords(model_name: str) -> Set[str]:
+    """The keyword arguments the classes of the model's timm module take (``depth``, ``img_size``, ...): what
+    ``model.kwargs`` can name, read from their signatures."""
     entrypoint = timm.models.model_entrypoint(model_name.split('.')[0])
     # timm's entrypoints take **kwargs and forward them to the model class named in their module; look there
     module = inspect.getmodule(entrypoint)
-    for obj in vars(module).values():
-        if isinstance(obj, type) and issubclass(obj, nn.Module) and 'img_size' in inspect.signature(obj).parameters:
-            return True
-    return False
+    return {name for obj in vars(module).values() if isinstance(obj, type) and issubclass(obj, nn.Module)
+            for name, parameter in inspect.signature(obj).parameters.items()
+            if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)}
+
+
+def _accepts_img_size(model_name: str) -> bool:
+    """Whether the model's class takes ``img_size`` (ViTs do, CNNs don't)."""
+    return 'img_size' in model_keywords(model_name)
 
 
 def _head_classes(path: str, model_name: str) -> Optional[int]:
