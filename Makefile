@@ -45,6 +45,16 @@ print(f"mIoU {m['miou']:.2f} (background {iou['background']:.2f}, red-key {iou['
 endef
 export DEMO_VERDICT
 
+# the classification demo's last line: its numbers and what they mean
+define DEMO_CLS_VERDICT
+import json, sys
+m = json.load(open(sys.argv[1]))
+print(f"top-1 {m['top1']:.2f} on {m['count']} validation images: the class is the pair of colours of two marks at "
+      f"opposite sides of each image; chance is 0.25, and a model that sees only one mark, or counts colours, "
+      f"scores at most 0.50")
+endef
+export DEMO_CLS_VERDICT
+
 # the classification demo: a small linvit classifier on the built-in two-marks task, writes runs/cls_demo
 demo-cls: $(STAMP)
 	$(PY) train.py --config configs/cls_demo.yaml --overwrite
@@ -52,6 +62,7 @@ demo-cls: $(STAMP)
 	@echo "next (the tools live in $(VENV); or: source $(VENV)/bin/activate):"
 	@echo "  $(PY) train.py --config configs/cls_folder.yaml data.root=/path/to/imagefolder output_dir=runs/my_set"
 	@echo "  make bench"
+	@$(PY) -c "$$DEMO_CLS_VERDICT" runs/cls_demo/metrics.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check linvit tests tools train.py

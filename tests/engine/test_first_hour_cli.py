@@ -348,6 +348,23 @@ def test_make_demo_prints_commands_that_run_from_the_venv():
     assert 'python train.py --config configs/seg_folder.yaml' not in shown.replace('.venv/bin/python train.py', '')
 
 
+@pytest.mark.parametrize('target, variable', [('demo', 'DEMO_VERDICT'), ('demo-cls', 'DEMO_CLS_VERDICT')])
+def test_each_demo_ends_with_what_its_numbers_mean(tmp_path, target, variable):
+    """The last command of each demo prints its numbers against chance; run here on a hand-written metrics.json."""
+    shown = subprocess.run(['make', '-n', target], cwd=ROOT, capture_output=True, text=True).stdout
+    command = shown.strip().splitlines()[-1]
+    assert f'-c "${variable}" runs/' in command
+    makefile = open(os.path.join(ROOT, 'Makefile')).read()
+    script = re.search(rf'^define {variable}\n(.*?)^endef', makefile, re.S | re.M).group(1)
+    metrics = {'top1': 0.771, 'count': 512} if target == 'demo-cls' else \
+        {'miou': 0.96, 'per_class_iou': {'background': 0.99, 'red-key': 0.94, 'blue-key': 0.95}}
+    (tmp_path / 'metrics.json').write_text(json.dumps(metrics))
+    said = subprocess.run([sys.executable, '-c', script, str(tmp_path / 'metrics.json')], capture_output=True,
+                          text=True, check=True).stdout
+    assert ('top-1 0.77 on 512 validation images' in said and 'chance is 0.25' in said) if target == 'demo-cls' \
+        else ('mIoU 0.96' in said and 'about 0.5' in said)
+
+
 def test_a_config_saved_on_a_gpu_machine_loads_anywhere_and_is_checked_when_it_runs():
     from linvit.engine.config import ConfigError, check_runs_here, load_config
     cfg = load_config(None, ['device=cuda:99', 'train.precision=float16'])  # e.g. to predict with its weights
