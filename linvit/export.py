@@ -6,16 +6,20 @@ onnxruntime at several image sizes.
     session = ort_session('model.onnx')                                 # onnxruntime, this module's settings
     logits = session.run(None, {'images': images.numpy()})[0]
     meta = read_metadata('model.onnx')                                  # task, class names, mean/std, multiple
+    check_source_weights('model.onnx')                  # StaleExportError if the run's weights changed since
 
 How: ``torch.export.export`` (non-strict) traces the model in eval mode with torch's inference path (no autograd),
 and ``torch.onnx.export`` translates the ExportedProgram (PyTorch's dynamo-based exporter; the TorchScript one
 cannot keep height and width dynamic through timm's position-embedding resampling). With ``dynamic_size`` the
-image height and width are symbolic multiples of the model's patch size (``input_multiple``), so one file takes any
-such size, square or not; ``dynamic_batch`` makes the batch symbolic too. The file is written atomically and only
+image height and width are symbolic and the graph pads them to the model's patch size (``input_multiple``) itself,
+zeros at the bottom and right as ``tools/predict.py`` pads, cropping per-pixel logits back to the input's size
+(``PadToMultiple``): one file takes any size, square or not, and a direct onnxruntime user gets predict.py's answer;
+``dynamic_batch`` makes the batch symbolic too. The file is written atomically and only
 after the check passes: a failed export or a failed check leaves no file behind (and an earlier file intact).
 
 The check runs the ONNX file in onnxruntime (CPU) and the float32 PyTorch model on the same seeded random images at
-the export size and at two more sizes (one of them non-square, see ``default_check_sizes``); the error per size is
+the export size and at two more sizes (one non-square, one that the patch does not divide, see
+``default_check_sizes``; the PyTorch model gets the same padding); the error per size is
 ``max_abs = max |onnx - torch|`` and ``max_rel = max_abs / max |torch|`` (relative to the largest reference value,
 so that outputs near zero do not make it meaningless). Tolerances: 1e-4 (float32), 1e-2 (float16).
 
@@ -24,7 +28,10 @@ layer casts to float32 and back, see ``linvit.ops.linear_attention``), and the r
 
 The file carries its own description in ONNX ``metadata_props`` (``read_metadata``): the task (a run's, or the one
 whose logits have the model's output rank: ``Task.logits_rank``), class names, input normalisation (mean, std), the
-input multiple and the export size, so ``tools/predict.py`` needs nothing else.
+input multiple, whether the graph pads to it (``pads_to_multiple``) and the export size, so ``tools/predict.py`` needs
+nothing else. A file exported from a run also records the weights file it was made from and its sha256:
+``check_source_weights`` (which ``linvit.predict`` calls) refuses the file once those weights have changed, e.g. a run
+trained again into the same folder; a file whose weights file is gone stands alone.
 
 Something that cannot be exported raises ``ExportError`` naming the module that was running when tracing failed (or
 the op that has no ONNX translation), with the original error chained; nothing falls back to another exporter.
@@ -39,8 +46,10 @@ What ``tools/export_onnx.py`` exports and times (the library behind the command 
 """
 import contextlib
 import copy
+import hashlib
 import inspect
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -48,13 +57,16 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .precision import precision_dtype
 
 __all__ = ['export_onnx', 'ExportReport', 'SizeCheck', 'ExportError', 'ExportCheckError', 'default_check_sizes',
            'input_multiple', 'ort_session', 'read_metadata', 'METADATA_PREFIX', 'TOLERANCES', 'EXPORT_PRECISIONS',
            'INPUT_NAME', 'OUTPUT_NAME', 'ExportSource', 'load_export_source', 'is_trained_source', 'measure_latency',
-           'format_latency']
+           'format_latency', 'PadToMultiple', 'StaleExportError', 'file_sha256', 'check_source_weights']
+
+_logger = logging.getLogger(__name__)
 
 INPUT_NAME = 'images'
 OUTPUT_NAME = 'logits'
@@ -75,6 +87,10 @@ class ExportError(RuntimeError):
 
 class ExportCheckError(RuntimeError):
     """The exported file disagrees with PyTorch beyond the tolerance at some size (no file was written)."""
+
+
+class StaleExportError(RuntimeError):
+    """An ONNX file's weights file has changed since the export: the file no longer holds that run's model."""
 
 
 @dataclass
@@ -144,6 +160,28 @@ def _takes_only_its_size(model: nn.Module) -> bool:
     return bool(getattr(_patch_embed(model), 'strict_img_size', False))
 
 
+class PadToMultiple(nn.Module):
+    """``model`` taking any image size: images [B, 3, H, W] are zero-padded at the bottom and right to the next
+    multiple of ``multiple`` (as ``linvit.inference`` pads for whole-image prediction), and per-pixel logits
+    [B, K, H', W'] are cropped back to [B, K, H, W]; logits per image [B, K] pass as they are.
+
+    The pads are written so that torch.export keeps H and W symbolic: the padded side as a ceil division (with
+    ``-H % multiple`` it cannot prove that the padded grid has 2 patches or more) and the crop as a negative pad (a
+    slice ``[:H]`` needs a proof that H is at most the padded side)."""
+
+    def __init__(self, model: nn.Module, multiple: int) -> None:
+        super().__init__()
+        self.model = model
+        self.multiple = multiple
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        height, width = images.shape[-2], images.shape[-1]
+        pad_h = (height + self.multiple - 1) // self.multiple * self.multiple - height
+        pad_w = (width + self.multiple - 1) // self.multiple * self.multiple - width
+        logits = self.model(F.pad(images, (0, pad_w, 0, pad_h)))
+        return F.pad(logits, (0, -pad_w, 0, -pad_h)) if logits.ndim == 4 else logits
+
+
 def _pair(size: Union[int, Sequence[int]], name: str) -> Size2:
     pair = (size, size) if isinstance(size, int) else tuple(size)
     if len(pair) != 2 or not all(isinstance(s, int) and s > 0 for s in pair):
@@ -159,32 +197,40 @@ def _check_size(size: Size2, multiple: int, name: str) -> None:
         raise ValueError(f"{name} {size[0]}x{size[1]} is below 2 patches ({2 * multiple} px) on a side")
 
 
+def _check_padded_size(size: Size2, multiple: int, name: str) -> None:
+    """A size a dynamic-size file takes: any, as long as each side pads to 2 patches or more."""
+    if min(size) <= multiple:
+        raise ValueError(f"{name} {size[0]}x{size[1]} is too small: the model needs 2 patches on a side, so each side "
+                         f"must be above {multiple} px (it is padded to the next multiple of {multiple})")
+
+
 def _round_to(value: float, multiple: int) -> int:
     return max(2, round(value / multiple)) * multiple
 
 
 def default_check_sizes(img_size: Size2, multiple: int, dynamic_size: bool) -> List[Size2]:
-    """The export size, then (when the size is dynamic) a smaller non-square size (1/2 x 3/4 of it) and a larger
-    one (5/4 x 1 of it), rounded to the input multiple."""
+    """The export size, then (when the size is dynamic) a smaller non-square size (1/2 x 3/4 of it, rounded to the
+    input multiple) and a larger one (5/4 x 1 of it, rounded, then 1 px lower and 1 px wider) that the multiple
+    does not divide: the file pads it (by 1 and by multiple - 1 px) as it pads any size."""
     sizes = [img_size]
     if dynamic_size:
         height, width = img_size
-        for scale_h, scale_w in ((0.5, 0.75), (1.25, 1.0)):
-            size = (_round_to(height * scale_h, multiple), _round_to(width * scale_w, multiple))
-            if size[0] == size[1]:  # keep one size non-square whatever the export size is
-                size = (size[0], size[1] + multiple)
-            if size not in sizes:
-                sizes.append(size)
+        smaller = (_round_to(height * 0.5, multiple), _round_to(width * 0.75, multiple))
+        if smaller[0] == smaller[1]:  # keep one size non-square whatever the export size is
+            smaller = (smaller[0], smaller[1] + multiple)
+        larger = (_round_to(height * 1.25, multiple) - 1, _round_to(width, multiple) + 1)
+        sizes += [size for size in (smaller, larger) if size != img_size]
     return sizes
 
 
-def _model_metadata(model: nn.Module, example: torch.Tensor, dtype: torch.dtype,
+def _model_metadata(model: nn.Module, example: torch.Tensor, dtype: torch.dtype, pads: bool,
                     extra: Optional[Dict[str, Any]]) -> Dict[str, str]:
     """What the file says about itself (``read_metadata``): values are JSON text. ``extra`` (a run's task, class
-    names, ...) wins; a model no run describes is read as the task whose logits have its output's rank."""
+    names, ...) wins; a model no run describes is read as the task whose logits have its output's rank. ``pads``:
+    the graph pads images to the input multiple itself (``PadToMultiple``)."""
     extra = extra or {}
-    values: Dict[str, Any] = {'input_multiple': input_multiple(model), 'img_size': list(example.shape[-2:]),
-                              'dtype': str(dtype).replace('torch.', ''),
+    values: Dict[str, Any] = {'input_multiple': input_multiple(model), 'pads_to_multiple': pads,
+                              'img_size': list(example.shape[-2:]), 'dtype': str(dtype).replace('torch.', ''),
                               'num_classes': int(getattr(model, 'num_classes', 0) or 0)}
     if 'task' not in extra:
         values['task'] = _task_of_outputs(model, example)
@@ -243,22 +289,25 @@ def _dynamic_dims(multiple: int, dynamic_size: bool, dynamic_batch: bool) -> Dic
     if dynamic_batch:
         dims[0] = torch.export.Dim('batch', min=1, max=4096)
     if dynamic_size:
-        # sides as symbolic multiples of the patch: the patch grid stays an integer expression in the graph
-        height = torch.export.Dim('height_patches', min=2, max=MAX_SIDE_PATCHES)
-        width = torch.export.Dim('width_patches', min=2, max=MAX_SIDE_PATCHES)
-        dims[2] = height * multiple if multiple > 1 else height
-        dims[3] = width * multiple if multiple > 1 else width
+        # any side that pads to 2 patches or more (PadToMultiple). DYNAMIC rather than a named Dim: torch.export may
+        # narrow the range where a model needs more patches (a segmentation neck's stride-2p level), but must not
+        # fix the size
+        for axis in (2, 3):
+            dims[axis] = torch.export.Dim.DYNAMIC(min=multiple + 1, max=MAX_SIDE_PATCHES * multiple)
     return dims
 
 
 def _trace(model: nn.Module, example: torch.Tensor, multiple: int, dynamic_size: bool,
            dynamic_batch: bool) -> torch.export.ExportedProgram:
+    """The ExportedProgram of ``model`` (``PadToMultiple(model)`` with ``dynamic_size``) on ``example``; a failure
+    names the module of ``model`` whose forward was running."""
+    traced = PadToMultiple(model, multiple) if dynamic_size else model
     dims = _dynamic_dims(multiple, dynamic_size, dynamic_batch)
     # torch.export names dynamic inputs by the forward's argument name
-    shapes = {_first_argument_name(model): dims} if dims else None
+    shapes = {_first_argument_name(traced): dims} if dims else None
     with _module_stack(model) as stack, torch.no_grad():
         try:
-            return torch.export.export(model, (example,), dynamic_shapes=shapes, strict=False)
+            return torch.export.export(traced, (example,), dynamic_shapes=shapes, strict=False)
         except Exception as error:
             where = f"in module {stack[-1]}" if stack else "outside any module's forward"
             raise ExportError(f"torch.export could not trace {type(model).__name__} {where} at input "
@@ -331,13 +380,16 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
                 verbose: bool = False) -> ExportReport:
     """Export ``model`` (images [B, 3, H, W] -> logits) to the ONNX file ``path`` and check it in onnxruntime.
 
-    img_size: the example image size (height, width) traced; with ``dynamic_size`` the file takes any multiple of
-        the patch size from 2 patches to ``MAX_SIDE_PATCHES`` on a side (the model must take any size:
-        ``dynamic_img_size=True`` for timm ViTs; segmentation models always do).
+    img_size: the example image size (height, width) traced, a multiple of the patch size. With ``dynamic_size``
+        the file takes any size up to ``MAX_SIDE_PATCHES`` patches on a side: the graph pads images to the patch
+        multiple itself and crops per-pixel logits back (``PadToMultiple``; metadata ``pads_to_multiple``), so a
+        side must only be above one patch. The model must take any multiple of its patch
+        (``dynamic_img_size=True`` for timm ViTs; segmentation models always do).
     dtype: torch.float32 or torch.float16, or its precision name 'float32' / 'float16' (weights and activations; the
         attention core runs in float32).
     check_sizes: (height, width) sizes to check (default ``default_check_sizes``: the export size and, when dynamic,
-        two more, one non-square); each runs a batch of 2 (1 when the batch is static).
+        two more, one non-square and one the patch does not divide), against the PyTorch model on the same padded
+        images; each runs a batch of 2 (1 when the batch is static).
     tolerance: the largest max_rel accepted (default ``TOLERANCES[dtype]``); beyond it ``ExportCheckError`` is
         raised and no file is written.
     metadata: extra JSON-able values stored as ``linvit.<key>`` (e.g. class_names, model_name).
@@ -356,10 +408,10 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
                          f"export a file that takes any size, or pass dynamic_size=False")
     sizes = [_pair(s, 'check size') for s in (check_sizes or default_check_sizes(img_size, multiple, dynamic_size))]
     for size in sizes:
-        _check_size(size, multiple, 'check size')
         if not dynamic_size and size != img_size:
             raise ValueError(f"check size {size[0]}x{size[1]}: a file exported with dynamic_size=False takes only "
                              f"{img_size[0]}x{img_size[1]}")
+        _check_padded_size(size, multiple, 'check size')
     tolerance = TOLERANCES[dtype] if tolerance is None else tolerance
 
     reference = copy.deepcopy(model).float().eval()
@@ -368,7 +420,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
     example = torch.randn(batch, 3, *img_size, dtype=dtype)
     program = _trace(exported, example, multiple, dynamic_size, dynamic_batch)
     onnx_program = _to_onnx(program, type(model).__name__, opset)
-    props = _model_metadata(reference, example.float(), dtype, metadata)
+    props = _model_metadata(reference, example.float(), dtype, dynamic_size, metadata)
     onnx_program.model.metadata_props.update(props)
     opset_used = int(onnx_program.model.opset_imports.get('', opset or 0))
 
@@ -381,8 +433,9 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
         tmp = os.path.join(scratch, os.path.basename(destination))
         onnx_program.save(tmp, external_data=False)
         session = ort_session(tmp)
+        padded = PadToMultiple(reference, multiple) if dynamic_size else reference  # what the graph computes
         for index, size in enumerate(sizes):
-            report.checks.append(_compare(session, reference, size, batch, dtype, tolerance, seed=index))
+            report.checks.append(_compare(session, padded, size, batch, dtype, tolerance, seed=index))
         del session
         if verbose:
             print(report.table())
@@ -401,7 +454,7 @@ class ExportSource:
     model: nn.Module  # in eval mode
     img_size: Size2  # the size to trace: the given one, else the model's img_size or the run's data.img_size
     metadata: Dict[str, Any]  # for ``export_onnx(metadata=...)``: model_name, source; a run adds its task,
-    # class_names, mean and std
+    # class_names, mean and std, and the weights file it loaded (absolute path) with its weights_sha256
     default_out: str  # model.onnx in the run directory, or <model name>.onnx here for a model spec
 
 
@@ -418,7 +471,9 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
         from .engine.loading import load_trained
         trained = load_trained(source, dynamic_img_size=dynamic_size)
         metadata = {'task': trained.task, 'class_names': trained.class_names, 'mean': list(trained.mean),
-                    'std': list(trained.std), 'model_name': trained.cfg.model.name, 'source': source}
+                    'std': list(trained.std), 'model_name': trained.cfg.model.name, 'source': source,
+                    'weights': os.path.abspath(trained.weights_path),
+                    'weights_sha256': file_sha256(trained.weights_path)}
         run_dir = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
         return ExportSource(trained.model, img_size or (trained.img_size, trained.img_size), metadata,
                             os.path.join(run_dir, 'model.onnx'))
@@ -434,6 +489,35 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
     model = timm.create_model(spec.name, pretrained=False, **kwargs).eval()
     size = img_size or tuple(model.patch_embed.img_size)
     return ExportSource(model, size, {'model_name': spec.name, 'source': source}, f"{spec.name}.onnx")
+
+
+def file_sha256(path: Union[str, os.PathLike], chunk_bytes: int = 1 << 20) -> str:
+    """The hex sha256 of a file's content, read in chunks (weights files can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(chunk_bytes), b''):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_source_weights(path: Union[str, os.PathLike], metadata: Optional[Dict[str, Any]] = None) -> None:
+    """Refuse an ONNX file whose weights have changed since it was exported (``StaleExportError``, one line that
+    says how to export it again). A file exported from a run records the weights file it was made from and its
+    sha256 (``load_export_source``); when that file is gone the ONNX file stands alone and is used; a file without
+    them (a model spec, an export from before they were recorded) is not checked. ``metadata``: ``read_metadata``'s
+    answer, when the caller has it."""
+    metadata = read_metadata(path) if metadata is None else metadata
+    weights, recorded = metadata.get('weights'), metadata.get('weights_sha256')
+    if not weights or not recorded:
+        return
+    if not os.path.isfile(weights):
+        _logger.info("%s: the weights it was exported from (%s) are gone; using the file as it is", path, weights)
+        return
+    if file_sha256(weights) != recorded:
+        dtype = '' if metadata.get('dtype', 'float32') == 'float32' else f" --dtype {metadata['dtype']}"
+        raise StaleExportError(f"{path} was exported from {weights}, which has changed since the export (its sha256 "
+                               f"differs): export it again with python tools/export_onnx.py {weights} "
+                               f"--out {path}{dtype}")
 
 
 # ---------------------------------------------------------------------------------------------------- latency
@@ -460,11 +544,13 @@ def measure_latency(model: nn.Module, path: Union[str, os.PathLike], sizes: Sequ
     """Median ms per image (batch 1, CPU) of the float32 PyTorch model eager and compiled
     (``linvit.fast.compile_model``, one static graph per size) and of the ONNX file at ``path`` in onnxruntime
     (inputs in ``dtype``, the file's), at each (height, width): rows {height, width, eager, compiled, onnxruntime}.
-    The three run interleaved round by round after ``warmup`` untimed rounds (at least 1: the first compiles)."""
+    The PyTorch model pads images to its patch multiple as the file does (``PadToMultiple``). The three run
+    interleaved round by round after ``warmup`` untimed rounds (at least 1: the first compiles)."""
     from .fast import compile_model
     from .timing import time_interleaved
     dtype = precision_dtype(dtype, 'dtype') if isinstance(dtype, str) else dtype
     session = ort_session(path)
+    model = PadToMultiple(model, input_multiple(model))  # as the file does, at sizes the patch does not divide
     compiled = compile_model(model)
     rows = []
     for height, width in sizes:

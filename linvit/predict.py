@@ -81,9 +81,12 @@ def torch_predictor(path: str, device: str = 'cpu') -> Predictor:
 
 
 def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
-    """An ONNX file written by ``linvit.export.export_onnx``, in onnxruntime with ``threads`` threads."""
-    from .export import INPUT_NAME, ort_session, read_metadata
+    """An ONNX file written by ``linvit.export.export_onnx``, in onnxruntime with ``threads`` threads;
+    ``linvit.export.StaleExportError`` when the run's weights it was exported from have changed since
+    (``check_source_weights``)."""
+    from .export import INPUT_NAME, check_source_weights, ort_session, read_metadata
     meta = read_metadata(path)
+    check_source_weights(path, meta)
     session = ort_session(path, threads)
     declared = session.get_inputs()[0]
     input_dtype = np.float16 if 'float16' in declared.type else np.float32
@@ -97,6 +100,8 @@ def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
     names = [str(n) for n in meta.get('class_names') or range(num_classes)]
     mean, std = meta.get('mean', (0.5, 0.5, 0.5)), meta.get('std', (0.5, 0.5, 0.5))
     size = meta.get('img_size', [224, 224])
+    # padded here as the run's PyTorch model is (linvit.inference), whether or not the graph pads too (a file's
+    # pads_to_multiple): the same windows and strides for both, and files exported before the graph padded work
     return Predictor(run=run, task=meta.get('task') or _task_of_output(session), class_names=names, mean=mean,
                      std=std, img_size=(int(size[0]), int(size[1])), multiple=int(meta.get('input_multiple', 1)),
                      max_batch=fixed_batch)

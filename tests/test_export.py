@@ -1,6 +1,8 @@
 """linvit.export: every registered model, converted and hybrid ViTs and the segmentation model exported to ONNX with
 dynamic height and width, run in onnxruntime (a plain session, not the exporter's own check) against the float32
-PyTorch model at three sizes; fp16; metadata; errors that name the module; nothing written when a check fails."""
+PyTorch model at three sizes, and at sizes the patch does not divide (217x248 at patch 16) against the model on the
+images zero-padded by hand at the bottom and right (what tools/predict.py does), per-pixel logits cropped back;
+fp16; metadata; errors that name the module; nothing written when a check fails."""
 import json
 
 import onnx
@@ -8,6 +10,7 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import linvit
 from linvit.export import ExportCheckError, ExportError, default_check_sizes, export_onnx, input_multiple, read_metadata
@@ -39,11 +42,19 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
 
 
-def _assert_matches_torch(model: nn.Module, path, sizes, batch: int = 2, rtol: float = 1e-4):
+def _padded_reference(model: nn.Module, images: torch.Tensor, patch: int) -> torch.Tensor:
+    """model on images [B, 3, H, W] zero-padded at the bottom/right to multiples of ``patch``; per-pixel logits
+    cropped back to H x W."""
+    height, width = images.shape[-2:]
+    with torch.no_grad():
+        logits = model(F.pad(images, (0, -width % patch, 0, -height % patch)))
+    return logits[..., :height, :width] if logits.ndim == 4 else logits
+
+
+def _assert_matches_torch(model: nn.Module, path, sizes, batch: int = 2, rtol: float = 1e-4, patch: int = 16):
     for index, (height, width) in enumerate(sizes):
         images = torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(100 + index))
-        with torch.no_grad():
-            expected = model(images)
+        expected = _padded_reference(model, images, patch)
         got = _run_onnx(path, images)
         assert got.shape == expected.shape, (height, width)
         error = _relative_error(got, expected)
@@ -66,7 +77,7 @@ def test_converted_timm_vit_and_hybrid_export(tmp_path):
     linvit.convert_to_linear(vit, feature_map='relu', softmax_blocks=(1,))
     _wake_zero_init(vit)
     export_onnx(vit, tmp_path / 'converted.onnx', img_size=64)
-    _assert_matches_torch(vit, tmp_path / 'converted.onnx', [(32, 80), (96, 64)])
+    _assert_matches_torch(vit, tmp_path / 'converted.onnx', [(32, 80), (96, 64), (217, 248)])
     hybrid = _wake_zero_init(timm.create_model('linvit_tiny_patch16_224', depth=3, softmax_blocks=(0, 2),
                                                img_size=64, dynamic_img_size=True, feature_map='focused'))
     export_onnx(hybrid, tmp_path / 'hybrid.onnx', img_size=64)
@@ -80,10 +91,12 @@ def test_segmentation_model_outputs_logits_at_input_size(tmp_path):
     path = tmp_path / 'seg.onnx'
     report = export_onnx(model, path, img_size=64)
     assert report.metadata['task'] == 'segmentation' and report.metadata['num_classes'] == 5
-    for height, width in [(64, 64), (48, 112), (96, 32)]:
+    assert report.metadata['pads_to_multiple'] is True
+    assert [(c.height, c.width) for c in report.checks] == [(64, 64), (32, 48), (79, 65)]   # the last one padded
+    for height, width in [(64, 64), (48, 112), (96, 32), (217, 248)]:
         out = _run_onnx(path, torch.randn(1, 3, height, width))
         assert out.shape == (1, 5, height, width)
-    _assert_matches_torch(model, path, [(48, 112), (96, 32)])
+    _assert_matches_torch(model, path, [(48, 112), (96, 32), (217, 248), (17, 33)])
 
 
 @pytest.mark.slow
@@ -115,6 +128,7 @@ def test_metadata_travels_with_the_file(tmp_path):
     assert meta['class_names'] == ['cat', 'dog', 'émeu']
     assert meta['task'] == 'classification' and meta['num_classes'] == 3
     assert meta['input_multiple'] == 8 and meta['img_size'] == [32, 32] and meta['dtype'] == 'float32'
+    assert meta['pads_to_multiple'] is True and 'weights' not in meta   # a model, not a run's weights file
     assert meta['mean'] == list(model.pretrained_cfg['mean'])
     raw = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
     assert json.loads(raw['linvit.class_names']) == ['cat', 'dog', 'émeu']
@@ -127,6 +141,7 @@ def test_static_export_takes_its_size_and_batch_only(tmp_path):
     assert [(c.height, c.width, c.batch) for c in report.checks] == [(32, 32, 1)]
     session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
     assert session.get_inputs()[0].shape == [1, 3, 32, 32]
+    assert report.metadata['pads_to_multiple'] is False
 
 
 def test_a_model_that_takes_one_size_is_refused_for_dynamic_export(tmp_path):
@@ -177,10 +192,9 @@ def test_a_file_that_differs_from_the_model_fails_the_check(tmp_path, monkeypatc
     assert not (tmp_path / 'off.onnx').exists()
 
 
-def test_default_check_sizes_include_a_non_square_size():
-    sizes = default_check_sizes((64, 64), 16, dynamic_size=True)
-    assert sizes[0] == (64, 64) and len(sizes) == 3
-    assert any(h != w for h, w in sizes) and all(h % 16 == 0 and w % 16 == 0 for h, w in sizes)
+def test_default_check_sizes_include_a_non_square_size_and_one_the_patch_does_not_divide():
+    assert default_check_sizes((64, 64), 16, dynamic_size=True) == [(64, 64), (32, 48), (79, 65)]
+    assert default_check_sizes((64, 96), 8, dynamic_size=True) == [(64, 96), (32, 72), (79, 97)]
     assert default_check_sizes((64, 64), 16, dynamic_size=False) == [(64, 64)]
 
 
@@ -198,4 +212,6 @@ def test_bad_arguments_are_refused_with_the_reason(tmp_path):
         export_onnx(model, tmp_path / 'x.onnx', img_size=32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match='takes only 32x32'):
         export_onnx(model, tmp_path / 'x.onnx', img_size=32, dynamic_size=False, check_sizes=[(32, 48)])
+    with pytest.raises(ValueError, match='check size 8x40 is too small: .* above 8 px'):
+        export_onnx(model, tmp_path / 'x.onnx', img_size=32, check_sizes=[(8, 40)])
     assert list(tmp_path.iterdir()) == []

@@ -17,7 +17,11 @@ is opt-in because compiling one graph per size takes about a minute even for a t
 
 The file records its task, class names, normalisation and input multiple (``linvit.export.read_metadata``), which
 ``tools/predict.py`` reads. A run's classifier is exported with ``dynamic_img_size=True`` (same weights) unless
-``--no-dynamic-size``; a model spec gets it too. The library: linvit.export.
+``--no-dynamic-size``; a model spec gets it too. A dynamic-size file takes any image size: the graph pads it to the
+patch multiple (zeros at the bottom and right) and crops segmentation logits back to the input's size. A file
+exported from a run records the weights file it was made from and its sha256; ``tools/predict.py`` refuses the
+file once those weights change (the run trained again) and names the command that exports it anew.
+The library: linvit.export.
 """
 import argparse
 import sys
@@ -57,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help='weights and activations of the file (float16: the attention core stays float32 in the '
                              'graph)')
     parser.add_argument('--check-sizes', type=parse_size_list, metavar='SIZES',
-                        help='comma-separated sizes to check and time, e.g. 512x512,768x1024 (default: the export '
-                             'size and, when dynamic, a smaller non-square and a larger size)')
+                        help='comma-separated sizes to check and time, e.g. 512x512,768x1000 (any size: the file '
+                             'pads to the patch multiple; default: the export size and, when dynamic, a smaller '
+                             'non-square size and a larger one that the patch does not divide)')
     parser.add_argument('--tolerance', type=float, help='largest max relative error accepted (default: 1e-4 float32, '
                                                         '1e-2 float16)')
     parser.add_argument('--latency', action=argparse.BooleanOptionalAction, default=False,

@@ -3,7 +3,8 @@
 
 The model is a run directory of ``train.py``, a checkpoint (.pt), a .safetensors file beside its run's config.yaml,
 or an ONNX file written by ``tools/export_onnx.py`` (onnxruntime; its task, class names and normalisation are read
-from the file). Folders are searched recursively for the image formats PIL opens.
+from the file). An ONNX file exported from a run whose weights have changed since (the run trained again) is
+refused with the command that exports it anew. Folders are searched recursively for the image formats PIL opens.
 
 Classification: each image is resized to the model's training size and normalised as in validation; the top-k
 classes with their probabilities are printed and, with ``--out``, written to ``OUT/predictions.csv``.
@@ -18,7 +19,8 @@ every pixel (8-bit, 16-bit above 256 classes) and ``OUT/<name>_overlay.png`` the
     python tools/predict.py seg.onnx big.png --out masks/
 
 An image that cannot be read is reported by name and skipped; the others are still predicted. Exit status: 0 when
-every image was predicted, 1 when some were skipped, 2 when nothing could run (no model, no images).
+every image was predicted, 1 when some were skipped, 2 when nothing could run (no model, a stale ONNX file, no
+images).
 The library: linvit.predict.
 """
 import argparse
