@@ -475,7 +475,7 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
                     'weights': os.path.abspath(trained.weights_path),
                     'weights_sha256': file_sha256(trained.weights_path)}
         run_dir = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
-        return ExportSource(trained.model, img_size or (trained.img_size, trained.img_size), metadata,
+        return ExportSource(trained.model, img_size or trained.img_size, metadata,
                             os.path.join(run_dir, 'model.onnx'))
     import timm
 

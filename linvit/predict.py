@@ -76,7 +76,7 @@ def torch_predictor(path: str, device: str = 'cpu') -> Predictor:
 
     multiple = getattr(model, 'input_multiple', None) or max(model.patch_embed.patch_size)
     return Predictor(run=run, task=trained.task, class_names=trained.class_names, mean=trained.mean, std=trained.std,
-                     img_size=(trained.img_size, trained.img_size), multiple=int(multiple),
+                     img_size=trained.img_size, multiple=int(multiple),
                      seg_defaults=dict(trained.prediction_defaults))
 
 
@@ -176,11 +176,8 @@ def _read_or_skip(item: Item, skipped: Skipped) -> Optional[np.ndarray]:
 def classify_images(predictor: Predictor, items: Sequence[Item], top_k: int = 5,
                     batch_size: int = 8) -> Tuple[List[Dict[str, object]], Skipped]:
     """(top-k rows {file, rank, class_index, class_name, probability} for every readable image, [(path, reason)]
-    for the unreadable ones). Images are resized to the (square) training size, ``batch_size`` per forward."""
-    if predictor.img_size[0] != predictor.img_size[1]:
-        raise ValueError(f"classification resizes to a square training size; this model was made for "
-                         f"{predictor.img_size}")
-    transform = build_transforms(None, predictor.img_size[0], predictor.mean, predictor.std, train=False)
+    for the unreadable ones). Images are resized to the training size (height, width), ``batch_size`` per forward."""
+    transform = build_transforms(None, predictor.img_size, predictor.mean, predictor.std, train=False)
     k = max(1, min(top_k, len(predictor.class_names)))
     rows: List[Dict[str, object]] = []
     skipped: Skipped = []

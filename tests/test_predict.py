@@ -119,7 +119,3 @@ def test_what_stops_a_prediction(tmp_path):
         segment_images(predictor, [], None)
     with pytest.raises(FileNotFoundError, match='nothing.onnx does not exist'):
         load_predictor(str(tmp_path / 'nothing.onnx'))
-    wide = channel_means_classifier([])
-    wide.img_size = (16, 24)
-    with pytest.raises(ValueError, match='square training size'):
-        classify_images(wide, [])

@@ -2,7 +2,7 @@
 
 Classification (ImageFolder layout, or the two-marks task):
     build_classification_datasets(cfg, mean, std) -> (train_dataset, val_dataset, class_names)
-    dataset[index] or dataset[(index, seed)] -> (image float32 [3, img_size, img_size], label int)
+    dataset[index] or dataset[(index, seed)] -> (image float32 [3, H, W], label int)   # (H, W) = image_size(img_size)
     build_transforms(aug_cfg, img_size, mean, std, train) -> A.Compose   # HWC uint8 RGB -> normalised CHW tensor
 
 Semantic segmentation (images/ + masks/ folders, or the shapes-and-key task):
@@ -16,7 +16,7 @@ import os
 # Set before any submodule imports it (every submodule import runs this file first).
 os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')
 
-from .base import DataError, KeyedImageDataset, LayoutError, sample_seed  # noqa: E402
+from .base import DataError, KeyedImageDataset, LayoutError, image_size, sample_seed, size_text  # noqa: E402
 from .build import DATASET_BUILDERS, build_classification_datasets  # noqa: E402
 from .folder import ImageFolderDataset, load_rgb  # noqa: E402
 from .segmentation import (  # noqa: E402
@@ -33,4 +33,4 @@ from .transforms import build_seg_transforms, build_transforms  # noqa: E402
 __all__ = ['build_classification_datasets', 'DATASET_BUILDERS', 'build_transforms', 'ImageFolderDataset', 'load_rgb',
            'DataError', 'LayoutError', 'SyntheticMarks', 'render_marks', 'KeyedImageDataset', 'sample_seed',
            'build_segmentation_datasets', 'SEG_DATASET_BUILDERS', 'build_seg_transforms', 'KeyedSegDataset',
-           'SegFolderDataset', 'read_mask', 'SyntheticShapesSeg', 'render_shapes']
+           'SegFolderDataset', 'read_mask', 'SyntheticShapesSeg', 'render_shapes', 'image_size', 'size_text']

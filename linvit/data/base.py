@@ -1,13 +1,17 @@
-"""What every linvit image dataset shares: keys that carry an augmentation seed, and the transform call.
+"""What every linvit image dataset shares: keys that carry an augmentation seed, the transform call, image sizes.
 
 A key is an ``int`` index or an ``(index, seed)`` pair. With a seed, the augmentation of that sample is drawn from
 ``SeedSequence([seed, index])`` (``sample_seed``), so it depends only on the pair: not on the DataLoader worker
 that loads it, nor on what that worker loaded before. That is what lets a resumed run reproduce an uninterrupted
 one. A plain ``int`` draws its seed from torch's global generator, which DataLoader seeds differently in every
 worker.
+
+An image size (``data.img_size``) is one side (a square) or ``[height, width]``, timm's order; ``image_size`` reads
+either as ``(height, width)``, the form every size takes inside linvit.
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
     import albumentations as A
 
 __all__ = ['DataError', 'LayoutError', 'KeyedImageDataset', 'KeyedSegDataset', 'mask_dtype', 'sample_seed',
-           'seed_words', 'seed_transform']
+           'seed_words', 'seed_transform', 'image_size', 'size_text']
 
 _WORD = 2 ** 32
 
@@ -33,6 +37,29 @@ class DataError(ValueError, RuntimeError):
 class LayoutError(DataError):
     """A data folder laid out for another task (images/ + masks/ given to classification, class folders given to
     segmentation); the message names the config that reads it. A mistake in the command, not in the data."""
+
+
+def image_size(value: Any, key: str = 'data.img_size') -> tuple[int, int]:
+    """``(height, width)`` of an image size given as one side (a square) or a pair ``[height, width]`` (timm's order);
+    a ValueError naming ``key`` for anything else (a string, a float, a bool, a side below 1, three values)."""
+    sides = list(value) if _is_sequence(value) else [value, value]
+    if len(sides) != 2 or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 1
+                                  for s in sides):
+        shown = list(value) if _is_sequence(value) else value
+        raise ValueError(f"{key}={shown!r} is not an image size: give one side in pixels ({key}=224) or [height, "
+                         f"width], two positive ints ({key}=[224,320])")
+    return int(sides[0]), int(sides[1])
+
+
+def size_text(size: tuple[int, int]) -> str:
+    """'224' for a square size, '224x320' (height x width) otherwise: how logs and file names show a size."""
+    height, width = size
+    return str(height) if height == width else f"{height}x{width}"
+
+
+def _is_sequence(value: Any) -> bool:
+    """A list, tuple or OmegaConf ListConfig (not a string)."""
+    return hasattr(value, '__len__') and hasattr(value, '__iter__') and not isinstance(value, (str, bytes))
 
 
 def seed_words(seed: int) -> list[int]:

@@ -5,8 +5,8 @@ augments waits. Here a worker only reads a cached uint8 image and draws its augm
 seeded by the sample's key as the per-image path is, so runs and resumes are reproducible); one batched call on the
 device then crops, resizes, flips, jitters and normalises the whole batch.
 
-    params = draw_params(aug_cfg, rng, height, width)                 # float32 [PARAM_COUNT], in a worker
-    images = augment_batch(uint8_images, params, aug_cfg, mean, std)  # uint8 [B, 3, S, S] -> float32 [B, 3, S, S]
+    params = draw_params(aug_cfg, rng, height, width)                  # float32 [PARAM_COUNT], in a worker
+    images = augment_batch(uint8_images, params, (H, W), mean, std)    # uint8 [B, 3, h, w] -> float32 [B, 3, H, W]
 
 The keys and their meaning are the per-image path's (``linvit.data.transforms``): ``random_resized_crop`` with
 ``scale`` (area fraction) and the aspect ratios 3/4..4/3 of albumentations' RandomResizedCrop, drawn the same way (10
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .base import image_size
 from .transforms import to_pair
 
 __all__ = ['PARAM_COUNT', 'draw_params', 'draw_seg_params', 'augment_batch', 'augment_seg_batch', 'crop_box',
@@ -93,15 +94,16 @@ def _flips_and_colour(aug_cfg: Any, rng: np.random.Generator, params: np.ndarray
     return params
 
 
-def _sampling_grid(params: torch.Tensor, size: int) -> torch.Tensor:
-    """The grid_sample grid [B, size, size, 2] that reads each image's crop box, flipped as its params say."""
+def _sampling_grid(params: torch.Tensor, size: int | Sequence[int]) -> torch.Tensor:
+    """The grid_sample grid [B, H, W, 2] for ``size`` = side or (H, W) that reads each image's crop box, flipped as
+    its params say."""
     top, left, h, w, flip_x, flip_y = params[:, :6].unbind(1)
     # output x in [-1, 1] maps to the box [left, left + w] (fractions of the image) in grid_sample's coordinates
     scale_x, scale_y = w * (1 - 2 * flip_x), h * (1 - 2 * flip_y)
     shift_x, shift_y = 2 * left + w - 1, 2 * top + h - 1
     zero = torch.zeros_like(w)
     theta = torch.stack([torch.stack([scale_x, zero, shift_x], 1), torch.stack([zero, scale_y, shift_y], 1)], 1)
-    return F.affine_grid(theta, [params.shape[0], 1, size, size], align_corners=False)
+    return F.affine_grid(theta, [params.shape[0], 1, *image_size(size, 'size')], align_corners=False)
 
 
 def _grey(images: torch.Tensor) -> torch.Tensor:
@@ -131,18 +133,18 @@ def _jitter(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def augment_batch(images: torch.Tensor, params: torch.Tensor, size: int, mean: Sequence[float],
+def augment_batch(images: torch.Tensor, params: torch.Tensor, size: int | Sequence[int], mean: Sequence[float],
                   std: Sequence[float], jitter: bool = True) -> torch.Tensor:
-    """uint8 [B, 3, H, W] images and float32 [B, PARAM_COUNT] params (``draw_params``), on one device -> float32
-    [B, 3, size, size], cropped, resized, flipped, jittered (unless ``jitter`` is False: data.aug.color_jitter=0)
-    and normalised as ``(x / 255 - mean) / std``."""
+    """uint8 [B, 3, h, w] images and float32 [B, PARAM_COUNT] params (``draw_params``), on one device -> float32
+    [B, 3, H, W] for ``size`` = side or (H, W), cropped, resized, flipped, jittered (unless ``jitter`` is False:
+    data.aug.color_jitter=0) and normalised as ``(x / 255 - mean) / std``."""
     params = params.to(images.device, torch.float32)
     return _augmented(images, params, _sampling_grid(params, size), mean, std, jitter)
 
 
 def _augmented(images: torch.Tensor, params: torch.Tensor, grid: torch.Tensor, mean: Sequence[float],
                std: Sequence[float], jitter: bool) -> torch.Tensor:
-    """uint8 images [B, 3, H, W] read through ``grid`` [B, S, S, 2], jittered by ``params``, normalised."""
+    """uint8 images [B, 3, h, w] read through ``grid`` [B, H, W, 2], jittered by ``params``, normalised."""
     # outside the image (a zoomed-out segmentation crop) the image is black, as the per-image path pads it
     pixels = F.grid_sample(images.float() / 255, grid, mode='bilinear', padding_mode='zeros', align_corners=False)
     if jitter:
@@ -150,12 +152,12 @@ def _augmented(images: torch.Tensor, params: torch.Tensor, grid: torch.Tensor, m
     return _normalised(pixels, mean, std)
 
 
-def augment_seg_batch(images: torch.Tensor, masks: torch.Tensor, params: torch.Tensor, size: int,
+def augment_seg_batch(images: torch.Tensor, masks: torch.Tensor, params: torch.Tensor, size: int | Sequence[int],
                       mean: Sequence[float], std: Sequence[float], ignore_index: int,
                       jitter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``augment_batch`` for images uint8 [B, 3, H, W] with their class-id masks [B, H, W] (``draw_seg_params``):
+    """``augment_batch`` for images uint8 [B, 3, h, w] with their class-id masks [B, h, w] (``draw_seg_params``):
     the masks take the same geometry with nearest-neighbour sampling, ``ignore_index`` where the crop leaves the
-    image -> (float32 [B, 3, size, size], int64 [B, size, size])."""
+    image -> (float32 [B, 3, H, W], int64 [B, H, W]) for ``size`` = side or (H, W)."""
     params = params.to(images.device, torch.float32)
     grid = _sampling_grid(params, size)
     augmented = _augmented(images, params, grid, mean, std, jitter)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 from torch.utils.data import Dataset
 
 from ..registry import Registry
+from .base import DataError
 from .cache import CachedImageDataset, DecodedCache
 from .folder import ImageFolderDataset, check_same_classes, class_folders
 from .synthetic import SyntheticMarks
@@ -27,7 +28,7 @@ def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence
 
     Args:
         cfg: the data config (OmegaConf DictConfig or dataclass): ``name`` ('synthetic' | 'folder'), ``root``,
-            ``img_size``, ``max_bad_fraction``, ``synthetic.{train_size, val_size, seed}``,
+            ``img_size`` (a side, or [height, width]), ``max_bad_fraction``, ``synthetic.{train_size, val_size, seed}``,
             ``aug.{random_resized_crop, scale, hflip, vflip, color_jitter}``.
         mean, std: per-channel normalisation in [0, 1] (the model's ``pretrained_cfg``).
         with_train: False builds the validation set only (evaluating saved weights): train is then None and its
@@ -35,13 +36,15 @@ def build_classification_datasets(cfg: Any, mean: Sequence[float], std: Sequence
 
     Returns:
         ``(train, val, class_names)``; ``dataset[index]`` or ``dataset[(index, seed)]`` ->
-        ``(image float32 [3, img_size, img_size], label int)``. Train is augmented per ``cfg.aug``; val is resized only.
+        ``(image float32 [3, H, W], label int)`` at ``img_size`` (H, W). Train is augmented per ``cfg.aug``; val is
+        resized only. A folder whose training split has fewer than 2 classes, or a class folder without images,
+        is a DataError.
     """
     return DATASET_BUILDERS.get(cfg.name)(cfg, mean, std, with_train)
 
 
 def build_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True) -> Datasets:
-    """The two-marks task (``linvit.data.synthetic``) at ``cfg.img_size``."""
+    """The two-marks task (``linvit.data.synthetic``) rendered at ``cfg.img_size`` (a side, or [height, width])."""
     if getattr(cfg, 'cache', False):
         _logger.warning("data.cache=true: synthetic data is rendered, not decoded; it keeps the per-image path")
     if cfg.aug.random_resized_crop and to_pair(cfg.aug.scale, 'aug.scale')[0] < _SAFE_MARK_CROP_SCALE:
@@ -73,14 +76,25 @@ def build_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_tra
             raise FileNotFoundError(f"{split_dir} is missing; expected {split_dir}/<class>/<images> under data.root")
     class_names = class_folders(train_dir if with_train else val_dir)
     if with_train:
+        _check_several_classes(class_names, train_dir)
         check_same_classes(class_names, class_folders(val_dir), val_dir)
     if getattr(cfg, 'cache', False):
         return _cached_folder(cfg, root, class_names, mean, std, with_train)
     train_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=True)
     val_tf = build_transforms(cfg.aug, cfg.img_size, mean, std, train=False)
     train = ImageFolderDataset(train_dir, train_tf, class_names, cfg.max_bad_fraction) if with_train else None
-    val = ImageFolderDataset(val_dir, val_tf, class_names, cfg.max_bad_fraction)
+    # a class may be absent from validation (it is then not evaluated); one absent from training is refused above
+    val = ImageFolderDataset(val_dir, val_tf, class_names, cfg.max_bad_fraction, allow_empty_classes=True)
     return train, val, class_names
+
+
+def _check_several_classes(class_names: list[str], train_dir: Path) -> None:
+    """DataError for a training split of fewer than two classes: one class is always predicted right (top-1 1.0,
+    loss 0.0 from the first step), so the run would measure nothing."""
+    if len(class_names) < 2:
+        raise DataError(f"{train_dir} has {len(class_names)} class folder ({class_names[0]}); classification needs "
+                        f"at least 2 classes (with one, every prediction is right): add a folder of images for each "
+                        f"other class, {train_dir}/<class name>/<images>")
 
 
 def _cached_folder(cfg: Any, root: Path, class_names: list[str], mean: Sequence[float], std: Sequence[float],
@@ -94,7 +108,8 @@ def _cached_folder(cfg: Any, root: Path, class_names: list[str], mean: Sequence[
             splits[split] = None
             continue
         # listed, not verified: the cache's one decoding pass replaces unreadable files as loading does
-        folder = ImageFolderDataset(root / split, None, class_names, cfg.max_bad_fraction, verify=False)
+        folder = ImageFolderDataset(root / split, None, class_names, cfg.max_bad_fraction, verify=False,
+                                    allow_empty_classes=not train)
         cache = DecodedCache.open_or_build(folder, cfg.img_size, cache_dir, split)
         splits[split] = CachedImageDataset(cache, cfg.aug, mean, std, train=train, source=str(root / split))
     return splits['train'], splits['val'], class_names

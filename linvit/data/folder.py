@@ -7,7 +7,9 @@ Bad files are expected in real collections. Construction opens and verifies ever
 chunk checksums; no decoding) on a few threads, skips the bad ones with a warning and counts them in ``num_bad``.
 A file that passes that check but fails to decode later (a truncated JPEG) is logged, counted, and replaced by the
 next good sample, so a batch is never short. More bad files than ``max_bad_fraction`` is an error. Data that
-cannot be used (no class folders, no images, too many unreadable files) raises ``DataError``.
+cannot be used (no class folders, no images, a class folder without images, too many unreadable files) raises
+``DataError``; a split may allow class folders without images (``allow_empty_classes``: validation, where a class
+may be absent).
 """
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ from PIL import Image, ImageOps
 from .base import DataError, KeyedImageDataset, LayoutError
 
 __all__ = ['ImageFolderDataset', 'class_folders', 'check_same_classes', 'list_images', 'load_rgb', 'to_rgb_array',
-           'readable_extensions']
+           'readable_extensions', 'too_many_bad']
 
 _logger = logging.getLogger(__name__)
 _NAMED_BAD_FILES = 20        # warnings name this many bad files one by one, then summarise
+_NAMED_EMPTY = 5             # the refusal of class folders without images names this many
 _VERIFY_CHUNK = 256          # files per thread-pool task: per-file futures would cost more than a PNG check
 _HIGH_DEPTH_MODES = frozenset({'I', 'I;16', 'I;16B', 'I;16L', 'I;16N', 'I;16S', 'F'})
 _ALPHA_MODES = frozenset({'RGBA', 'RGBa', 'LA', 'La', 'PA'})
@@ -142,15 +145,19 @@ class ImageFolderDataset(KeyedImageDataset):
         max_bad_fraction: the largest tolerated fraction of unreadable files (construction and load time together).
         verify: open and verify every file at construction (recommended; set False for trusted, huge trees).
         num_threads: threads for that check.
+        allow_empty_classes: accept class folders without images (a DataError by default, as torchvision's
+            ImageFolder: a class with no training image can never be predicted). Validation allows them: a class
+            absent from the validation split is simply not evaluated.
 
     Bad files are reported through ``logging`` (logger ``linvit.data.folder``), never printed.
     """
 
     def __init__(self, split_dir: str | os.PathLike, transform: A.Compose, class_names: Sequence[str] | None = None,
-                 max_bad_fraction: float = 0.01, verify: bool = True, num_threads: int = 8):
+                 max_bad_fraction: float = 0.01, verify: bool = True, num_threads: int = 8,
+                 allow_empty_classes: bool = False):
         self.split_dir = Path(split_dir)
         class_names = list(class_names) if class_names is not None else class_folders(self.split_dir)
-        paths, targets = self._scan(class_names)
+        paths, targets = self._scan(class_names, allow_empty_classes)
         self.max_bad_fraction = float(max_bad_fraction)
         self._num_files = len(paths)
         bad = self._find_bad(paths, num_threads) if verify else {}
@@ -180,21 +187,27 @@ class ImageFolderDataset(KeyedImageDataset):
         return (f"folder {self.split_dir.name}: root={self.split_dir}, {len(self)} images ({self.num_bad} bad "
                 f"skipped), {len(self.class_names)} classes ({shown})")
 
-    def _scan(self, class_names: Sequence[str]) -> tuple[list[str], list[int]]:
+    def _scan(self, class_names: Sequence[str], allow_empty_classes: bool) -> tuple[list[str], list[int]]:
         extensions = readable_extensions()
-        paths, targets = [], []
+        paths, targets, empty = [], [], []
         for label, name in enumerate(class_names):
             class_dir = self.split_dir / name
             if not class_dir.is_dir():
                 raise FileNotFoundError(f"class folder {class_dir} is missing")
             found = list_images(class_dir, extensions)
-            if not found:
-                _logger.warning("class folder %s has no images", class_dir)
+            empty += [] if found else [str(class_dir)]
             paths += found
             targets += [label] * len(found)
         if not paths:
             raise DataError(f"no images under {self.split_dir}/<class>/ (looked for files PIL opens: "
-                             f"{', '.join(sorted(extensions)[:12])}, ...)")
+                            f"{', '.join(sorted(extensions)[:12])}, ...)")
+        if empty and not allow_empty_classes:
+            shown = ', '.join(empty[:_NAMED_EMPTY]) + (f" and {len(empty) - _NAMED_EMPTY} more"
+                                                       if len(empty) > _NAMED_EMPTY else '')
+            raise DataError(f"class folders without images under {self.split_dir}: {shown}; a class with no "
+                            f"training image can never be predicted: add images to them or remove them")
+        for class_dir in empty:
+            _logger.warning("class folder %s has no images: its class is not evaluated", class_dir)
         return paths, targets
 
     def _find_bad(self, paths: list[str], num_threads: int) -> dict[str, str]:
@@ -220,8 +233,13 @@ class ImageFolderDataset(KeyedImageDataset):
         fraction = num_bad / self._num_files
         if fraction > self.max_bad_fraction:
             raise DataError(f"{num_bad} of {self._num_files} image files under {self.split_dir} are unreadable "
-                               f"({fraction:.2%}), more than max_bad_fraction={self.max_bad_fraction:.2%}; "
-                               "see the warnings for their paths")
+                            f"({fraction:.2%}), {too_many_bad(self.max_bad_fraction)}")
+
+
+def too_many_bad(max_bad_fraction: float) -> str:
+    """The end of every refusal on the bad-file fraction: the config key, its value, and what to do."""
+    return (f"more than data.max_bad_fraction={max_bad_fraction:g} ({max_bad_fraction:.2%}): replace or remove "
+            f"the files the warnings name, or raise data.max_bad_fraction")
 
 
 def _verify_chunk(paths: list[str]) -> list[str | None]:

@@ -33,7 +33,7 @@ from PIL import Image, ImageOps
 
 from ..registry import Registry
 from .base import DataError, KeyedSegDataset, LayoutError, mask_dtype
-from .folder import list_images, load_rgb, readable_extensions
+from .folder import list_images, load_rgb, readable_extensions, too_many_bad
 from .synthetic_seg import SyntheticShapesSeg
 from .transforms import build_seg_transforms
 
@@ -287,8 +287,7 @@ class SegFolderDataset(KeyedSegDataset):
         fraction = self.num_bad / len(self)
         if fraction > self.max_bad_fraction:
             raise DataError(f"{self.num_bad} of {len(self)} image/mask pairs under {self.split_dir} could not be "
-                            f"decoded ({fraction:.2%}), more than max_bad_fraction={self.max_bad_fraction:.2%}; "
-                            "see the warnings for their paths")
+                            f"decoded ({fraction:.2%}), {too_many_bad(self.max_bad_fraction)}")
 
 
 # ---------------------------------------------------------------- config -> datasets

@@ -28,7 +28,7 @@ from typing import Any
 import albumentations as A
 import numpy as np
 
-from .base import KeyedImageDataset, seed_words
+from .base import KeyedImageDataset, image_size, seed_words, size_text
 
 __all__ = ['MARK_COLOURS', 'MarksLayout', 'SyntheticMarks', 'class_names', 'render_marks']
 
@@ -62,20 +62,21 @@ def class_names() -> list[str]:
     return [f'{a}-{b}' for a in _COLOUR_NAMES for b in _COLOUR_NAMES]
 
 
-def render_marks(rng: np.random.Generator, img_size: int, left_colour: int, right_colour: int,
+def render_marks(rng: np.random.Generator, img_size: int | tuple[int, int], left_colour: int, right_colour: int,
                  decoy: bool = True) -> tuple[np.ndarray, MarksLayout]:
-    """Draw one image: uint8 [img_size, img_size, 3] RGB, and where its squares are."""
-    size = img_size
-    mark = max(3, round(size / 8))
-    third = size // 3
-    image = _noisy_background(rng, size)
+    """Draw one image: uint8 [H, W, 3] RGB for ``img_size`` = side or (H, W), and where its squares are. The marks
+    sit in the left and right thirds of the width, the decoy in the middle third; their side is min(H, W) / 8."""
+    height, width = image_size(img_size, 'img_size')
+    mark = max(3, round(min(height, width) / 8))
+    third = width // 3
+    image = _noisy_background(rng, height, width)
     _draw_clutter(image, rng, mark)
     decoy_at, decoy_colour = None, None
     if decoy:
-        decoy_at, decoy_colour = _corner(rng, third, size - third - mark, size - mark), int(rng.integers(2))
+        decoy_at, decoy_colour = _corner(rng, third, width - third - mark, height - mark), int(rng.integers(2))
         _draw_square(image, decoy_at, mark, decoy_colour, rng)
-    left_at = _corner(rng, 0, third - mark, size - mark)
-    right_at = _corner(rng, size - third, size - mark, size - mark)
+    left_at = _corner(rng, 0, third - mark, height - mark)
+    right_at = _corner(rng, width - third, width - mark, height - mark)
     _draw_square(image, left_at, mark, left_colour, rng)
     _draw_square(image, right_at, mark, right_colour, rng)
     layout = MarksLayout(left_at, right_at, decoy_at, mark, left_colour, right_colour, decoy_colour)
@@ -83,19 +84,19 @@ def render_marks(rng: np.random.Generator, img_size: int, left_colour: int, righ
 
 
 @functools.lru_cache(maxsize=8)
-def _noise_bank(size: int) -> np.ndarray:
-    """Grey noise uint8 [2 * size, 2 * size] in [0, 2 * _NOISE], fixed; samples take random windows of it,
-    which costs a slice instead of size**2 random draws per image."""
-    bank = np.random.default_rng(size).integers(0, 2 * _NOISE + 1, size=(2 * size, 2 * size), dtype=np.uint8)
+def _noise_bank(height: int, width: int) -> np.ndarray:
+    """Grey noise uint8 [2 * height, 2 * width] in [0, 2 * _NOISE], fixed; samples take random windows of it,
+    which costs a slice instead of height * width random draws per image."""
+    bank = np.random.default_rng(height).integers(0, 2 * _NOISE + 1, size=(2 * height, 2 * width), dtype=np.uint8)
     bank.flags.writeable = False
     return bank
 
 
-def _noisy_background(rng: np.random.Generator, size: int) -> np.ndarray:
-    """uint8 [size, size, 3]: a random grey level plus a random window of the noise bank."""
-    top, left = rng.integers(0, size + 1, size=2)
+def _noisy_background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """uint8 [height, width, 3]: a random grey level plus a random window of the noise bank."""
+    top, left = rng.integers(0, [height + 1, width + 1])
     level = int(rng.integers(60 + _NOISE, 170 - _NOISE))
-    grey = _noise_bank(size)[top:top + size, left:left + size] + np.uint8(level - _NOISE)  # no overflow: <= 169
+    grey = _noise_bank(height, width)[top:top + height, left:left + width] + np.uint8(level - _NOISE)  # <= 169
     return np.repeat(grey[:, :, None], 3, axis=2)
 
 
@@ -111,44 +112,46 @@ def _draw_square(image: np.ndarray, at: tuple[int, int], side: int, colour: int,
 
 
 def _draw_clutter(image: np.ndarray, rng: np.random.Generator, mark: int) -> None:
-    """Grey rectangles of about mark size anywhere, drawn first so they never cover a mark."""
-    size = image.shape[0]
-    count = max(4, round(8 * (size / 128) ** 2))
+    """Grey rectangles of about mark size anywhere, drawn first so they never cover a mark (8 per 128 x 128 px)."""
+    height, width = image.shape[:2]
+    count = max(4, round(8 * height * width / 128 ** 2))
     # one draw for all rectangles: (height, width, top, left, grey level) as fractions of their ranges
     params = rng.random((count, 5))
     for h, w, top, left, grey in params:
         h, w = int(mark / 2 + h * 1.5 * mark), int(mark / 2 + w * 1.5 * mark)
-        top, left = int(top * (size - h)), int(left * (size - w))
+        top, left = int(top * (height - h)), int(left * (width - w))
         image[top:top + h, left:left + w] = int(grey * 255)
 
 
 class SyntheticMarks(KeyedImageDataset):
-    """The two-marks task (module docstring) as a dataset of ``num_samples`` images of ``img_size`` pixels.
+    """The two-marks task (module docstring) as a dataset of ``num_samples`` images of ``img_size`` pixels (a side,
+    or (height, width)).
 
-    ``dataset[key] -> (image float32 [3, S, S], label int)`` after ``transform``. Labels are exactly balanced
+    ``dataset[key] -> (image float32 [3, H, W], label int)`` after ``transform``. Labels are exactly balanced
     (a seeded permutation of ``index % 4``). A horizontal flip swaps the marks, so the label is swapped with it;
     that needs the transform built with ``save_applied_params=True`` whenever it can flip.
     """
 
-    def __init__(self, num_samples: int, img_size: int, seed: int, split: str, transform: A.Compose,
-                 decoy: bool = True):
+    def __init__(self, num_samples: int, img_size: int | tuple[int, int], seed: int, split: str,
+                 transform: A.Compose, decoy: bool = True):
         if split not in _SPLIT_IDS:
             raise ValueError(f"split must be one of {sorted(_SPLIT_IDS)}, got {split!r}")
-        if img_size < _MIN_IMG_SIZE:
-            raise ValueError(f"synthetic images need img_size >= {_MIN_IMG_SIZE} (marks are img_size/8), "
-                             f"got {img_size}")
+        size = image_size(img_size, 'img_size')
+        if min(size) < _MIN_IMG_SIZE:
+            raise ValueError(f"synthetic images need img_size >= {_MIN_IMG_SIZE} on each side (marks are 1/8 of the "
+                             f"shorter side), got {size_text(size)}")
         if num_samples < 1:
             raise ValueError(f"synthetic {split} size must be >= 1, got {num_samples}")
         if _can_hflip(transform) and not transform.save_applied_params:
             raise ValueError("the synthetic marks' transform flips horizontally, which swaps the classes "
                              "red-blue and blue-red; build it with save_applied_params=True so the label follows")
-        self.img_size, self.seed, self.split, self.decoy = img_size, seed, split, decoy
+        self.img_size, self.seed, self.split, self.decoy = size, seed, split, decoy
         self._entropy = [*seed_words(seed), _SPLIT_IDS[split]]
         labels = np.random.default_rng([*self._entropy, _LABEL_STREAM, 0]).permutation(np.arange(num_samples) % 4)
         super().__init__(transform, class_names(), labels.tolist())
 
     def render(self, index: int) -> tuple[np.ndarray, MarksLayout]:
-        """The untransformed image uint8 [img_size, img_size, 3] at ``index`` and its layout."""
+        """The untransformed image uint8 [H, W, 3] at ``index`` and its layout."""
         left_colour, right_colour = divmod(self.targets[index], 2)
         rng = np.random.default_rng([*self._entropy, _SAMPLE_STREAM, index])
         return render_marks(rng, self.img_size, left_colour, right_colour, self.decoy)
@@ -164,7 +167,7 @@ class SyntheticMarks(KeyedImageDataset):
         return label
 
     def describe(self) -> str:
-        return (f"synthetic marks {self.split}: seed={self.seed}, {len(self)} images of {self.img_size} px, "
+        return (f"synthetic marks {self.split}: seed={self.seed}, {len(self)} images of {size_text(self.img_size)} px, "
                 f"{len(self.class_names)} classes ({', '.join(self.class_names)})")
 
 

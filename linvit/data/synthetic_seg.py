@@ -104,7 +104,7 @@ def render_shapes(rng: np.random.Generator, img_size: int, key_colour: int
     picture with the other key, and shape labels moved to the other colour.
     """
     size = img_size
-    image = _noisy_background(rng, size)
+    image = _noisy_background(rng, size, size)
     key_size = max(3, round(size / 8))
     key = _key_corner(rng, size, key_size)
     key_rgb = _KEY_RGB[key_colour] + rng.integers(-_COLOUR_JITTER, _COLOUR_JITTER + 1, size=3, dtype=np.int16)

@@ -13,6 +13,8 @@ import cv2
 import numpy as np
 from albumentations.pytorch import ToTensorV2
 
+from .base import image_size
+
 __all__ = ['build_transforms', 'build_seg_transforms', 'to_pair']
 
 
@@ -24,34 +26,35 @@ def to_pair(values: Sequence[float], name: str) -> tuple[float, float]:
     return pair
 
 
-def build_transforms(aug_cfg: Any, img_size: int, mean: Sequence[float], std: Sequence[float], train: bool,
-                     additional_targets: dict[str, str] | None = None, **compose_kwargs: Any) -> A.Compose:
+def build_transforms(aug_cfg: Any, img_size: int | Sequence[int], mean: Sequence[float], std: Sequence[float],
+                     train: bool, additional_targets: dict[str, str] | None = None, **compose_kwargs: Any) -> A.Compose:
     """The train or validation pipeline for one image size.
 
     Args:
         aug_cfg: object with ``random_resized_crop`` (bool), ``scale`` (2 floats, area fraction of the crop),
             ``hflip`` and ``vflip`` (probabilities), ``color_jitter`` (brightness/contrast/saturation strength,
             0 = off). Ignored when ``train`` is False.
-        img_size: side of the square output.
+        img_size: the output size: one side (a square) or (height, width).
         mean, std: per-channel statistics in [0, 1] (the model's ``pretrained_cfg``).
-        train: random augmentation if True; otherwise a deterministic resize.
+        train: random augmentation if True; otherwise a deterministic resize to (height, width), aspect not kept.
         additional_targets: forwarded to ``A.Compose`` (e.g. ``{'mask2': 'mask'}``) for dense tasks.
         compose_kwargs: other ``A.Compose`` arguments (``save_applied_params``, ``seed``, ...).
 
     Returns:
-        ``A.Compose`` mapping ``image`` [H, W, 3] uint8 RGB (any H, W) to a float32 tensor [3, img_size, img_size],
-        ``(x / 255 - mean) / std``. A ``mask`` [H, W] comes back as a tensor [img_size, img_size].
+        ``A.Compose`` mapping ``image`` [H, W, 3] uint8 RGB (any H, W) to a float32 tensor [3, height, width],
+        ``(x / 255 - mean) / std``. A ``mask`` [H, W] comes back as a tensor [height, width].
     """
-    steps = _train_steps(aug_cfg, img_size) if train else [A.Resize(img_size, img_size)]
+    height, width = image_size(img_size, 'img_size')
+    steps = _train_steps(aug_cfg, height, width) if train else [A.Resize(height, width)]
     steps += [A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0), ToTensorV2()]
     return A.Compose(steps, additional_targets=additional_targets, **compose_kwargs)
 
 
-def _train_steps(aug_cfg: Any, img_size: int) -> list[A.BasicTransform]:
+def _train_steps(aug_cfg: Any, height: int, width: int) -> list[A.BasicTransform]:
     if aug_cfg.random_resized_crop:
-        steps = [A.RandomResizedCrop((img_size, img_size), scale=to_pair(aug_cfg.scale, 'aug.scale'))]
+        steps = [A.RandomResizedCrop((height, width), scale=to_pair(aug_cfg.scale, 'aug.scale'))]
     else:
-        steps = [A.Resize(img_size, img_size)]
+        steps = [A.Resize(height, width)]
     return steps + _flip_and_colour_steps(aug_cfg)
 
 

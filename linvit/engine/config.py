@@ -26,7 +26,7 @@ import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..data import DATASET_BUILDERS
+from ..data import DATASET_BUILDERS, image_size
 from ..precision import PRECISIONS
 from ..registry import Registry
 
@@ -79,7 +79,9 @@ class AugConfig:
 class DataConfig:
     name: str = 'synthetic'  # 'synthetic' (built in, no files) or 'folder' (ImageFolder tree / images+masks at root)
     root: Optional[str] = None
-    img_size: int = 224  # classification: the model's input; seg: the training crop (validation is full size)
+    # classification: the model's input, one side (224) or [height, width] (timm's order; linvit.data.image_size reads
+    # either as (H, W)); seg: the training crop's side (validation is full size)
+    img_size: Any = 224
     ignore_index: int = 255  # seg: mask value that no loss or metric counts
     num_classes: Optional[int] = None  # seg folders without classes.txt: the class count (ids 0..num_classes-1)
     batch_size: int = 32  # per process
@@ -339,6 +341,15 @@ def _check_model_keys(cfg: DictConfig) -> None:
         raise ConfigError(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
 
 
+def _check_img_size(cfg: DictConfig) -> None:
+    """ConfigError unless data.img_size is one positive side or [height, width] of two (OmegaConf types it Any, so
+    that both forms load from YAML and from a dotted override such as data.img_size=[128,192])."""
+    try:
+        image_size(cfg.data.img_size)
+    except ValueError as error:
+        raise ConfigError(f"bad value for 'data.img_size': {error}") from None
+
+
 def _leaves(value: Any, prefix: str) -> Dict[str, Any]:
     """{'model.kwargs.depth': 2, ...}: the leaf values under ``prefix`` of a plain nested container."""
     if not isinstance(value, dict) or not value:
@@ -439,6 +450,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     _check_choices(cfg)
     _check_model_name(cfg)
     _check_model_keys(cfg)
+    _check_img_size(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

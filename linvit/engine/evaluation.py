@@ -18,7 +18,7 @@ from .distributed import setup_distributed
 from .metrics import Meter
 from .plots import plot_curves
 from .run import Run, autocast_factory, build_run, loader, use_threads
-from .run_files import load_weights, read_weights
+from .run_files import load_weights, read_weights, saved_config_text, trained_img_size
 from .run_log import write_json
 from .sampler import ShardSampler
 
@@ -108,7 +108,7 @@ def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, Any]
         cfg = OmegaConf.merge(cfg, {'data': {'num_classes': len(class_names)}})
     run = build_run(cfg, info, with_train=False)
     _check_classes(run, weights, class_names, weights_path)
-    load_weights(run.model, weights, weights_path)
+    load_weights(run.model, weights, weights_path, trained_size=trained_img_size(saved_config_text(weights_path)))
     metrics = run.task.final_metrics(evaluated_meter(run, run.model).compute())
     if info.is_main:
         os.makedirs(out_dir, exist_ok=True)

@@ -4,6 +4,7 @@
     trained = load_trained('runs/cls_demo')                                # the run's final weights, eval mode
     trained = load_trained('runs/cls_demo/best.pt', dynamic_img_size=True) # a classifier that takes any image size
     trained.model, trained.task, trained.class_names, trained.mean, trained.std, trained.cfg
+    trained.img_size                          # (height, width) it was trained at: data.img_size
     load_weights(model, weights, 'best.pt')   # strict; position embeddings resampled to the model's grid
 
 Which weights: a run directory gives ``model.safetensors`` (what the run evaluated last: the EMA weights when
@@ -12,7 +13,8 @@ model weights. Class names come from the run's checkpoint (``best.pt`` / ``last.
 '0', '1', ... with a warning. The model is rebuilt from the run's saved config (``model.pretrained_file`` is not
 read again: the trained weights replace it) and loaded with strict key matching. A model built for another image
 size gets the position embeddings resampled to its grid, as timm's ``checkpoint_filter_fn`` does for pretrained
-weights (``timm.layers.resample_abs_pos_embed``, bicubic); any other difference is a WeightsMismatchError whose
+weights (``timm.layers.resample_abs_pos_embed``, bicubic, from the grid of the saved config's data.img_size, square
+or not); any other difference is a WeightsMismatchError whose
 one line names the first differing key.
 """
 import logging
@@ -24,6 +26,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from ..data import image_size
 from .checkpoint import Checkpoint, CheckpointError, load_safetensors
 from .config import ConfigError, config_from_yaml, load_config
 
@@ -37,6 +40,7 @@ from .run_files import (
     read_weights,
     resample_position_embeddings,
     saved_config_text,
+    trained_img_size,
 )
 from .tasks import Task, build_task, normalization_of
 
@@ -59,9 +63,9 @@ class TrainedModel:
     prediction_defaults: Dict[str, Any] = field(default_factory=dict)  # the task's (segmentation: seg.eval's)
 
     @property
-    def img_size(self) -> int:
-        """The side of the square images the model was trained on (``data.img_size``)."""
-        return int(self.cfg.data.img_size)
+    def img_size(self) -> Tuple[int, int]:
+        """(height, width) of the images the model takes: its ``data.img_size`` (one side is a square)."""
+        return image_size(self.cfg.data.img_size)
 
 
 def _weights(files: RunFiles) -> Dict[str, torch.Tensor]:
@@ -112,7 +116,8 @@ def load_trained(path: str, dynamic_img_size: bool = False, overrides: Sequence[
                         path, count - 1)
         names = [str(i) for i in range(count)]
     model = task.build_model(len(names))
-    load_weights(model, weights, f"{files.weights_path} ({cfg.model.name}, {len(names)} classes)")
+    load_weights(model, weights, f"{files.weights_path} ({cfg.model.name}, {len(names)} classes)",
+                 trained_size=trained_img_size(files.config_text))
     mean, std = normalization_of(cfg.model.name)
     return TrainedModel(model=model.to(device).eval(), cfg=cfg, task=served.name, class_names=names, mean=mean,
                         std=std, weights_path=files.weights_path, prediction_defaults=served.prediction_defaults())

@@ -6,6 +6,7 @@ These need no model registry or task, so everything that builds models (the task
 """
 import fnmatch
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -15,13 +16,14 @@ import torch
 import torch.nn as nn
 from timm.layers import resample_abs_pos_embed
 
+from ..data import image_size
 from .checkpoint import Checkpoint, CheckpointError, load_safetensors
-from .config import ConfigError
+from .config import ConfigError, config_from_yaml
 
 __all__ = ['RUN_WEIGHTS', 'RUN_DERIVED', 'RUN_STAGES', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError',
            'run_entries_in', 'run_results_in', 'claim_run_dir', 'remove_unstarted_run', 'RunFiles',
            'find_run_files', 'saved_config_text', 'read_weights', 'load_weights', 'resample_position_embeddings',
-           'WeightsMismatchError']
+           'trained_img_size', 'WeightsMismatchError']
 
 _logger = logging.getLogger(__name__)
 
@@ -181,15 +183,43 @@ def read_weights(path: str) -> Tuple[Dict[str, torch.Tensor], Optional[List[str]
     return checkpoint.evaluated_weights(), checkpoint.class_names
 
 
+def trained_img_size(config_text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """(height, width) of the data.img_size in a saved config's YAML text (a run's config.yaml, a checkpoint's
+    config): the size its weights were trained at, which resampling their position embeddings needs; None without
+    a config."""
+    size = (config_from_yaml(config_text).get('data') or {}).get('img_size') if config_text else None
+    return None if size is None else image_size(size)
+
+
 def _owner(model: nn.Module, key: str) -> nn.Module:
     """The module that holds the parameter ``key`` (``backbone.pos_embed`` -> model.backbone)."""
     return model.get_submodule(key.rpartition('.')[0])
 
 
-def _resampled_pos_embed(owner: nn.Module, pos_embed: torch.Tensor) -> torch.Tensor:
-    """``pos_embed`` [1, prefix + old grid, C] resampled to the owner's patch grid, as timm's checkpoint_filter_fn."""
+def _old_grid(owner: nn.Module, key: str, patches: int, trained_size: Optional[Tuple[int, int]]) -> List[int]:
+    """[rows, columns] of the patch grid a position embedding of ``patches`` patch positions was made for: the
+    training size (H, W) over the owner's patch when it is known, else the square grid of that many patches."""
+    if trained_size is not None:
+        grid = [side // patch for side, patch in zip(trained_size, owner.patch_embed.patch_size)]
+        if grid[0] * grid[1] == patches:
+            return grid
+        raise WeightsMismatchError(f"{key} holds {patches} patch positions, not the {grid[0]}x{grid[1]} grid of the "
+                                   f"training size {trained_size[0]}x{trained_size[1]} its config names")
+    side = math.isqrt(patches)
+    if side * side != patches:
+        raise WeightsMismatchError(f"{key} holds {patches} patch positions, no square grid, and the size the weights "
+                                   f"were trained at is unknown: load them with their run's config.yaml")
+    return [side, side]
+
+
+def _resampled_pos_embed(owner: nn.Module, key: str, pos_embed: torch.Tensor,
+                         trained_size: Optional[Tuple[int, int]]) -> torch.Tensor:
+    """``pos_embed`` [1, prefix + old grid, C] resampled to the owner's patch grid, as timm's checkpoint_filter_fn
+    (bicubic, ``resample_abs_pos_embed``), from the old grid ``_old_grid`` finds."""
     prefix = 0 if getattr(owner, 'no_embed_class', False) else getattr(owner, 'num_prefix_tokens', 1)
-    return resample_abs_pos_embed(pos_embed, new_size=list(owner.patch_embed.grid_size), num_prefix_tokens=prefix)
+    old = _old_grid(owner, key, pos_embed.shape[1] - prefix, trained_size)
+    return resample_abs_pos_embed(pos_embed, new_size=list(owner.patch_embed.grid_size), old_size=old,
+                                  num_prefix_tokens=prefix)
 
 
 def _is_resized_grid(model: nn.Module, key: str, value: torch.Tensor, wanted: torch.Size) -> bool:
@@ -199,15 +229,20 @@ def _is_resized_grid(model: nn.Module, key: str, value: torch.Tensor, wanted: to
             and hasattr(_owner(model, key), 'patch_embed'))
 
 
-def resample_position_embeddings(model: nn.Module, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``weights`` with every ``*pos_embed`` made for another patch grid resampled to the model's grid (the old grid
-    is square: linvit trains at data.img_size x data.img_size); other tensors as given (a different width is a
-    mismatch for load_weights to report, not a size change)."""
+def resample_position_embeddings(model: nn.Module, weights: Dict[str, torch.Tensor],
+                                 trained_size: Optional[Tuple[int, int]] = None) -> Dict[str, torch.Tensor]:
+    """``weights`` with every ``*pos_embed`` made for another patch grid resampled to the model's grid; other tensors
+    as given (a different width is a mismatch for load_weights to report, not a size change).
+
+    trained_size: (height, width) of the images the weights were trained on (their data.img_size), which gives the
+        old grid; without it the old grid is taken as square, and a patch count that is no square is a
+        WeightsMismatchError.
+    """
     state = model.state_dict()
     fitted = dict(weights)
     for key, value in weights.items():
         if key in state and _is_resized_grid(model, key, value, state[key].shape):
-            fitted[key] = _resampled_pos_embed(_owner(model, key), value)
+            fitted[key] = _resampled_pos_embed(_owner(model, key), key, value, trained_size)
             _logger.info("%s resampled from %d to %d tokens (the model's image size differs from the training size)",
                          key, value.shape[1], fitted[key].shape[1])
     return fitted
@@ -223,16 +258,19 @@ def _mismatches(state: Dict[str, torch.Tensor], weights: Dict[str, torch.Tensor]
 
 
 def load_weights(model: nn.Module, weights: Dict[str, torch.Tensor], source: str,
-                 resample_pos_embed: bool = True) -> None:
+                 resample_pos_embed: bool = True, trained_size: Optional[Tuple[int, int]] = None) -> None:
     """Load ``weights`` into ``model`` with strict key matching.
 
     resample_pos_embed: a model built for another image size gets the position embeddings resampled to its grid
-        (``resample_position_embeddings``); False (resuming training, whose optimizer state has the old shape)
-        treats a different size as a mismatch.
+        (``resample_position_embeddings``, from the grid of ``trained_size`` (H, W) when given); False (resuming
+        training, whose optimizer state has the old shape) treats a different size as a mismatch.
     Raises WeightsMismatchError naming ``source`` and the first differing keys, in one line.
     """
     if resample_pos_embed:
-        weights = resample_position_embeddings(model, weights)
+        try:
+            weights = resample_position_embeddings(model, weights, trained_size)
+        except WeightsMismatchError as error:
+            raise WeightsMismatchError(f"{source}: {error}") from None
     found = _mismatches(model.state_dict(), weights)
     if found:
         more = f" (and {len(found) - _NAMED_KEYS} more)" if len(found) > _NAMED_KEYS else ''

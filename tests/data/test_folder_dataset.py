@@ -143,7 +143,7 @@ def test_tree_with_odd_files(odd_tree, caplog, make_cfg):
 
 
 def test_too_many_bad_files_is_an_error_with_the_count(odd_tree):
-    with pytest.raises(DataError, match=r'1 of 13 image files .* \(7.69%\).*max_bad_fraction=1.00%'):
+    with pytest.raises(DataError, match=r'1 of 13 image files .* \(7.69%\).*data.max_bad_fraction=0.01 \(1.00%\)'):
         ImageFolderDataset(odd_tree / 'train', val_transform(), max_bad_fraction=0.01)
 
 

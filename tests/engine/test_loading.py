@@ -42,7 +42,7 @@ def test_a_run_directory_gives_its_final_weights_class_names_and_normalisation(e
     assert trained.task == 'classification' and not trained.model.training
     cfg = timm.models.get_pretrained_cfg('linvit_tiny_patch16_224')
     assert trained.mean == tuple(cfg.mean) and trained.std == tuple(cfg.std)
-    assert trained.img_size == 32
+    assert trained.img_size == (32, 32)
 
 
 def test_a_checkpoint_gives_its_ema_weights(ema_run):
@@ -99,7 +99,7 @@ def test_what_is_not_a_run_is_named(ema_run, tmp_path):
 
 def test_another_image_size_resamples_the_position_embedding_as_timm_does(ema_run):
     at48 = load_trained(str(ema_run), overrides=['data.img_size=48'])
-    assert at48.img_size == 48 and at48.model.pos_embed.shape[1] == 1 + 6 * 6
+    assert at48.img_size == (48, 48) and at48.model.pos_embed.shape[1] == 1 + 6 * 6
     weights = load_file(ema_run / 'model.safetensors')
     reference = timm.create_model('linvit_tiny_patch16_224', depth=2, embed_dim=48, num_heads=3, patch_size=8,
                                   img_size=48, num_classes=weights['head.weight'].shape[0])

@@ -12,7 +12,7 @@ package's ``__init__`` imports every such module, so ``TASKS`` is complete as so
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import timm
 import torch
@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 
+from ...data import image_size, size_text
 from ...layers import make_floor
 from ...registry import Registry
 from ..config import ARCHITECTURE_KEYS, ConfigError, config_choice
@@ -61,9 +62,21 @@ class Task:
     #: 4 ([B, K, H, W], one per pixel); 0 when its models predict no labels (``not_predicted`` says what they do)
     logits_rank: int = 0
     not_predicted: str = ''
+    #: whether data.img_size may be [height, width] (non-square images); a task that takes one side refuses a pair
+    #: when it is built (``check_square_size``)
+    non_square: bool = False
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+        self.check_square_size()
+
+    def check_square_size(self) -> None:
+        """ConfigError for a non-square data.img_size [height, width] when the task takes one side only."""
+        height, width = image_size(self.cfg.data.img_size)
+        if height != width and not self.non_square:
+            takers = ', '.join(name for name, task in TASKS.items() if task.non_square)
+            raise ConfigError(f"data.img_size=[{height}, {width}]: task={self.name} takes one side (square images, "
+                              f"e.g. data.img_size={max(height, width)}); [height, width] is for task={takers}")
 
     def build_datasets(self, mean: Sequence[float], std: Sequence[float],
                        with_train: bool = True) -> Tuple[Optional[Dataset], Dataset, List[str]]:
@@ -91,16 +104,21 @@ class Task:
 
     def describe_evaluation(self) -> str:
         """How the validation images are evaluated, for the log line of each evaluation."""
-        return f"validation images at {self.cfg.data.img_size} px"
+        return f"validation images at {size_text(image_size(self.cfg.data.img_size))} px"
 
     def check_input_size(self, model: nn.Module) -> None:
-        """ConfigError when data.img_size (or another size the task feeds the model) is not a multiple of the
-        model's patch; called once the model is built, before any step."""
+        """ConfigError when a side of data.img_size (or another size the task feeds the model) is not a multiple of
+        the model's patch; called once the model is built, before any step."""
         multiple = input_multiple(model)
-        size = self.cfg.data.img_size
-        if size % multiple:
-            raise ConfigError(f"data.img_size={size} is not a multiple of the patch size {multiple} of "
-                              f"model.name={self.cfg.model.name!r}: use {nearest_multiples(size, multiple)}")
+        height, width = image_size(self.cfg.data.img_size)
+        model_name = f"model.name={self.cfg.model.name!r}"
+        if height == width and height % multiple:
+            raise ConfigError(f"data.img_size={height} is not a multiple of the patch size {multiple} of "
+                              f"{model_name}: use {nearest_multiples(height, multiple)}")
+        for side, size in (('height', height), ('width', width)):
+            if size % multiple:
+                raise ConfigError(f"data.img_size=[{height}, {width}]: the {side} {size} is not a multiple of the "
+                                  f"patch size {multiple} of {model_name}: use {nearest_multiples(size, multiple)}")
 
     def new_meter(self, device: torch.device) -> Meter:
         """The task's meter: ``update`` per batch, ``reduce_()`` (sum over processes), ``compute() -> dict``."""
@@ -272,11 +290,12 @@ def pretrained_overlay(path: str, model_name: str, num_classes: int) -> Dict[str
     return overlay
 
 
-def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: int,
+def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: Union[int, Sequence[int]],
                              extra_kwargs: Optional[Dict[str, Any]] = None) -> nn.Module:
     """``timm.create_model(model.name, num_classes, img_size, drop_path_rate, **model.kwargs)``.
 
-    img_size is passed to models that take it (ViTs), so position embeddings are sized for ``data.img_size``.
+    img_size (``data.img_size``: a side, or [height, width]) is passed to models that take it (ViTs, as a side or
+    an (H, W) tuple), so position embeddings are sized for it: an (H, W) model has an H/p x W/p patch grid.
     ``model.pretrained_file`` loads local weights (timm's pretrained=True with a file overlay, see
     ``pretrained_overlay``: the classifier is kept when its class count is this task's, else re-initialised).
     """
@@ -288,7 +307,8 @@ def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: 
     if model_cfg.drop_path_rate:
         kwargs.setdefault('drop_path_rate', model_cfg.drop_path_rate)
     if _accepts_img_size(model_cfg.name):
-        kwargs.setdefault('img_size', img_size)
+        height, width = image_size(img_size)
+        kwargs.setdefault('img_size', height if height == width else (height, width))
     if model_cfg.pretrained_file:
         kwargs.update(pretrained=True, pretrained_cfg_overlay=pretrained_overlay(model_cfg.pretrained_file,
                                                                                  model_cfg.name, num_classes))

@@ -28,6 +28,7 @@ class ClassificationTask(Task):
     metric_columns = ('top1', 'top5')
     classifier_key = 'head.weight'
     logits_rank = 2
+    non_square = True  # data.img_size [height, width]: the model is built at (H, W), an H/p x W/p patch grid
 
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import Dataset
 
+from ...data import image_size
 from ...layers import LinearAttention, linear_only_parameter_names
 from ...models.convert import convert_to_linear
 from ...precision import PRECISIONS
@@ -173,6 +174,11 @@ def resolve_teacher(cfg: DictConfig) -> DictConfig:
     if saved.task not in CHOICES['linearize.task']:
         raise ConfigError(f"linearize.teacher {lin.teacher} was trained with task={saved.task!r}; linearization "
                           f"takes a {' or '.join(CHOICES['linearize.task'])} teacher")
+    height, width = image_size(saved.data.img_size)
+    if height != width:  # linearize.teacher_img_size, the teacher's input and the speed figures are one side
+        raise ConfigError(f"linearize.teacher {lin.teacher} was trained at data.img_size=[{height}, {width}]; "
+                          f"task=linearize takes teachers trained at one side (square images): train one at "
+                          f"data.img_size={max(height, width)}")
     values = OmegaConf.to_container(cfg)
     # the teacher's model replaces the config's whole model section (its kwargs are the architecture)
     values['model'] = {**OmegaConf.to_container(saved.model), 'pretrained_file': None}
