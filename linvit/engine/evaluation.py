@@ -18,7 +18,7 @@ from .distributed import setup_distributed
 from .metrics import Meter
 from .plots import plot_curves
 from .run import Run, autocast_factory, build_run, loader, use_threads
-from .run_files import load_weights, read_weights, saved_config_text, trained_img_size
+from .run_files import load_weights, read_weights, trained_img_size
 from .run_log import write_json
 from .sampler import ShardSampler
 
@@ -101,14 +101,14 @@ def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, Any]
     check_runs_here(cfg)
     info = setup_distributed(cfg.device)
     use_threads(cfg.threads, info.device)
-    weights, class_names = read_weights(weights_path)
+    weights, class_names, saved_config = read_weights(weights_path)
     if class_names is not None and cfg.data.num_classes is None:
         # the class count the weights were trained with: a segmentation folder without classes.txt need not read
         # its train masks to find it
         cfg = OmegaConf.merge(cfg, {'data': {'num_classes': len(class_names)}})
     run = build_run(cfg, info, with_train=False)
     _check_classes(run, weights, class_names, weights_path)
-    load_weights(run.model, weights, weights_path, trained_size=trained_img_size(saved_config_text(weights_path)))
+    load_weights(run.model, weights, weights_path, trained_size=trained_img_size(saved_config))
     metrics = run.task.final_metrics(evaluated_meter(run, run.model).compute())
     if info.is_main:
         os.makedirs(out_dir, exist_ok=True)

@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -22,8 +22,8 @@ from .config import ConfigError, config_from_yaml
 
 __all__ = ['RUN_WEIGHTS', 'RUN_DERIVED', 'RUN_STAGES', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError',
            'run_entries_in', 'run_results_in', 'claim_run_dir', 'remove_unstarted_run', 'RunFiles',
-           'find_run_files', 'saved_config_text', 'read_weights', 'load_weights', 'resample_position_embeddings',
-           'trained_img_size', 'WeightsMismatchError']
+           'find_run_files', 'saved_config_text', 'SavedWeights', 'read_weights', 'load_weights',
+           'resample_position_embeddings', 'trained_img_size', 'WeightsMismatchError']
 
 _logger = logging.getLogger(__name__)
 
@@ -174,13 +174,19 @@ def saved_config_text(path: str) -> Optional[str]:
     return Checkpoint.load(path).config
 
 
-def read_weights(path: str) -> Tuple[Dict[str, torch.Tensor], Optional[List[str]]]:
-    """(the weights a run evaluates, its class names or None) from a checkpoint .pt (its EMA weights when it has
-    them) or a .safetensors file."""
+class SavedWeights(NamedTuple):
+    """What a weights file gives evaluation: the weights, its class names and its training config (YAML text)."""
+    weights: Dict[str, torch.Tensor]  # the weights a run evaluates (a checkpoint's EMA weights when it has them)
+    class_names: Optional[List[str]]  # a checkpoint's; None for a .safetensors file
+    config_text: Optional[str]  # a checkpoint's config, or the config.yaml beside a .safetensors file; None: none
+
+
+def read_weights(path: str) -> SavedWeights:
+    """The weights, class names and config of a checkpoint .pt or a .safetensors file, read once."""
     if path.endswith('.safetensors'):
-        return load_safetensors(path), None
+        return SavedWeights(load_safetensors(path), None, saved_config_text(path))
     checkpoint = Checkpoint.load(path)
-    return checkpoint.evaluated_weights(), checkpoint.class_names
+    return SavedWeights(checkpoint.evaluated_weights(), checkpoint.class_names, checkpoint.config)
 
 
 def trained_img_size(config_text: Optional[str]) -> Optional[Tuple[int, int]]:

@@ -394,14 +394,14 @@ class LinearizeTask(Task):
         except (TypeError, ValueError) as error:
             raise ConfigError(f"linearize.convert={options}: {error}") from error
         if with_weights and lin.student_weights is not None:
-            weights, _ = read_weights(lin.student_weights)
+            weights = read_weights(lin.student_weights).weights
             load_weights(student, weights, lin.student_weights)
         return student
 
     def _teacher_weights(self) -> Dict[str, torch.Tensor]:
         """The teacher's weights, read from its file once (the teacher and the student both start from them)."""
         if self._teacher_state is None:
-            self._teacher_state, _ = read_weights(teacher_weights_path(self.cfg.linearize.teacher))
+            self._teacher_state = read_weights(teacher_weights_path(self.cfg.linearize.teacher)).weights
         return self._teacher_state
 
     def build_model(self, num_classes: int) -> nn.Module:
