@@ -9,6 +9,11 @@ median milliseconds and ratios, and the crossover N from which linear attention 
     python tools/bench_attention.py --quick          # fewer sizes and repeats (the `make demo` run)
     python tools/bench_attention.py --tokens 256 1024 4096 --feature-map relu --csv bench.csv
     python tools/bench_attention.py --compile         # all three layers through linvit.fast.compile_model
+    python tools/bench_attention.py --threads 1       # one thread, whatever the machine's load
+
+On a CPU ``--threads auto`` (the default) uses the cores other processes leave free when the run starts; the heading
+says how many threads ran and the load, and a line starting 'WARNING busy machine' says when the threads share cores
+with other processes (then the times and ratios are noise).
 
 With ``--compile`` each layer is compiled (inductor, static shapes, one graph per N; the first warm-up call of each
 N compiles and is not timed), so the comparison is compiled linear attention against compiled SDPA attention.
@@ -19,7 +24,7 @@ import sys
 from typing import List, Optional
 
 from linvit.bench.attention import FULL, QUICK, AttentionBench, run
-from linvit.bench.cli import HelpFormatter, precision_arg
+from linvit.bench.cli import THREADS_HELP, HelpFormatter, precision_arg, threads_arg
 from linvit.ops import list_feature_maps
 from linvit.precision import PRECISIONS
 from linvit.timing import write_csv
@@ -50,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f'fewer tokens and calls: N = {_words(QUICK[0])}, {QUICK[1]} warm-up, {QUICK[2]} repeats '
                              f'(--tokens, --warmup, --repeats still win)')
     parser.add_argument('--device', default='cpu', help="torch device to run on, e.g. 'cpu', 'cuda'")
+    parser.add_argument('--threads', type=threads_arg, default='auto', help=THREADS_HELP)
     parser.add_argument('--compile', action='store_true',
                         help='time the layers compiled by linvit.fast.compile_model (torch.compile, inductor)')
     parser.add_argument('--csv', help='also write the table to this CSV file (times in ms)')
@@ -68,7 +74,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.warmup = max(args.warmup, 1)  # the first call of each N compiles: never time it
     try:
         args.bench = AttentionBench(args.tokens, args.dim, args.heads, args.batch, args.dtype, args.feature_map,
-                                    args.local_mix, args.warmup, args.repeats, args.device, args.compile, args.quick)
+                                    args.local_mix, args.warmup, args.repeats, args.device, args.compile, args.quick,
+                                    args.threads)
     except ValueError as exc:
         parser.error(str(exc))
     return args

@@ -20,7 +20,7 @@ import sys
 from typing import List, Optional
 
 from linvit.bench.causal import VARIANTS, CausalBench, run
-from linvit.bench.cli import HelpFormatter
+from linvit.bench.cli import THREADS_HELP, HelpFormatter, threads_arg
 from linvit.timing import write_csv
 
 
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--repeats', type=int, default=3, help='timed rounds: one call of each form per round')
     parser.add_argument('--recurrent-tokens', type=int, default=1024,
                         help='tokens of the recurrent (step API) run; 0 skips it')
+    parser.add_argument('--threads', type=threads_arg, default='auto', help=THREADS_HELP)
     parser.add_argument('--csv', help='also write the table to this CSV file (times in ms)')
     return parser
 
@@ -53,7 +54,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         args.bench = CausalBench(args.tokens, args.batch, args.heads, args.head_dim, args.variants, args.chunk_size,
-                                 args.max_parallel_gib, args.warmup, args.repeats, args.recurrent_tokens)
+                                 args.max_parallel_gib, args.warmup, args.repeats, args.recurrent_tokens,
+                                 args.threads)
     except ValueError as exc:
         parser.error(str(exc))
     return args

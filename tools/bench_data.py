@@ -32,16 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
     import linvit  # noqa: F401  (registers linvit_* with timm)
+    from linvit.bench.cli import measurement_threads
     from linvit.bench.data import DataBench, markdown, measure
     from linvit.timing import write_csv
-    torch.set_num_threads(args.threads)
+    threads = measurement_threads(args.threads, args.device).apply()
     bench = DataBench(sizes=args.sizes, device=args.device, workers=args.workers, images=args.images,
                       samples=args.samples, batch=args.batch, model=args.model, repeats=args.repeats)
     rows = measure(bench)
-    print(markdown(rows, args.workers))
+    print('\n'.join([f"# torch: {threads.note()}", *threads.warning_lines(), markdown(rows, args.workers)]))
     if args.csv:
         write_csv(args.csv, rows)
     return 0

@@ -32,13 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
+    from linvit.bench.cli import measurement_threads
     from linvit.bench.op_overhead import markdown, measure
-    torch.set_num_threads(1)  # the host work is single-threaded; threads would only add noise to tiny math
+    # the host work is single-threaded; threads would only add noise to tiny math
+    threads = measurement_threads(1, args.device).apply()
     rows = measure(args.device, args.tokens, args.batch, args.heads, args.head_dim, PRECISIONS[args.dtype],
                    args.repeats, args.warmup)
-    print(markdown(rows))
+    print('\n'.join([*threads.warning_lines(), markdown(rows)]))
     return 0
 
 

@@ -33,7 +33,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from linvit.bench.cli import HelpFormatter, precision_arg
+from linvit.bench.cli import THREADS_HELP, HelpFormatter, precision_arg, threads_arg
 from linvit.bench.specs import MODES, WORKLOADS, parse_model_spec, parse_size
 from linvit.bench.train_step import TrainStepBench, run, softmax_counterpart
 from linvit.precision import PRECISIONS
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--warmup', type=int, default=1, help='untimed steps of each model (the first compiles), >= 1')
     parser.add_argument('--repeats', type=int, default=3, help='timed rounds: one step of each model per round')
     parser.add_argument('--device', default='cpu', help="torch device, e.g. 'cpu' or 'cuda'")
+    parser.add_argument('--threads', type=threads_arg, default='auto', help=THREADS_HELP)
     parser.add_argument('--csv', help='also write the table to this CSV file (times in ms)')
     parser.add_argument('--profile-ops', type=int, default=0, metavar='STEPS',
                         help='after the timing, profile this many steps of each model and print where the time '
@@ -77,7 +78,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.softmax = softmax_counterpart(args.model, args.softmax)
         args.bench = TrainStepBench(args.model, args.softmax, args.sizes, args.batch, args.mode, args.dtype,
                                     args.warmup, args.repeats, args.device, args.workload, args.profile_ops,
-                                    args.profile_top)
+                                    args.profile_top, args.threads)
     except ValueError as exc:
         parser.error(str(exc))
     return args

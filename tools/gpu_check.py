@@ -29,7 +29,7 @@ import sys
 import time
 from typing import List, Optional
 
-from linvit.bench.cli import HelpFormatter
+from linvit.bench.cli import HelpFormatter, exit_without_cuda_device
 from linvit.bench.gpu_check import COMPILE_BACKENDS, FULL, QUICK, SECTIONS, CheckSettings, run_check
 from linvit.bench.processes import process_age_s
 
@@ -56,6 +56,7 @@ def parse_args(argv: Optional[List[str]] = None) -> CheckSettings:
     """The resolved settings (budget and backend defaults filled, absolute paths); a bad value is a usage error."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    exit_without_cuda_device(parser, args.device)  # before anything runs
     settings = CheckSettings(device=args.device, quick=args.quick, out=args.out, budget=args.budget,
                              sections=tuple(args.sections), cache_dir=args.cache_dir,
                              compile_backend=args.compile_backend)

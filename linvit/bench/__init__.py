@@ -3,7 +3,8 @@
 imported by ``import linvit``. Timing itself (interleaved medians, percentiles, CSV rows) is the leaf ``linvit.timing``,
 which the engine and the export share.
 
-    cli        HelpFormatter (every option shows its default), crossover of two speed curves, --dtype parsing
+    cli        HelpFormatter (every option shows its default), crossover of two speed curves, --dtype parsing,
+               --threads (auto: the free cores) and the busy-machine warning, the missing-CUDA-device exit
     specs      model specs 'name:key=value,...' (ModelSpec), image sizes 'N' or 'HxW', MODES, WORKLOADS
     memory     MemoryWatch (peak memory of timed calls, CPU RSS or CUDA allocations), the allocator setting
     machine    describe_machine: 'NVIDIA H200' or 'AMD EPYC ..., 2 CPUs'

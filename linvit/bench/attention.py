@@ -7,7 +7,7 @@ median milliseconds and ratios, and the crossover N from which linear attention 
     rows = run(AttentionBench(tokens=[256, 1024], dim=384, heads=6))   # prints the table, returns its rows
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,7 @@ from linvit.layers import LinearAttention, NoMixingAttention
 from linvit.precision import PRECISIONS
 from linvit.timing import time_interleaved
 
+from .cli import MeasurementThreads, measurement_threads
 from .cli import crossover as speed_crossover
 
 __all__ = ['FULL', 'QUICK', 'FLOOR_WORDS', 'AttentionBench', 'build_layers', 'crossover', 'run', 'next_steps']
@@ -31,8 +32,9 @@ FLOOR_WORDS = 'floor = the same layer with token mixing removed: qkv + proj only
 @dataclass(frozen=True)
 class AttentionBench:
     """What to measure. ``dtype`` is a precision name (``linvit.precision``) of weights and input; ``compile`` times
-    the layers compiled by ``linvit.fast.compile_model`` (its first warm-up call per N compiles); ``quick`` only
-    changes the advice printed at the end."""
+    the layers compiled by ``linvit.fast.compile_model`` (its first warm-up call per N compiles); ``threads`` is a
+    number or 'auto' (``cli.measurement_threads``: the free cores); ``quick`` only changes the advice printed at the
+    end."""
     tokens: Sequence[int] = tuple(FULL[0])
     dim: int = 384
     heads: int = 6
@@ -45,6 +47,7 @@ class AttentionBench:
     device: str = 'cpu'
     compile: bool = False
     quick: bool = False
+    threads: Union[str, int] = 'auto'
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.repeats < 1:
@@ -79,12 +82,12 @@ def crossover(rows: List[Dict[str, float]]) -> Optional[int]:
     return speed_crossover([(int(r['tokens']), 1 / r['linear_ms'], 1 / r['softmax_ms']) for r in rows])
 
 
-def _heading(bench: AttentionBench) -> List[str]:
+def _heading(bench: AttentionBench, threads: MeasurementThreads) -> List[str]:
     return [f"# one attention layer: width {bench.dim}, {bench.heads} heads, batch {bench.batch}, {bench.dtype}, "
             f"feature map {bench.feature_map}{', local mix' if bench.local_mix else ''}, device {bench.device}, "
             f"{'compiled (inductor)' if bench.compile else 'eager'}, "
-            f"{torch.get_num_threads()} threads; median of {bench.repeats} after {bench.warmup} warm-up",
-            f"# {FLOOR_WORDS}",
+            f"{threads.note()}; median of {bench.repeats} after {bench.warmup} warm-up",
+            f"# {FLOOR_WORDS}", *threads.warning_lines(),
             f"{'N':>7} {'softmax ms':>11} {'linear ms':>10} {'floor ms':>9} {'linear/floor':>13} "
             f"{'softmax/linear':>15}"]
 
@@ -100,9 +103,10 @@ def _measure(bench: AttentionBench, layers: Dict[str, nn.Module], n: int) -> Dic
 
 def run(bench: AttentionBench) -> List[Dict[str, float]]:
     """Print the table (a row per N as it completes), the crossover and what to run next; return the rows."""
+    threads = measurement_threads(bench.threads, bench.device).apply()
     torch.manual_seed(0)
     layers = build_layers(bench)
-    print('\n'.join(_heading(bench)))
+    print('\n'.join(_heading(bench, threads)))
     rows = []
     with torch.inference_mode():
         for n in bench.tokens:

@@ -12,12 +12,14 @@ squares. Besides median milliseconds it reports the bytes each form saves for ba
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from linvit.ops import causal_linear_attention, causal_linear_attention_step, fused_linear_attention, retention_decays
 from linvit.timing import time_interleaved
+
+from .cli import measurement_threads
 
 __all__ = ['VARIANTS', 'CausalBench', 'forms', 'run', 'recurrent']
 
@@ -31,7 +33,7 @@ GIB = 2 ** 30
 class CausalBench:
     """What to measure; ``chunk_size`` None is the op's default (64, or 16 with per-channel gates); the parallel form
     is skipped where its quadratic tensors would exceed ``max_parallel_gib``; ``recurrent_tokens`` 0 skips the
-    recurrent run."""
+    recurrent run; ``threads`` is a number or 'auto' (``cli.measurement_threads``: the free cores)."""
     tokens: Sequence[int] = (1024, 4096, 16384)
     batch: int = 1
     heads: int = 6
@@ -42,6 +44,7 @@ class CausalBench:
     warmup: int = 1
     repeats: int = 3
     recurrent_tokens: int = 1024
+    threads: Union[str, int] = 'auto'
 
     def __post_init__(self) -> None:
         if min(self.tokens) < 1 or self.batch < 1 or self.heads < 1 or self.head_dim < 1 or (self.chunk_size or 1) < 1:
@@ -125,10 +128,13 @@ def _measure(bench: CausalBench, n: int, variant: str) -> Dict[str, object]:
 
 def run(bench: CausalBench) -> List[Dict[str, object]]:
     """Print the table (a row per variant and N as it completes) and the recurrent run; return the table's rows."""
+    threads = measurement_threads(bench.threads, 'cpu').apply()
     chunk = bench.chunk_size or 'auto (64; 16 with per-channel gates)'
     print(f"# causal linear attention, forward + backward: B{bench.batch} H{bench.heads} D{bench.head_dim}, elu1, "
-          f"chunk {chunk}, float32, {torch.get_num_threads()} threads; median of {bench.repeats} after "
-          f"{bench.warmup} warm-up, interleaved")
+          f"chunk {chunk}, float32, {threads.note()}; median of {bench.repeats} after {bench.warmup} warm-up, "
+          f"interleaved")
+    for line in threads.warning_lines():
+        print(line)
     print(f"{'variant':>8} {'N':>6} {'chunked ms':>11} {'parallel ms':>12} {'noncausal ms':>13} "
           f"{'parallel/chunked':>17} {'chunked/noncausal':>18} {'saved chunked':>14} {'saved parallel':>15}")
     rows = []

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from linvit.timing import percentile
+from linvit.timing import CpuLoad, percentile
 
 from . import plots, report
 from .machine import describe_machine
@@ -31,7 +31,7 @@ from .memory import RETAIN_FREED_MEMORY_ENV, MemoryWatch, allocator_setting
 from .specs import ModelSpec, parse_model_spec
 
 __all__ = ['FLOORS', 'RESULT_MARK', 'Config', 'build_configs', 'measure', 'child_result', 'child_main', 'base_row',
-           'run_config', 'sweep', 'result_words', 'print_report', 'exit_status']
+           'run_config', 'sweep', 'load_columns', 'result_words', 'print_report', 'exit_status']
 
 #: which models also get their floor measured: every model, the linvit ones, or none
 FLOORS = ('all', 'linvit', 'none')
@@ -251,6 +251,11 @@ def run_config(config: Config, timeout: float, retain_freed_memory: bool = False
     return row
 
 
+def load_columns(load: Optional[CpuLoad]) -> Dict[str, Any]:
+    """The CSV columns of the CPU load before the sweep (none when it was not read: a GPU, no load average)."""
+    return {'load_average': round(load.load_average, 2), 'cores': load.cores} if load else {}
+
+
 def result_words(row: Dict[str, Any]) -> str:
     """One row's outcome in words, for the progress line."""
     if row['status'] != 'ok':
@@ -261,9 +266,10 @@ def result_words(row: Dict[str, Any]) -> str:
 
 
 def sweep(configs: Sequence[Config], csv_path: str, rounds: int = 1, timeout: float = 1800.,
-          retain_freed_memory: bool = False) -> List[Dict[str, Any]]:
+          retain_freed_memory: bool = False, load: Optional[CpuLoad] = None) -> List[Dict[str, Any]]:
     """Run every configuration ``rounds`` times (round-major), each in its own process, writing rows to
-    ``csv_path`` as they complete."""
+    ``csv_path`` as they complete; ``load`` (the CPU load before the sweep) goes into every row, for the tables'
+    busy-machine warning."""
     import csv
 
     from tqdm import tqdm
@@ -277,7 +283,7 @@ def sweep(configs: Sequence[Config], csv_path: str, rounds: int = 1, timeout: fl
         progress = tqdm(runs, unit='config', dynamic_ncols=True)
         for round_index, config in progress:
             progress.set_description(config.describe())
-            row = {'round': round_index, **run_config(config, timeout, retain_freed_memory)}
+            row = {'round': round_index, **run_config(config, timeout, retain_freed_memory), **load_columns(load)}
             rows.append(row)
             writer.writerow(row)
             f.flush()  # rows survive an interrupted sweep

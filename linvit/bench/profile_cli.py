@@ -11,7 +11,7 @@ from typing import List, Optional
 from linvit.precision import PRECISIONS
 
 from . import profile, report
-from .cli import HelpFormatter, precision_arg
+from .cli import THREADS_HELP, HelpFormatter, measurement_threads, precision_arg, threads_arg
 from .specs import MODES, WORKLOADS, parse_model_spec, parse_size
 
 __all__ = ['DEFAULT_MODELS', 'DEFAULT_SIZES', 'DEFAULT_OUT', 'build_parser', 'parse_args', 'build_configs', 'main']
@@ -44,7 +44,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                         help='run the whole sweep this many times (fresh processes each time) and report, per '
                              'configuration, the median over rounds: steadier ratios on a noisy machine')
     parser.add_argument('--device', default='cpu', help="torch device to run on, e.g. 'cpu', 'cuda', 'cuda:1'")
-    parser.add_argument('--threads', type=int, help='torch.set_num_threads in each configuration (default: torch\'s)')
+    parser.add_argument('--threads', type=threads_arg, default='auto',
+                        help=f"{THREADS_HELP}. Read once before the sweep: every configuration's process uses the "
+                             f"same number")
     parser.add_argument('--retain-freed-memory', action='store_true',
                         help='run each configuration with glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_ and '
                              'MALLOC_TRIM_THRESHOLD_ = 2**34), as jemalloc/tcmalloc would: no page faults for '
@@ -62,7 +64,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[List[str]] = None, description: Optional[str] = None) -> argparse.Namespace:
-    """Parse and check; fills the default sizes and output folder."""
+    """Parse and check; fills the default sizes and output folder, and ``measurement``: the threads every
+    configuration uses and the CPU load now (``cli.measurement_threads``)."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.repeats < 1 or args.rounds < 1:
@@ -76,13 +79,15 @@ def parse_args(argv: Optional[List[str]] = None, description: Optional[str] = No
         parser.error(str(exc))
     args.sizes = args.sizes or [parse_size(s) for s in DEFAULT_SIZES]
     args.out = args.out or (os.path.dirname(os.path.abspath(args.summarize)) if args.summarize else DEFAULT_OUT)
+    args.measurement = measurement_threads(args.threads, args.device)
     return args
 
 
 def build_configs(args: argparse.Namespace) -> List[profile.Config]:
     """The sweep's configurations from parsed options (``profile.build_configs``)."""
     return profile.build_configs(args.models, args.sizes, args.floors, args.workload, args.dtype, args.batch,
-                                 args.mode, args.device, args.warmup, args.repeats, args.threads, args.compile_mode)
+                                 args.mode, args.device, args.warmup, args.repeats, args.measurement.threads,
+                                 args.compile_mode)
 
 
 def main(argv: Optional[List[str]] = None, description: Optional[str] = None) -> int:
@@ -93,8 +98,11 @@ def main(argv: Optional[List[str]] = None, description: Optional[str] = None) ->
     if args.summarize:
         profile.print_report(report.read_csv(args.summarize), args.out)
         return 0
+    for line in args.measurement.warning_lines(prefix=''):
+        print(line, flush=True)  # now, before the sweep's minutes; the tables repeat it
     csv_path = os.path.join(args.out, 'profile.csv')
-    rows = profile.sweep(build_configs(args), csv_path, args.rounds, args.timeout, args.retain_freed_memory)
+    rows = profile.sweep(build_configs(args), csv_path, args.rounds, args.timeout, args.retain_freed_memory,
+                         args.measurement.load)
     print(f"wrote {csv_path}")
     profile.print_report(rows, args.out)
     return profile.exit_status(rows)

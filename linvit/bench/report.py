@@ -10,19 +10,21 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from linvit import timing
+from linvit.timing import CpuLoad
 
-from .cli import crossover
+from .cli import busy_warning, crossover
 from .specs import MODES, counterpart, size_label
 
 __all__ = ['CSV_FIELDS', 'write_csv', 'read_csv', 'describe_row', 'failure_lines', 'aggregate_rounds', 'group_key',
-           'Table', 'model_summary', 'doublings', 'plain_summary', 'mode_summary', 'summarize']
+           'sweep_load', 'Table', 'model_summary', 'doublings', 'plain_summary', 'mode_summary', 'summarize']
 
 CSV_FIELDS = ['round', 'model', 'name', 'kwargs', 'kind', 'height', 'width', 'tokens', 'batch', 'dtype', 'mode',
               'workload', 'device', 'machine', 'compile_mode', 'status', 'median_ms', 'p90_ms', 'img_per_s',
               'peak_mem_mib', 'base_mem_mib', 'added_mem_mib', 'first_call_ms', 'warmup', 'repeats', 'threads',
-              'allocator', 'error']
-_INT_FIELDS = ('round', 'height', 'width', 'tokens', 'batch', 'warmup', 'repeats', 'threads')
-_FLOAT_FIELDS = ('median_ms', 'p90_ms', 'img_per_s', 'peak_mem_mib', 'base_mem_mib', 'added_mem_mib', 'first_call_ms')
+              'load_average', 'cores', 'allocator', 'error']
+_INT_FIELDS = ('round', 'height', 'width', 'tokens', 'batch', 'warmup', 'repeats', 'threads', 'cores')
+_FLOAT_FIELDS = ('median_ms', 'p90_ms', 'img_per_s', 'peak_mem_mib', 'base_mem_mib', 'added_mem_mib', 'first_call_ms',
+                 'load_average')
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -249,16 +251,28 @@ def _first(rows: Sequence[Dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in rows if r.get(key)), None)
 
 
-def _table_heading(table: Table, group: Tuple[str, str, int], mode: str, rounds: int) -> str:
+def sweep_load(rows: Sequence[Dict[str, Any]]) -> Optional[CpuLoad]:
+    """The CPU load before the sweep, as its rows recorded it (None for a GPU sweep or an older CSV)."""
+    row = next((r for r in rows if r.get('cores') is not None and r.get('load_average') is not None), None)
+    return CpuLoad(int(row['cores']), float(row['load_average'])) if row else None
+
+
+def _table_heading(table: Table, group: Tuple[str, str, int], mode: str, rounds: int) -> List[str]:
+    """The table's heading line (what was measured, where, with how many threads at what load), then the
+    busy-machine warning when the threads shared cores with other processes."""
     workload, dtype, batch = group
     machine, threads, allocator = (_first(table.rows, key) for key in ('machine', 'threads', 'allocator'))
-    return (f"\n# {workload}, {dtype}, batch {batch}, {mode}, {table.rows[0].get('device', '')}"
-            + (f" ({machine})" if machine else '')
-            + (f", {threads} threads" if threads else '')
-            + (f", allocator {allocator}" if allocator else '')
-            + "; img/s = batch / median latency"
-            + (f" (median over {rounds} rounds)" if rounds > 1 else '')
-            + ", +MiB = memory added by the calls")
+    load = sweep_load(table.rows)
+    heading = (f"\n# {workload}, {dtype}, batch {batch}, {mode}, {table.rows[0].get('device', '')}"
+               + (f" ({machine})" if machine else '')
+               + (f", {threads} threads" if threads else '')
+               + (f" (load average {load.load_average:.1f} on {load.cores} cores before the sweep)" if load else '')
+               + (f", allocator {allocator}" if allocator else '')
+               + "; img/s = batch / median latency"
+               + (f" (median over {rounds} rounds)" if rounds > 1 else '')
+               + ", +MiB = memory added by the calls")
+    warning = busy_warning(load, threads) if threads else None
+    return [heading] + ([f"# {warning}"] if warning else [])
 
 
 def summarize(rows: List[Dict[str, Any]]) -> List[str]:
@@ -271,7 +285,7 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
         modes = [m for m in MODES if any(r['mode'] == m for r in group)]
         for mode in modes:
             table = Table([r for r in group if r['mode'] == mode])
-            lines.append(_table_heading(table, key, mode, rounds))
+            lines.extend(_table_heading(table, key, mode, rounds))
             linvit = table.labels('linvit')
             for label in linvit:
                 lines.extend(model_summary(table, label))

@@ -12,7 +12,7 @@ alike: on a shared machine the same matmul can run 2-4x slower for seconds at a 
     rows = run(TrainStepBench(model=parse_model_spec('linvit_small_patch16_224'), softmax='vit_small_patch16_224'))
 """
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
 import torch
@@ -25,6 +25,7 @@ from linvit.layers import make_floor
 from linvit.precision import PRECISIONS
 from linvit.timing import time_interleaved
 
+from .cli import measurement_threads
 from .memory import allocator_setting
 from .op_profile import StepProfile, enable_compiled_kernel_names, format_profile, profile_steps
 from .specs import MODES, WORKLOADS, ModelSpec, size_label
@@ -57,8 +58,8 @@ class TrainStepBench:
     model; see ``softmax_counterpart``), ``dtype`` the precision (training: autocast around forward and loss,
     'float32' none, weights stay float32; inference: model and images cast to it), ``warmup`` >= 1 (the first step
     compiles), ``workload`` what a step is ('training' or 'inference', see the module docstring), ``profile_ops``
-    steps of each model to profile after the timing (0: none; ``linvit.bench.op_profile``) and ``profile_top`` the
-    ops of linvit listed."""
+    steps of each model to profile after the timing (0: none; ``linvit.bench.op_profile``), ``profile_top`` the
+    ops of linvit listed, ``threads`` a number or 'auto' (``cli.measurement_threads``: the free cores)."""
     model: ModelSpec
     softmax: Optional[str] = None
     sizes: Sequence[Tuple[int, int]] = ((512, 512),)
@@ -71,6 +72,7 @@ class TrainStepBench:
     workload: str = 'training'
     profile_ops: int = 0
     profile_top: int = 10
+    threads: Union[str, int] = 'auto'
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.repeats < 1 or self.batch < 1:
@@ -152,10 +154,13 @@ def run(bench: TrainStepBench) -> List[Dict[str, Any]]:
     """Print the table (a row per size and mode as it completes); return its rows."""
     step = ('training step (forward, cross-entropy, backward)' if bench.workload == 'training'
             else 'inference step (forward under inference_mode)')
+    threads = measurement_threads(bench.threads, bench.device).apply()
     print(f"# {step} of {bench.model.spec}, its floor and "
-          f"{bench.softmax or 'no softmax model'}; {bench.dtype}, device {bench.device}, {torch.get_num_threads()} "
-          f"threads; median of {bench.repeats} interleaved rounds after "
-          f"{bench.warmup} warm-up step(s); ratios of images/s (> 1: linvit faster)")
+          f"{bench.softmax or 'no softmax model'}; {bench.dtype}, device {bench.device}, {threads.note()}; median of "
+          f"{bench.repeats} interleaved rounds after {bench.warmup} warm-up step(s); ratios of images/s (> 1: linvit "
+          f"faster)")
+    for line in threads.warning_lines():
+        print(line)
     print(f"{'size':>9} {'batch':>5} {'mode':>9} " + ' '.join(f"{kind + ' ms':>10}" for kind in KINDS)
           + f" {'linvit/floor':>13} {'linvit/softmax':>15}")
     if bench.profile_ops and 'compiled' in bench.mode:

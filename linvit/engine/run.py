@@ -8,7 +8,6 @@ between these and a ``Checkpoint``.
     checkpoint = checkpoint_of(run, training, progress)
 """
 import logging
-import os
 import random
 import re
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..precision import PRECISIONS
+from ..registry import suggestion
+from ..timing import cpu_load
 from .checkpoint import Checkpoint, Progress, capture_rng_state, restore_rng_state
 from .config import ConfigError, config_from_yaml, config_to_yaml, differing_keys
 from .distributed import DistInfo
@@ -33,6 +34,7 @@ from .run_files import load_weights
 from .sampler import ResumableSampler
 from .step import TrainStep
 from .tasks import Task, build_task, normalization_of
+from .tasks.base import model_keywords
 
 __all__ = ['Run', 'Training', 'BatchMixer', 'build_run', 'build_training', 'loader', 'use_threads',
            'seed_everything', 'autocast_factory', 'learning_rate', 'evaluated_model', 'restore', 'checkpoint_of']
@@ -46,6 +48,7 @@ _FEW_STEPS = 100
 #: the keys that shape the learning-rate schedule
 _SCHEDULE_KEYS = ('train.epochs', 'train.sched', 'train.lr', 'train.min_lr', 'train.warmup_epochs',
                   'train.warmup_lr')
+_UNEXPECTED_KEYWORD = re.compile(r"unexpected keyword argument '(\w+)'")
 _SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[.*?\])\) from "
                             r"checkpoint, the shape in current model is torch\.Size\((\[.*?\])\)\.?")
 
@@ -124,10 +127,12 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
     except ValueError as error:
         raise ConfigError(f"cannot build model.name={model_cfg.name!r} from the config: {error}") from error
     except TypeError as error:
-        if 'unexpected keyword argument' not in str(error):
+        unknown = _UNEXPECTED_KEYWORD.search(str(error))
+        if unknown is None:
             raise
-        raise ConfigError(f"model.name={model_cfg.name!r} does not take an argument of model.kwargs: "
-                          f"{error}") from error
+        close = suggestion(unknown.group(1), sorted(model_keywords(model_cfg.name)))
+        raise ConfigError(f"model.name={model_cfg.name!r} does not take model.kwargs.{unknown.group(1)}"
+                          f"{'; ' + close if close else ''} ({error})") from error
     task.check_input_size(model)
     return model
 
@@ -170,18 +175,14 @@ def use_threads(threads: Optional[int], device: torch.device) -> None:
     torch's default of one thread per core makes every step wait for the slowest, shared core."""
     if threads is not None:
         torch.set_num_threads(threads)
-    if device.type != 'cpu' or not hasattr(os, 'getloadavg'):
+    load = cpu_load() if device.type == 'cpu' else None
+    if load is None:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
-    # the 1-minute load counts this process too (about one core while it started up)
-    others = max(0.0, os.getloadavg()[0] - 1.0)
-    free = max(1, cores - round(others))
     used = torch.get_num_threads()
-    _logger.info("CPU: %d torch thread(s) on %d core(s) (threads=%s)", used, cores, threads)
-    if used > free:
-        _logger.warning("other processes keep about %.0f of the %d cores busy (load average %.1f) and torch uses %d "
-                        "threads, which then wait for the busy cores: set threads=%d (or free the cores)",
-                        others, cores, os.getloadavg()[0], used, free)
+    _logger.info("CPU: %d torch thread(s) on %d core(s) (threads=%s)", used, load.cores, threads)
+    if used > load.fair_threads:
+        _logger.warning("%s and torch uses %d threads, which then wait for the busy cores: set threads=%d (or free "
+                        "the cores)", load.describe(), used, load.fair_threads)
 
 
 # ---------------------------------------------------------------------------------------------------- training

@@ -5,8 +5,18 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 TOOLS_DIR = Path(__file__).resolve().parents[2] / 'tools'
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """The benchmark tools set torch's threads for their measurement (``--threads``); a tool run in this process
+    must not leave the next test with them."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def load_tool(name: str) -> ModuleType:

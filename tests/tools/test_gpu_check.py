@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from linvit.bench.gpu_check import plan, report
 
@@ -56,11 +57,31 @@ def test_options_become_resolved_settings(gpu_check, tmp_path):
     assert (settings.budget, settings.compile_backend, settings.sections) == (plan.QUICK.budget_s, 'aot_eager',
                                                                              ('parity', 'op'))
     assert settings.out == str(tmp_path / 'o')
-    assert gpu_check.parse_args([]).sections == ('parity', 'op', 'models')
+    assert gpu_check.parse_args(['--device', 'cpu']).sections == ('parity', 'op', 'models')
     with pytest.raises(SystemExit):  # quality is tools/quality_check.py
-        gpu_check.parse_args(['--sections', 'quality'])
+        gpu_check.parse_args(['--device', 'cpu', '--sections', 'quality'])
     with pytest.raises(SystemExit):
-        gpu_check.parse_args(['--budget', '5'])
+        gpu_check.parse_args(['--device', 'cpu', '--budget', '5'])
+
+
+@pytest.mark.parametrize('device, available, count, missing', [
+    ('cuda:0', False, 0, 'there is no CUDA device on this machine'),   # the default, without CUDA
+    ('cuda', False, 0, 'there is no CUDA device on this machine'),
+    ('cuda:1', True, 1, 'there is no CUDA device 1 on this machine (torch sees 1)'),
+])
+def test_a_cuda_device_the_machine_lacks_is_one_line_before_anything_runs(gpu_check, tmp_path, capsys, monkeypatch,
+                                                                          device, available, count, missing):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: available)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: count)
+    argv = [] if device == 'cuda:0' else ['--device', device]  # cuda:0 is the default
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main([*argv, '--out', str(tmp_path / 'out')])
+    assert exited.value.code == 2  # a usage error
+    captured = capsys.readouterr()
+    assert captured.out == '' and captured.err.count('\n') == 1, captured.err
+    assert captured.err.split(': error: ')[1].startswith(f"--device {device}: {missing}")  # after argparse's prog
+    assert captured.err.rstrip().endswith('--device cpu --quick')
+    assert not (tmp_path / 'out').exists()  # no section ran, no log was written
 
 
 def test_every_option_has_help_that_shows_its_default(gpu_check):

@@ -5,12 +5,14 @@ of cut and failed runs, the runs' jobs and the recipes in code, and the rendered
 import csv
 import gzip
 import os
+import re
 import struct
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import load_tool
 from omegaconf import OmegaConf
 
@@ -99,11 +101,35 @@ def test_options_become_resolved_settings(tool, tmp_path):
     settings = tool.parse_args(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'o')])
     assert (settings.budget_s, settings.pipeline, settings.out) == (plan.QUICK.budget_s, 'cached',
                                                                     str(tmp_path / 'o'))
-    assert tool.parse_args([]).budget_s == plan.FULL.budget_s == 300
-    assert tool.parse_args(['--pipeline', 'albumentations']).pipeline == 'albumentations'
+    assert tool.parse_args(['--device', 'cpu']).budget_s == plan.FULL.budget_s == 300
+    assert tool.parse_args(['--device', 'cpu', '--pipeline', 'albumentations']).pipeline == 'albumentations'
     for bad in (['--budget-s', '10'], ['--pipeline', 'dali']):
         with pytest.raises(SystemExit):
-            tool.parse_args(bad)
+            tool.parse_args(['--device', 'cpu', *bad])
+
+
+def test_without_cuda_the_default_device_is_one_line_before_anything_runs(tool, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        tool.main(['--out', str(tmp_path / 'out'), '--cache-dir', str(tmp_path / 'cache')])  # --device cuda:0
+    captured = capsys.readouterr()
+    assert exited.value.code == 2 and captured.out == '' and captured.err.count('\n') == 1, captured.err
+    assert captured.err.split(': error: ')[1].startswith('--device cuda:0: there is no CUDA device on this machine')
+    assert captured.err.rstrip().endswith('--device cpu --quick')
+    assert not (tmp_path / 'out').exists() and not (tmp_path / 'cache').exists()  # no data, no run, no log
+
+
+def test_user_facing_text_speaks_of_targets_not_issue_numbers(tool, tmp_path, capsys):
+    root = Path(__file__).resolve().parents[2]
+    pages = [root / 'README.md', *(root / 'docs').glob('*.md'), *(root / 'tools').glob('*.py'),
+             *(root / 'linvit').rglob('*.py')]
+    assert not [f"{page.relative_to(root)}: {match.group()}" for page in pages
+                for match in re.finditer(r'[Ii]ssue \d+', page.read_text())]
+    assert tool.main(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'out'), '--cache-dir',
+                      str(tmp_path / 'cache'), '--fmnist-dir', str(tmp_path / 'nothing')]) == 0
+    report_text = (tmp_path / 'out' / 'quality_check.md').read_text()
+    assert '## Comparisons with the targets' in report_text and 'linvit within 1 point' in report_text
+    capsys.readouterr()
 
 
 def test_schedule_is_whole_epochs_unless_less_than_half_of_one():
