@@ -351,9 +351,10 @@ def test_make_demo_prints_commands_that_run_from_the_venv():
 @pytest.mark.parametrize('target, variable', [('demo', 'DEMO_VERDICT'), ('demo-cls', 'DEMO_CLS_VERDICT')])
 def test_each_demo_ends_with_what_its_numbers_mean(tmp_path, target, variable):
     """The last command of each demo prints its numbers against chance; run here on a hand-written metrics.json."""
-    shown = subprocess.run(['make', '-n', target], cwd=ROOT, capture_output=True, text=True).stdout
-    command = shown.strip().splitlines()[-1]
-    assert f'-c "${variable}" runs/' in command
+    # --no-print-directory: under make test, the sub-make would add 'Leaving directory' lines
+    shown = subprocess.run(['make', '-n', '--no-print-directory', target], cwd=ROOT, capture_output=True,
+                           text=True).stdout
+    assert f'-c "${variable}" runs/' in shown.strip().splitlines()[-1]
     makefile = open(os.path.join(ROOT, 'Makefile')).read()
     script = re.search(rf'^define {variable}\n(.*?)^endef', makefile, re.S | re.M).group(1)
     metrics = {'top1': 0.771, 'count': 512} if target == 'demo-cls' else \
