@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import albumentations as A
 
 __all__ = ['DataError', 'LayoutError', 'KeyedImageDataset', 'KeyedSegDataset', 'mask_dtype', 'sample_seed',
-           'seed_words', 'seed_transform', 'image_size', 'size_text']
+           'seed_words', 'seed_transform', 'image_size', 'size_text', 'named']
 
 _WORD = 2 ** 32
 
@@ -55,6 +55,12 @@ def size_text(size: tuple[int, int]) -> str:
     """'224' for a square size, '224x320' (height x width) otherwise: how logs and file names show a size."""
     height, width = size
     return str(height) if height == width else f"{height}x{width}"
+
+
+def named(names: Sequence[str], shown: int) -> str:
+    """'a, b, c' naming at most ``shown`` of ``names``, then 'and N more': how a message lists classes or folders."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ''
+    return ', '.join(names[:shown]) + more
 
 
 def _is_sequence(value: Any) -> bool:

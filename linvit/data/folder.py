@@ -23,7 +23,7 @@ import albumentations as A
 import numpy as np
 from PIL import Image, ImageOps
 
-from .base import DataError, KeyedImageDataset, LayoutError
+from .base import DataError, KeyedImageDataset, LayoutError, named
 
 __all__ = ['ImageFolderDataset', 'class_folders', 'check_same_classes', 'list_images', 'load_rgb', 'to_rgb_array',
            'readable_extensions', 'too_many_bad']
@@ -202,10 +202,8 @@ class ImageFolderDataset(KeyedImageDataset):
             raise DataError(f"no images under {self.split_dir}/<class>/ (looked for files PIL opens: "
                             f"{', '.join(sorted(extensions)[:12])}, ...)")
         if empty and not allow_empty_classes:
-            shown = ', '.join(empty[:_NAMED_EMPTY]) + (f" and {len(empty) - _NAMED_EMPTY} more"
-                                                       if len(empty) > _NAMED_EMPTY else '')
-            raise DataError(f"class folders without images under {self.split_dir}: {shown}; a class with no "
-                            f"training image can never be predicted: add images to them or remove them")
+            raise DataError(f"class folders without images under {self.split_dir}: {named(empty, _NAMED_EMPTY)}; a "
+                            f"class with no training image can never be predicted: add images to them or remove them")
         for class_dir in empty:
             _logger.warning("class folder %s has no images: its class is not evaluated", class_dir)
         return paths, targets

@@ -6,13 +6,14 @@ process), the prediction picture of a step, and evaluating saved weights (``trai
     metrics = evaluate(cfg, 'runs/x/best.pt', 'runs/x/eval_best')   # saved weights -> metrics.json
 """
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from ..data import DataError
+from ..data.base import named
 from .config import check_runs_here
 from .distributed import setup_distributed
 from .metrics import Meter
@@ -23,6 +24,9 @@ from .run_log import write_json
 from .sampler import ShardSampler
 
 __all__ = ['evaluated_meter', 'save_prediction_picture', 'evaluate']
+
+#: how many validation classes a class-count mismatch names
+_NAMED_CLASSES = 8
 
 
 @torch.no_grad()
@@ -81,14 +85,8 @@ def _check_classes(run: Run, weights: Dict[str, torch.Tensor], class_names: Opti
     trained = int(weights[key].shape[0]) if key in weights else len(run.class_names)
     if trained != len(run.class_names):
         raise DataError(f"{weights_path} was trained on {trained} classes ({key} has {trained} rows) but the "
-                        f"validation data has {len(run.class_names)}: {_listed(run.class_names)}; evaluate it on data "
-                        f"with the classes it was trained on")
-
-
-def _listed(names: Sequence[str], shown: int = 8) -> str:
-    """'cat, dog' (the first ``shown`` names, then '... (N in all)')."""
-    more = f", ... ({len(names)} in all)" if len(names) > shown else ''
-    return ', '.join(names[:shown]) + more
+                        f"validation data has {len(run.class_names)}: {named(run.class_names, _NAMED_CLASSES)}; "
+                        f"evaluate it on data with the classes it was trained on")
 
 
 def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, Any]:
