@@ -41,11 +41,15 @@ from .fused import (
     has_fused_backward,
 )
 from .linear_attention import (
+    AttentionState,
+    add_states,
     check_attention_inputs,
     compute_dtype,
     export_tracing,
     linear_attention,
+    linear_attention_apply,
     linear_attention_from_features,
+    linear_attention_state,
 )
 from .projected import projected_linear_attention_from_features, projected_linear_attention_from_inputs
 from .reference import quadratic_linear_attention
@@ -54,7 +58,7 @@ __all__ = [
     'FEATURE_MAPS', 'FeatureMapSpec', 'FeatureMap', 'elu1', 'relu', 'relu2', 'focused', 'hedgehog',
     'feature_map_spec', 'get_feature_map', 'list_feature_maps', 'register_feature_map', 'unregister_feature_map',
     'fused_linear_attention_from_features', 'check_attention_inputs', 'compute_dtype', 'export_tracing',
-    'linear_attention',
+    'linear_attention', 'linear_attention_state', 'linear_attention_apply', 'AttentionState', 'add_states',
     'linear_attention_from_features', 'projected_linear_attention_from_features',
     'projected_linear_attention_from_inputs', 'quadratic_linear_attention',
     'fused_linear_attention',

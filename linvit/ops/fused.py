@@ -30,7 +30,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from .feature_maps import feature_map_spec
-from .linear_attention import _key_weights, _kv_and_key_sum, autocast_off, check_attention_inputs, compute_dtype
+from .linear_attention import _key_weights, autocast_off, check_attention_inputs, compute_dtype, state_from_features
 
 __all__ = ['fused_linear_attention', 'fused_linear_attention_from_features',
            'fused_linear_attention_qkv', 'has_fused_backward', 'LinearAttentionFunction',
@@ -88,7 +88,7 @@ def _attend(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: floa
     """phi_q [B, H, Nq, D], phi_k [B, H, N, D], v [B, H, N, Dv] in the compute dtype -> (out [B, H, Nq, Dv]
     token-major in ``out_dtype``, S [B, H, D, Dv + 1], den [B, H, Nq, 1])."""
     phi_k, v = _mapped_keys(phi_k, v, w)
-    s = _kv_and_key_sum(phi_k, v)
+    s = state_from_features(phi_k, v).sums.transpose(-2, -1)  # [B, H, D, Dv + 1], keys already weighted
     dv = v.shape[-1]
     num_den = phi_q @ s
     den = num_den[..., dv:] + _eps_count(eps, phi_k.shape[-2], w)
