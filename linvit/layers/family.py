@@ -43,6 +43,9 @@ class FamilySpec:
         for its own key (``'projection'``). An attribute that is None adds nothing, so an optional branch (a gate
         built only with some option) is declared like any other. A softmax checkpoint lacks these tensors: loading
         one keeps their initial values.
+    state: whether its mixing has the state form (``attention_state`` / ``attend_state``: the keys summed into a
+        state that adds up over parts of the tokens, then applied to the queries), which bounded-memory inference
+        (``linvit.models.bounded``) needs.
     token_grid: whether its mixing reads the patch grid; the layer then keeps ``num_prefix_tokens`` and
         ``grid_size`` (its fallback without ``feat_size``), which linvit models and ``convert_to_linear`` fill in.
     """
@@ -52,6 +55,7 @@ class FamilySpec:
     causal: bool = False
     tensors: Tuple[str, ...] = ()
     token_grid: bool = False
+    state: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import (
+    AttentionState,
     CausalState,
     causal_linear_attention,
     causal_linear_attention_step,
@@ -16,7 +17,9 @@ from ..ops import (
     fused_linear_attention_from_features,
     has_fused_backward,
     kernels_serve,
+    linear_attention_apply,
     linear_attention_from_features,
+    linear_attention_state,
     projected_linear_attention_from_features,
     projected_linear_attention_from_inputs,
 )
@@ -147,7 +150,7 @@ class LinearAttention(nn.Module):
     """
 
     #: plain linear attention: a feature map, a causal form, no tensors beyond timm's Attention
-    family = FamilySpec('linear', feature_map=True, causal=True)
+    family = FamilySpec('linear', feature_map=True, causal=True, state=True)
     grid_size: Optional[Tuple[int, int]]
 
     def __init__(
@@ -488,6 +491,60 @@ class LinearAttention(nn.Module):
         if self.local_mix is not None:
             out = self.local_mix.add_to(out, v, feat_size)
         return self._finish(out, x)
+
+    # ---- the state form: attention in two halves (FamilySpec.state), for inputs read a part at a time
+
+    def _check_state_form(self) -> None:
+        if not type(self).family.state:
+            raise ValueError(f"attn_family={type(self).family.name!r} has no state form (FamilySpec.state): its "
+                             f"tokens cannot attend a part at a time; plain linear attention (attn_family='linear') "
+                             f"can")
+        if self.causal:
+            raise ValueError("the state form is non-causal attention; this layer is causal")
+
+    def _projection(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        """x [B, n, dim] -> q (part 0), k (1) or v (2) [B, H, n, D]: only that third of the qkv projection."""
+        B, n, _ = x.shape
+        rows = slice(part * self.attn_dim, (part + 1) * self.attn_dim)
+        if _plain_linear(self.qkv):
+            bias = None if self.qkv.bias is None else self.qkv.bias[rows]
+            y = F.linear(x, self.qkv.weight[rows], bias)
+        else:  # a wrapped projection (LoRA, hooks) is called whole, as forward calls it
+            y = self.qkv(x)[..., rows]
+        return y.reshape(B, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    @torch.jit.unused
+    def attention_state(self, x: torch.Tensor) -> AttentionState:
+        """Layer inputs x [B, n, dim] of any subset of the tokens -> the state of their keys and values
+        (``linvit.ops.AttentionState``). States of disjoint subsets add up (``linvit.ops.add_states``); with the
+        state of all tokens, ``attend_state`` gives each token what ``forward`` gives it."""
+        self._check_state_form()
+        return linear_attention_state(self.k_norm(self._projection(x, 1)), self._projection(x, 2), self.feature_map)
+
+    @torch.jit.unused
+    def attend_state(self, x: torch.Tensor, state: AttentionState, band: Optional[Tuple[int, int, int]] = None
+                     ) -> torch.Tensor:
+        """Layer inputs x [B, n, dim] attending to the keys summarised by ``state`` -> [B, n', dim_out].
+
+        band: None for tokens off the patch grid (prefix tokens: no local term, n' = n); or (rows, top, bottom)
+            when x holds ``rows`` whole rows of the patch grid in raster order, of which the first ``top`` and the
+            last ``bottom`` are only the halo the local convolution reads: their outputs are left out
+            (n' = n - (top + bottom) * n / rows).
+        """
+        self._check_state_form()
+        if band is None:
+            kept = x
+        else:
+            rows, top, bottom = band
+            width = x.shape[1] // rows
+            kept = x[:, top * width:(rows - bottom) * width]
+        out = linear_attention_apply(self.q_norm(self._projection(kept, 0)), state, self.feature_map, self.eps)
+        B, n = kept.shape[0], kept.shape[1]
+        out = out.transpose(1, 2).reshape(B, n, self.attn_dim)
+        if self.local_mix is not None and band is not None:
+            term = self.local_mix.patch_term(self._projection(x, 2), [rows, width], num_prefix_tokens=0)
+            out = out + term[:, top * width:(rows - bottom) * width]
+        return self._finish(out, kept)
 
     @torch.jit.unused
     def step(self, x_t: torch.Tensor, state: Optional[CausalState] = None) -> Tuple[torch.Tensor, CausalState]:

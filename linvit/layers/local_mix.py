@@ -75,15 +75,18 @@ class LocalMix(nn.Module):
         nn.init.zeros_(self.conv.weight)
         nn.init.zeros_(self.conv.bias)
 
-    def patch_term(self, v: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
-        """v [B, H, N, Dv] -> the local term of the patch tokens, [B, HW, H * Dv] (prefix tokens left out)."""
+    def patch_term(self, v: torch.Tensor, feat_size: Optional[List[int]] = None,
+                   num_prefix_tokens: Optional[int] = None) -> torch.Tensor:
+        """v [B, H, N, Dv] -> the local term of the patch tokens, [B, HW, H * Dv] (prefix tokens left out).
+        num_prefix_tokens: how many lead v (default: the layer's; 0 for a band of patch rows without them)."""
         B, H, N, Dv = v.shape
-        gh, gw = resolve_token_grid(N, self.num_prefix_tokens, self.grid_size, feat_size)
+        prefix = self.num_prefix_tokens if num_prefix_tokens is None else num_prefix_tokens
+        gh, gw = resolve_token_grid(N, prefix, self.grid_size, feat_size)
         channels = H * Dv
         # the qkv projection stores v token-major, so a channels-last grid is one dense copy and the convolution's
         # channels-last output is already token-major; the channels-first grid cost a transpose each way and ran
         # 6x slower at 16k tokens (62 ms vs 9.5 ms per layer, eager)
-        tokens = v.transpose(1, 2).reshape(B, N, channels)[:, self.num_prefix_tokens:]
+        tokens = v.transpose(1, 2).reshape(B, N, channels)[:, prefix:]
         grid = tokens.reshape(B, gh, gw, channels).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
         return self.conv(grid).permute(0, 2, 3, 1).reshape(B, gh * gw, channels)
 

@@ -2,6 +2,7 @@
 
 Importing this package registers the models with timm (``timm.list_models('linvit_*')``).
 """
+from .bounded import bounded_forward_features, bounded_forward_intermediates, bounded_unsupported_reason
 from .convert import convert_to_linear, linear_attention_from_softmax
 from .linvit import (
     BLOCK_TYPES,
@@ -16,4 +17,5 @@ from .segmentation import SEG_HEADS, MLPHead, SegmentationModel, SimpleFeaturePy
 
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'BLOCK_TYPES',
            'block_types', 'resolve_softmax_blocks', 'checkpoint_filter_fn', 'convert_to_linear',
-           'linear_attention_from_softmax', 'SegmentationModel', 'SimpleFeaturePyramid', 'MLPHead', 'SEG_HEADS']
+           'linear_attention_from_softmax', 'SegmentationModel', 'SimpleFeaturePyramid', 'MLPHead', 'SEG_HEADS',
+           'bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason']
