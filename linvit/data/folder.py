@@ -26,7 +26,7 @@ from PIL import Image, ImageOps
 from .base import DataError, KeyedImageDataset, LayoutError, named
 
 __all__ = ['ImageFolderDataset', 'class_folders', 'check_same_classes', 'list_images', 'load_rgb', 'to_rgb_array',
-           'readable_extensions', 'too_many_bad']
+           'to_uint8', 'composite_on_black', 'readable_extensions', 'too_many_bad']
 
 _logger = logging.getLogger(__name__)
 _NAMED_BAD_FILES = 20        # warnings name this many bad files one by one, then summarise
@@ -109,20 +109,25 @@ def to_rgb_array(img: Image.Image) -> np.ndarray:
     - Everything else (L, P, 1, CMYK, YCbCr, ...) goes through PIL's own conversion to RGB.
     """
     if img.mode in _HIGH_DEPTH_MODES:
-        return _grey_to_rgb(_to_uint8(np.asarray(img)))
+        return _grey_to_rgb(to_uint8(np.asarray(img)))
     if img.mode in _ALPHA_MODES or (img.mode == 'P' and 'transparency' in img.info):
-        return _composite_on_black(np.asarray(img.convert('RGBA')))
+        return composite_on_black(np.asarray(img.convert('RGBA')))
     return np.asarray(img.convert('RGB'))
 
 
-def _to_uint8(values: np.ndarray) -> np.ndarray:
-    """Grey values of any depth [H, W] -> uint8 [H, W], by scaling the full range (never clipping)."""
-    if values.dtype.kind in 'ui' and values.min() >= 0 and values.max() <= 65535:
+def to_uint8(values: np.ndarray, value_range: tuple[float, float] | None = None) -> np.ndarray:
+    """Grey values of any depth [H, W] -> uint8 [H, W], by scaling the full range (never clipping).
+
+    ``value_range``: the (min, max) of the whole image when ``values`` is only a part of it (rows of a large image,
+    linvit.data.large_image), so that every part is scaled alike; by default the min and max of ``values``.
+    """
+    low, high = (values.min(), values.max()) if value_range is None else value_range
+    if values.dtype.kind in 'ui' and low >= 0 and high <= 65535:
         return ((values.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
-    if values.dtype.kind == 'f' and values.min() >= 0 and values.max() <= 1:
+    if values.dtype.kind == 'f' and low >= 0 and high <= 1:
         return np.rint(values * 255).astype(np.uint8)
     values = values.astype(np.float64)
-    low, span = values.min(), values.max() - values.min()
+    span = float(high) - float(low)
     return np.rint((values - low) * (255 / span if span > 0 else 0)).astype(np.uint8)
 
 
@@ -130,7 +135,8 @@ def _grey_to_rgb(grey: np.ndarray) -> np.ndarray:
     return np.repeat(grey[:, :, None], 3, axis=2)
 
 
-def _composite_on_black(rgba: np.ndarray) -> np.ndarray:
+def composite_on_black(rgba: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, 4] RGBA -> uint8 [H, W, 3] RGB composited on black (the alpha rule of ``to_rgb_array``)."""
     alpha = rgba[:, :, 3:].astype(np.uint16)
     return ((rgba[:, :, :3] * alpha + 127) // 255).astype(np.uint8)
 
