@@ -346,11 +346,9 @@ class _TiffSource(ImageSource):
         planes = self._samples if self._planar else 1
         indices = [plane * per_plane + row * self._seg_cols + col for plane in range(planes)
                    for col in range(self._seg_cols)]
-        offsets = [page.dataoffsets[i] for i in indices]
-        counts = [page.databytecounts[i] for i in indices]
-        fh = self._tif.filehandle
         try:
-            for data, index in fh.read_segments(offsets, counts, indices=indices, sort=True):
+            for index in sorted(indices, key=lambda i: page.dataoffsets[i]):     # in file order
+                data = self._read_segment(page.dataoffsets[index], page.databytecounts[index])
                 segment, (plane, _, y, x, _), _ = page.decode(data, index, **self._decode_args)
                 if segment is None:      # an empty tile (offset 0): stays zero
                     continue
@@ -364,6 +362,17 @@ class _TiffSource(ImageSource):
             raise ValueError(f"cannot decode rows {h0}..{h0 + rows} of {self.path}: {type(err).__name__}: {err}") \
                 from None
         return out
+
+    def _read_segment(self, offset: int, count: int) -> bytes | None:
+        if not offset or not count:
+            return None                   # an empty tile or strip
+        fh = self._tif.filehandle
+        with fh.lock:
+            fh.seek(offset)
+            data = fh.read(count)
+        if len(data) != count:
+            raise ValueError(f"{self.path} is truncated: {count} bytes expected at offset {offset}, got {len(data)}")
+        return data
 
     def _colour_samples(self) -> int:
         return {_RGB: 3, _YCBCR: 3, _SEPARATED: 4}.get(self._photometric, 1) if self._photometric != _PALETTE else 1
