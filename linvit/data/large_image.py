@@ -403,7 +403,8 @@ class _TiffSource(ImageSource):
         value_range = self._level_value_range()
         colour = raw[..., :colour_samples]
         if colour.dtype != np.uint8:
-            colour = np.nan_to_num(colour) if colour.dtype.kind == 'f' else colour
+            if colour.dtype.kind == 'f' and value_range is not None:     # NaN, inf: the lowest value
+                colour = np.where(np.isfinite(colour), colour, value_range[0])
             colour = to_uint8(colour, value_range or (0, 65535))
         if self._photometric == _MINISWHITE:
             colour = 255 - colour
