@@ -10,6 +10,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from linvit.ops import quadratic_linear_attention
+
 # ---- feature maps: x [..., D] -> [..., D], non-negative ----
 
 
@@ -62,33 +64,6 @@ def key_weights_ref(key_mask: Optional[torch.Tensor], b: int, h: int, n: int) ->
     if w.dim() == 2:
         w = w[:, None, :]
     return w.expand(b, h, n)
-
-
-def quadratic_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = 'elu1',
-                            eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None,
-                            mean: bool = True) -> torch.Tensor:
-    """phi(Q) phi(K)^T V / (phi(Q) phi(K)^T 1 + eps), both sums taken as means over the kept keys, in float64.
-
-    q: [B, H, Nq, D], k: [B, H, N, D], v: [B, H, N, Dv], key_mask: [B, N] or [B, H, N] -> [B, H, Nq, Dv].
-    A float mask weights each key's similarity and the mean divides by the total weight. Keys with weight 0 are
-    dropped before they touch the sums, so non-finite padding cannot leak in. ``mean=False`` gives the sum
-    semantics (eps added to the plain sum), which the tests use only to show their inputs tell the two apart.
-    """
-    phi = FEATURE_MAP_REFS[feature_map]
-    q, k, v = q.double(), k.double(), v.double()
-    b, h, n = k.shape[0], k.shape[1], k.shape[2]
-    w = key_weights_ref(key_mask, b, h, n)  # [B, H, N]
-    kept = w > 0
-    phi_k = torch.where(kept[..., None], phi(k), torch.zeros_like(k))
-    v = torch.where(kept[..., None], v, torch.zeros_like(v))
-    sim = (phi(q) @ phi_k.transpose(-2, -1)) * w[:, :, None, :]  # [B, H, Nq, N]
-    num = sim @ v  # [B, H, Nq, Dv]
-    den = sim.sum(-1, keepdim=True)  # [B, H, Nq, 1]
-    if mean:
-        count = w.sum(-1)[..., None, None]  # [B, H, 1, 1]
-        count = torch.where(count > 0, count, torch.ones_like(count))  # all keys dropped: num = den = 0 anyway
-        num, den = num / count, den / count
-    return num / (den + eps)
 
 
 # ---- the LinearAttention layer ----
@@ -149,7 +124,7 @@ def linear_attention_layer_ref(state: Dict[str, torch.Tensor], x: torch.Tensor, 
     if 'q_norm.weight' in state:
         q = layer_norm_ref(q, state['q_norm.weight'], state.get('q_norm.bias'), norm_eps)
         k = layer_norm_ref(k, state['k_norm.weight'], state.get('k_norm.bias'), norm_eps)
-    out = quadratic_attention_ref(q, k, v, feature_map, eps, key_mask)  # [B, H, N, Dh]
+    out = quadratic_linear_attention(q, k, v, FEATURE_MAP_REFS[feature_map], eps, key_mask)  # [B, H, N, Dh]
     out = out.transpose(1, 2).reshape(b, n, attn_dim)
     if 'local_mix.conv.weight' in state:
         out = out + local_mix_ref(qkv[..., 2 * attn_dim:], state['local_mix.conv.weight'],

@@ -1,4 +1,4 @@
-"""What the Triton kernels of ``linvit.ops.triton_kernels`` compile to on real GPUs, found without one.
+"""What the Triton kernels of ``linvit.ops.linear_attn.kernels`` compile to on real GPUs, found without one.
 
 Every kernel variant (head width x input dtype, the launch options ``launch_meta`` gives) is compiled ahead of time
 for a target (sm_90 Hopper, sm_80 Ampere) by the installed Triton; ptxas (Triton's own) reports the registers a
@@ -67,7 +67,7 @@ def variants(target: int, widths: Sequence[int] = (32, 64, 128),
     """(kernel, dtype, compile-time constants, launch options) for every kernel at head widths D = Dv = width on
     sm_<target>: the constants and options the launcher uses there (``launch_meta``), elu1's feature map, key
     weights on or off."""
-    from linvit.ops import triton_kernels as tk
+    from linvit.ops.linear_attn import kernels as tk
     for width in widths:
         for dtype in dtypes:
             items, tile = tk.launch_meta(width, width, getattr(torch, dtype), 0, target >= 90)

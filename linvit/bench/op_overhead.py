@@ -10,7 +10,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from linvit.ops import attention_op, linear_attention_qkv_op
+from linvit.ops import linear_attention_qkv_op
+from linvit.ops.linear_attn import op as attention_op
 from linvit.timing import time_interleaved
 
 __all__ = ['PlainFunction', 'measure', 'markdown']

@@ -14,8 +14,7 @@ from typing import Tuple
 import torch
 import torch.nn as nn
 
-from ..ops import FeatureMapSpec, hedgehog, register_feature_map
-from ..ops.linear_attention import autocast_off
+from ..ops import FeatureMapSpec, autocast_off, hedgehog, register_feature_map
 
 __all__ = ['LearnableFeatureMap', 'HedgehogFeatureMap']
 

@@ -1,27 +1,22 @@
-"""Pure tensor functions for linear attention. Shapes are [B, H, N, D]; nothing here holds parameters."""
-from .attention_op import (
-    ATTN_BACKENDS,
-    check_attn_backend,
-    kernel_unsupported_reason,
-    kernels_serve,
-    linear_attention_op,
-    linear_attention_qkv_op,
-    triton_interpreting,
-)
+"""Pure tensor functions for linear attention. Shapes are [B, H, N, D]; nothing here holds parameters.
+
+One package per op, laid out by form (as fla's ``fla/ops/<op>/``): ``linear_attn`` (non-causal linear attention:
+its float64 reference, PyTorch path, autograd Function, Triton kernels and registered ops), ``causal`` (the causal
+forms and the bidirectional scans); beside them the feature maps (``FEATURE_MAPS``), the other families' math
+(``families``) and what every core shares (``common``).
+"""
 from .causal import (
-    CAUSAL_FORMS,
     CausalState,
     ChunkedCausalScan,
     bidirectional_linear_attention,
     causal_linear_attention,
     causal_linear_attention_step,
-    causal_linear_scan,
     grid_scan_orders,
     retention_decays,
 )
+from .common import autocast_off, compute_dtype, export_tracing
 from .feature_maps import (
     FEATURE_MAPS,
-    FeatureMap,
     FeatureMapSpec,
     elu1,
     feature_map_spec,
@@ -34,37 +29,37 @@ from .feature_maps import (
     relu2,
     unregister_feature_map,
 )
-from .fused import (
-    fused_linear_attention,
-    fused_linear_attention_from_features,
-    fused_linear_attention_qkv,
-    has_fused_backward,
-)
-from .linear_attention import (
+from .linear_attn import (
+    ATTN_BACKENDS,
     AttentionState,
     add_states,
-    check_attention_inputs,
-    compute_dtype,
-    export_tracing,
+    check_attn_backend,
+    fused_linear_attention,
+    fused_linear_attention_from_features,
+    has_fused_backward,
+    kernel_unsupported_reason,
+    kernels_serve,
     linear_attention,
     linear_attention_apply,
     linear_attention_from_features,
+    linear_attention_op,
+    linear_attention_qkv_op,
     linear_attention_state,
+    projected_linear_attention_from_features,
+    projected_linear_attention_from_inputs,
+    quadratic_linear_attention,
+    triton_interpreting,
 )
-from .projected import projected_linear_attention_from_features, projected_linear_attention_from_inputs
-from .reference import quadratic_linear_attention
 
 __all__ = [
-    'FEATURE_MAPS', 'FeatureMapSpec', 'FeatureMap', 'elu1', 'relu', 'relu2', 'focused', 'hedgehog',
-    'feature_map_spec', 'get_feature_map', 'list_feature_maps', 'register_feature_map', 'unregister_feature_map',
-    'fused_linear_attention_from_features', 'check_attention_inputs', 'compute_dtype', 'export_tracing',
+    'FEATURE_MAPS', 'FeatureMapSpec', 'elu1', 'relu', 'relu2', 'focused', 'hedgehog', 'feature_map_spec',
+    'get_feature_map', 'list_feature_maps', 'register_feature_map', 'unregister_feature_map',
+    'compute_dtype', 'autocast_off', 'export_tracing',
     'linear_attention', 'linear_attention_state', 'linear_attention_apply', 'AttentionState', 'add_states',
-    'linear_attention_from_features', 'projected_linear_attention_from_features',
-    'projected_linear_attention_from_inputs', 'quadratic_linear_attention',
-    'fused_linear_attention',
-    'fused_linear_attention_qkv', 'has_fused_backward', 'causal_linear_attention', 'causal_linear_attention_step',
-    'causal_linear_scan', 'CausalState', 'ChunkedCausalScan', 'bidirectional_linear_attention', 'retention_decays',
-    'CAUSAL_FORMS', 'grid_scan_orders', 'ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason',
-    'kernels_serve',
-    'linear_attention_op', 'linear_attention_qkv_op', 'triton_interpreting',
+    'linear_attention_from_features', 'fused_linear_attention', 'fused_linear_attention_from_features',
+    'has_fused_backward', 'linear_attention_op', 'linear_attention_qkv_op', 'quadratic_linear_attention',
+    'projected_linear_attention_from_features', 'projected_linear_attention_from_inputs',
+    'ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', 'kernels_serve', 'triton_interpreting',
+    'causal_linear_attention', 'causal_linear_attention_step', 'CausalState', 'ChunkedCausalScan',
+    'bidirectional_linear_attention', 'retention_decays', 'grid_scan_orders',
 ]

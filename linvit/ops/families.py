@@ -20,8 +20,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .common import autocast_off, compute_dtype
 from .feature_maps import get_feature_map
-from .linear_attention import autocast_off, compute_dtype, linear_attention_from_features
+from .linear_attn import linear_attention_from_features
 
 __all__ = ['gaussian_projection', 'favor_features', 'performer_attention', 'adaptive_pooling_matrix',
            'pool_patch_tokens', 'low_rank_attention', 'gated_linear_attention', 'gated_linear_attention_from_features',

@@ -124,8 +124,7 @@ def test_compiled_model_graph_holds_the_op_once_per_attention_block(monkeypatch,
     block, so the op (Triton on a GPU) is what runs compiled, in training and in inference. Also where dynamo reads
     torch.compiler.is_exporting() as True under a plain compile (torch 2.11, the GPU machine's)."""
     if exporting_under_dynamo:
-        # (the attribute linvit.ops.linear_attention is the function: import the module by name)
-        core_module = importlib.import_module('linvit.ops.linear_attention')
+        core_module = importlib.import_module('linvit.ops.common')
         monkeypatch.setattr(core_module, 'is_exporting', lambda: True)
     model = timm.create_model('linvit_tiny_patch16_224', img_size=32, depth=3, num_classes=4)
     graphs = []

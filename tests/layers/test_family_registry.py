@@ -11,7 +11,6 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
-from references import quadratic_attention_ref
 from timm.layers import Attention
 from tiny_run import TINY_RUN
 
@@ -28,6 +27,7 @@ from linvit.layers import (
     unregister_family,
 )
 from linvit.models import BLOCK_TYPES, block_types
+from linvit.ops import quadratic_linear_attention
 
 DIM, HEADS = 48, 3
 TINY = dict(depth=2, img_size=32, patch_size=8, embed_dim=DIM, num_heads=HEADS, local_mix=False)
@@ -67,7 +67,7 @@ def _toy_reference(layer: ToyAttention, x: torch.Tensor) -> torch.Tensor:
     if layer.qkv.bias is not None:
         qkv = qkv + layer.qkv.bias.double()
     q, k, v = (t.reshape(b, n, HEADS, DIM // HEADS).transpose(1, 2) for t in qkv.split(DIM, dim=-1))
-    mixed = quadratic_attention_ref(q, k, v, 'elu1', layer.eps).transpose(1, 2).reshape(b, n, DIM)
+    mixed = quadratic_linear_attention(q, k, v, 'elu1', layer.eps).transpose(1, 2).reshape(b, n, DIM)
     mixed = mixed * layer.toy_scale.double()
     return mixed @ layer.proj.weight.double().T + layer.proj.bias.double()
 

@@ -405,7 +405,7 @@ def test_additive_masks_become_weights_in_the_cores_dtype(dtype, weights_dtype):
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_half_precision_tokens_meet_the_core_in_float32(monkeypatch, dtype):
     """The op's PyTorch path (CPU) sees float32 features and values, in training and in inference."""
-    import linvit.ops.attention_op as op_module
+    import linvit.ops.linear_attn.op as op_module
     seen = []
 
     def spy(phi_q, phi_k, v, *args):

@@ -3,7 +3,7 @@
 The reference is a float64 copy of the original timm model (made before conversion) whose every
 ``timm.layers.Attention`` forward is replaced by linear attention written out here from that module's own
 submodules (qkv, q_norm, k_norm, norm, gate, proj) and the shared float64 references of tests/references.py
-(``quadratic_attention_ref`` with phi = elu1 = where(x > 0, x + 1, exp(x)), ``local_mix_ref`` as shifted sums):
+(``quadratic_linear_attention`` with phi = elu1 = where(x > 0, x + 1, exp(x)), ``local_mix_ref`` as shifted sums):
 
     out_i = mean_j s_ij v_j / (mean_j s_ij + eps),   s_ij = phi(q_i)^T phi(k_j),   means over the (kept) keys.
 
@@ -20,12 +20,13 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
-from references import local_mix_ref, quadratic_attention_ref
+from references import local_mix_ref
 from timm.layers import Attention, AttentionPoolLatent, LayerScale
 from timm.models.vision_transformer import ParallelThingsBlock, ResPostBlock, VisionTransformer
 
 from linvit import LinearAttention, convert_to_linear
 from linvit.models.convert import linear_attention_from_softmax
+from linvit.ops import quadratic_linear_attention
 
 EPS = 1e-6  # LinearAttention's documented default eps
 RTOL = 1e-5  # float32 model vs float64 reference: max |error| <= RTOL * max |reference|
@@ -81,7 +82,7 @@ def attention_forward_reference(attn: Attention, x: torch.Tensor, attn_mask: Opt
     q, k, v = qkv.unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
     key_mask = None if attn_mask is None else attn_mask.reshape(b, n)
-    out = quadratic_attention_ref(q, k, v, 'elu1', EPS, key_mask).transpose(1, 2).reshape(b, n, attn.attn_dim)
+    out = quadratic_linear_attention(q, k, v, 'elu1', EPS, key_mask).transpose(1, 2).reshape(b, n, attn.attn_dim)
     if local is not None:
         weight, bias, num_prefix_tokens, grid = local
         v_tokens = v.transpose(1, 2).reshape(b, n, attn.attn_dim)  # channels head-major, as LinearAttention's

@@ -1,4 +1,4 @@
-"""The registered attention ops (``linvit.ops.attention_op``) and their Triton kernels against autograd of the
+"""The registered attention ops (``linvit.ops.linear_attn.op``) and their Triton kernels against autograd of the
 float64 quadratic reference.
 
 Without a GPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) on CPU tensors:
@@ -10,7 +10,7 @@ capture and replay, no host syncs.
 """
 import pytest
 import torch
-from references import quadratic_attention_ref, rel_err
+from references import rel_err
 
 from linvit.ops import (
     ATTN_BACKENDS,
@@ -18,6 +18,7 @@ from linvit.ops import (
     linear_attention,
     linear_attention_op,
     linear_attention_qkv_op,
+    quadratic_linear_attention,
     triton_interpreting,
 )
 
@@ -73,7 +74,7 @@ def _reference(q, k, v, feature_map, eps, key_mask, grad):
     """(out, dq, dk, dv) from autograd of the float64 quadratic formula."""
     q64, k64, v64 = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     mask = None if key_mask is None else key_mask.cpu()
-    out = quadratic_attention_ref(q64, k64, v64, feature_map, eps, mask)
+    out = quadratic_linear_attention(q64, k64, v64, feature_map, eps, mask)
     return (out, *torch.autograd.grad(out, (q64, k64, v64), grad.cpu().double()))
 
 
@@ -215,7 +216,7 @@ def test_bfloat16_through_the_upcast_path():
 def test_kernel_programs_split_the_tokens(monkeypatch, shape, mask):
     """A GPU splits every pass into several programs per head, whose partial sums the next pass reduces: forced
     here (the interpreter's default is one program per head), up to the cap, with keys and queries split apart."""
-    from linvit.ops import triton_kernels
+    from linvit.ops.linear_attn import kernels as triton_kernels
     monkeypatch.setattr(triton_kernels, '_program_target', lambda device: 1000)
     b, h, nq, n, _, _ = shape
     assert triton_kernels._split(n, b * h, 32, torch.device('cpu'))[1] == min(triton_kernels.MAX_CHUNKS, -(-n // 32))
@@ -326,7 +327,7 @@ def test_op_is_callable_from_torchscript():
 
     qkv = torch.randn(1, 9, 3, 2, 16, dtype=torch.float64)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    _check(attend(qkv).transpose(1, 2), quadratic_attention_ref(q, k, v), 1e-10, "scripted op")
+    _check(attend(qkv).transpose(1, 2), quadratic_linear_attention(q, k, v), 1e-10, "scripted op")
 
 
 # ---------------------------------------------------------------- CUDA only (a GPU session runs these)

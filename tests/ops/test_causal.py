@@ -40,9 +40,9 @@ VARIANTS = {
 @pytest.fixture(params=['matrix', 'scan'])
 def state_path(request, monkeypatch):
     """Chunk states from the weighted sum over chunks (short sequences) or the Hillis-Steele scan (long ones)."""
-    import linvit.ops.causal as causal
+    import linvit.ops.causal.chunk as chunk
     for name in ('MATRIX_MAX_CHUNKS', 'CHANNEL_MATRIX_MAX_CHUNKS'):
-        monkeypatch.setattr(causal, name, 10 ** 9 if request.param == 'matrix' else 0)
+        monkeypatch.setattr(chunk, name, 10 ** 9 if request.param == 'matrix' else 0)
     return request.param
 
 
@@ -322,8 +322,8 @@ def test_the_export_path_states_equal_the_scan(variant, monkeypatch):
     q, k, v = _qkv(2, 3, 150, 8, 5)
     kw = VARIANTS[variant](2, 3, 150, 8)
     scanned = causal_linear_attention(q, k, v, chunk_size=16, **kw)
-    core_module = importlib.import_module('linvit.ops.linear_attention')  # (not the function of that name)
-    monkeypatch.setattr(core_module, 'is_exporting', lambda: True)
+    common = importlib.import_module('linvit.ops.common')
+    monkeypatch.setattr(common, 'is_exporting', lambda: True)
     exported = causal_linear_attention(q, k, v, chunk_size=16, **kw)
     assert rel_err(exported, scanned) < 1e-12
     assert rel_err(exported, causal_ref(q, k, v, **kw)) < 1e-12

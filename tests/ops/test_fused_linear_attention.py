@@ -1,21 +1,21 @@
 """The fused linear-attention Function against autograd of the float64 quadratic reference.
 
-Outputs and gradients of q, k, v (and of a packed qkv) for every feature map with a registered derivative, with
+Outputs and gradients of q, k, v for every feature map with a registered derivative, with
 and without masks, in float64 (gradcheck and a direct comparison) and float32; half precision at 65,536 tokens;
 what the Function keeps for backward; and the errors it raises.
 """
 import pytest
 import torch
-from references import FEATURE_MAP_REFS, quadratic_attention_ref, rel_err
+from references import FEATURE_MAP_REFS, rel_err
 
 from linvit.ops import (
     FeatureMapSpec,
     feature_map_spec,
     fused_linear_attention,
-    fused_linear_attention_qkv,
     get_feature_map,
     has_fused_backward,
     list_feature_maps,
+    quadratic_linear_attention,
     register_feature_map,
     unregister_feature_map,
 )
@@ -77,15 +77,6 @@ def test_gradcheck_float64(feature_map, mask_kind):
 
 @pytest.mark.parametrize('mask_kind', MASKS)
 @pytest.mark.parametrize('feature_map', MAPS)
-def test_packed_gradcheck_float64(feature_map, mask_kind):
-    qkv = torch.randn(2, 6, 3, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    mask = _mask(mask_kind, 2, 2, 6)
-    assert torch.autograd.gradcheck(lambda t: fused_linear_attention_qkv(t, feature_map, 1e-6, mask),
-                                    (qkv.requires_grad_(True),))
-
-
-@pytest.mark.parametrize('mask_kind', MASKS)
-@pytest.mark.parametrize('feature_map', MAPS)
 @pytest.mark.parametrize('shape', SHAPES, ids=_shape_id)
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['fp64', 'fp32'])
 def test_outputs_and_gradients_match_the_quadratic_reference(dtype, shape, feature_map, mask_kind):
@@ -95,7 +86,7 @@ def test_outputs_and_gradients_match_the_quadratic_reference(dtype, shape, featu
     mask = _mask(mask_kind, b, h, n)
     ref_in = [t.requires_grad_(True) for t in _qkv(shape)]
     ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
-    ref = quadratic_attention_ref(*ref_in, feature_map=feature_map, eps=1e-6, key_mask=mask)
+    ref = quadratic_linear_attention(*ref_in, feature_map=feature_map, eps=1e-6, key_mask=mask)
     out = fused_linear_attention(*ins, feature_map=feature_map, eps=1e-6, key_mask=mask)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     assert out.dtype == dtype and out.shape == ref.shape
@@ -109,26 +100,6 @@ def test_outputs_and_gradients_match_the_quadratic_reference(dtype, shape, featu
         assert got.dtype == dtype
         err = (got.double() - want).norm().item() / max(want.norm().item(), scale)
         assert err <= tol, f"{_shape_id(shape)} d{name}: rel err {err:.2e} > {tol:.0e}"
-
-
-@pytest.mark.parametrize('feature_map', MAPS)
-def test_packed_qkv_matches_the_reference_on_unpacked_q_k_v(feature_map):
-    b, n, h, d = 2, 19, 3, 8
-    qkv = torch.randn(b, n, 3, h, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    mask = _mask('bool', b, h, n)
-    ref_qkv = qkv.clone().requires_grad_(True)
-    q, k, v = ref_qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, key_mask=mask).transpose(1, 2)  # [B, N, H, D]
-    packed = qkv.float().requires_grad_(True)
-    out = fused_linear_attention_qkv(packed, feature_map, key_mask=mask)
-    assert out.shape == (b, n, h, d) and out.is_contiguous()  # token-major: the projection reads it as a view
-    assert rel_err(out, ref) <= 1e-5
-    grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    (ref_grad,) = _grads(ref, [ref_qkv], grad_out)
-    (grad,) = _grads(out, [packed], grad_out.float())
-    assert grad.shape == qkv.shape and grad.is_contiguous()
-    for i, name in enumerate('qkv'):
-        assert rel_err(grad[:, :, i], ref_grad[:, :, i]) <= 1e-5, f"d{name}"
 
 
 @pytest.mark.parametrize('feature_map', MAPS)
@@ -185,7 +156,7 @@ def test_non_finite_padding_reaches_neither_outputs_nor_gradients():
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     out = fused_linear_attention(q, k, v, key_mask=mask)
     out.backward(torch.ones_like(out))
-    expected = quadratic_attention_ref(q.detach(), k.detach()[..., :5, :], v.detach()[..., :5, :])
+    expected = quadratic_linear_attention(q.detach(), k.detach()[..., :5, :], v.detach()[..., :5, :])
     assert rel_err(out, expected) <= 1e-5
     for t in (q, k, v):
         assert torch.isfinite(t.grad).all()
@@ -218,19 +189,18 @@ def _saved_storages(fn) -> dict:
 
 
 @pytest.mark.parametrize('feature_map', MAPS)
-def test_packed_function_keeps_as_many_bytes_as_qkv_and_its_output(feature_map):
-    """At 4,096 tokens: qkv (or phi(q), phi(k) and v, as many bytes) and the output (which the projection after it
-    keeps anyway), plus S [D, D + 1] and the normaliser per token and head; plain autograd of the same math keeps
-    several more [N, D] tensors. Maps whose derivative is read off their output keep phi, not the projection."""
+def test_function_keeps_as_many_bytes_as_q_k_v_and_its_output(feature_map):
+    """At 4,096 tokens: q, k, v (or phi(q), phi(k) and v, as many bytes) and the output (which the projection after
+    it keeps anyway), plus S [D, D + 1] and the normaliser per token and head; plain autograd of the same math keeps
+    several more [N, D] tensors. Maps whose derivative is read off their output keep phi, not q and k."""
     b, n, h, d = 1, 4096, 6, 64
-    qkv = torch.randn(b, n, 3, h, d, requires_grad=True)
-    kept = _saved_storages(lambda: fused_linear_attention_qkv(qkv, feature_map))
-    qkv_bytes, out_bytes = qkv.numel() * 4, b * n * h * d * 4
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    kept = _saved_storages(lambda: fused_linear_attention(q, k, v, feature_map))
+    qkv_bytes, out_bytes = 3 * q.numel() * 4, b * n * h * d * 4
     small = b * h * (d * (d + 1) + n) * 4
     assert sum(kept.values()) <= qkv_bytes + out_bytes + small
     keeps_phi = feature_map in KEEPING_MAPS
-    assert (qkv.untyped_storage().data_ptr() in kept) is not keeps_phi
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    assert (q.untyped_storage().data_ptr() in kept) is not keeps_phi
     plain = sum(_saved_storages(lambda: quadratic_free_plain_autograd(q, k, v)).values())
     assert plain >= sum(kept.values()) + 2 * out_bytes  # the Function's saving is real, not a measuring artefact
 
@@ -274,13 +244,13 @@ def test_half_precision_at_65k_tokens_forward_and_backward(big_qkv, feature_map,
 
 
 @pytest.mark.slow
-def test_half_precision_packed_qkv_under_autocast_is_finite(big_qkv):
-    q, k, v = (t.to(torch.bfloat16) for t in big_qkv)
-    qkv = torch.stack([q, k, v], dim=0).permute(1, 3, 0, 2, 4).contiguous().requires_grad_(True)
+def test_half_precision_under_autocast_is_finite(big_qkv):
+    q, k, v = (t.to(torch.bfloat16).requires_grad_(True) for t in big_qkv)
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        out = fused_linear_attention_qkv(qkv)
+        out = fused_linear_attention(q, k, v)
     out.float().square().mean().backward()
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
 # ---- errors ----
@@ -319,12 +289,6 @@ def test_a_key_mask_that_requires_grad_is_refused():
         fused_linear_attention(q, k, v, key_mask=torch.ones(1, 3, dtype=torch.float64, requires_grad=True))
 
 
-@pytest.mark.parametrize('shape', [(2, 5, 2, 3, 4), (2, 5, 3, 4)], ids=['two-not-three', 'four-dims'])
-def test_packed_qkv_of_the_wrong_shape_is_refused(shape):
-    with pytest.raises(ValueError, match=r'\[B, N, 3, H, D\]'):
-        fused_linear_attention_qkv(torch.randn(shape))
-
-
 def test_bad_shapes_name_the_input():
     q, k, v = _qkv((1, 1, 3, 3, 4, 4))
     with pytest.raises(ValueError, match='k and v must hold the same number of tokens'):
@@ -342,7 +306,8 @@ class _PackedAttention(torch.nn.Module):
         self.feature_map = feature_map
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
-        return fused_linear_attention_qkv(qkv, self.feature_map)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        return fused_linear_attention(q, k, v, self.feature_map).transpose(1, 2)
 
 
 @pytest.mark.compiler
@@ -365,7 +330,7 @@ def test_dynamo_traces_the_function_forward_and_backward_in_one_graph(feature_ma
     assert 'autograd_function_apply' in str(graphs[0].graph)  # the Function itself, not a decomposed fallback
     ref_qkv = qkv.detach().double().requires_grad_(True)
     q, k, v = ref_qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    ref = quadratic_attention_ref(q, k, v, feature_map=feature_map).transpose(1, 2)
+    ref = quadratic_linear_attention(q, k, v, feature_map=feature_map).transpose(1, 2)
     ref.square().sum().backward()
     assert rel_err(out, ref) <= 1e-5 and rel_err(qkv.grad, ref_qkv.grad) <= 1e-5
 
@@ -381,5 +346,5 @@ def test_onnx_export_of_the_function_runs_in_onnxruntime(tmp_path):
     session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
     (got,) = session.run(None, {session.get_inputs()[0].name: qkv.numpy()})
     q, k, v = qkv.double().permute(2, 0, 3, 1, 4).unbind(0)
-    ref = quadratic_attention_ref(q, k, v).transpose(1, 2)
+    ref = quadratic_linear_attention(q, k, v).transpose(1, 2)
     assert rel_err(torch.from_numpy(got), ref) <= 1e-5

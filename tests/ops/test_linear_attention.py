@@ -6,7 +6,7 @@ importing linvit, so these tests also check the library's feature maps and its e
 
 import pytest
 import torch
-from references import FEATURE_MAP_REFS, quadratic_attention_ref, rel_err
+from references import FEATURE_MAP_REFS, key_weights_ref, rel_err
 
 from linvit.ops import (
     get_feature_map,
@@ -56,7 +56,7 @@ def _check_against_reference(shape, feature_map, key_mask=None, tol=1e-5):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_leaves = [t.double().clone().requires_grad_(True) for t in (q, k, v)]
     out = linear_attention(*leaves, feature_map=feature_map, key_mask=key_mask)
-    ref = quadratic_attention_ref(*ref_leaves, feature_map=feature_map, key_mask=key_mask)
+    ref = quadratic_linear_attention(*ref_leaves, feature_map=feature_map, key_mask=key_mask)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     err = rel_err(out, ref)
     assert err <= tol, f"output rel err {err:.2e} > {tol:.0e}"
@@ -99,7 +99,7 @@ def test_light_key_weights_scale_eps_by_their_sum_below_one():
     q, k, v = _qkv((1, 2, 5, 6, 4, 4))
     weights = torch.full((1, 6), 0.05)
     out = linear_attention(q, k, v, eps=0.5, key_mask=weights)
-    ref = quadratic_attention_ref(q.double(), k.double(), v.double(), eps=0.5, key_mask=weights)
+    ref = quadratic_linear_attention(q.double(), k.double(), v.double(), eps=0.5, key_mask=weights)
     assert rel_err(out, ref) <= 1e-6
 
 
@@ -108,7 +108,7 @@ def test_float64_key_weights_leave_float32_attention_in_float32():
     weights = torch.rand(1, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     out = linear_attention(q, k, v, key_mask=weights)
     assert out.dtype == torch.float32
-    assert rel_err(out, quadratic_attention_ref(q.double(), k.double(), v.double(), key_mask=weights)) <= 1e-5
+    assert rel_err(out, quadratic_linear_attention(q.double(), k.double(), v.double(), key_mask=weights)) <= 1e-5
 
 
 # ---- eps: added to the MEAN normaliser (eps * count on the key sum), for every map and mask kind ----
@@ -138,7 +138,7 @@ def test_eps_is_added_to_the_mean_normaliser(feature_map, eps, mask_kind):
     q, k, v = _qkv(EPS_SHAPE, scale=0.5, seed=2)
     mask = _eps_key_mask(mask_kind)
     out = linear_attention(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
-    ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
+    ref = quadratic_linear_attention(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
     err = rel_err(out, ref)
     assert err <= EPS_TOL, f"eps={eps} {mask_kind}: rel err {err:.2e} > {EPS_TOL:.0e}"
 
@@ -150,40 +150,61 @@ def test_eps_inputs_tell_mean_from_sum_normaliser(feature_map, eps, mask_kind):
     """The inputs above are sensitive: eps on the plain key sum would miss the tolerance by >= 10x."""
     q, k, v = _qkv(EPS_SHAPE, scale=0.5, seed=2)
     mask = _eps_key_mask(mask_kind)
-    mean_ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
-    sum_ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask, mean=False)
+    mean_ref = quadratic_linear_attention(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
+    # sum / (sum + eps) = mean / (mean + eps / count): the sum normaliser is the mean one with eps / count
+    count = key_weights_ref(mask, q.shape[0], q.shape[1], k.shape[2]).sum(-1)[..., None, None]
+    sum_ref = quadratic_linear_attention(q, k, v, feature_map=feature_map, eps=eps / count, key_mask=mask)
     margin = rel_err(sum_ref, mean_ref) / EPS_TOL
     assert margin >= 10, f"eps={eps} {mask_kind}: sum vs mean differ by only {margin:.1f}x the tolerance"
 
 
+def _formula(q, k, v, feature_map='elu1', eps=1e-6, key_mask=None):
+    """out_i = (sum_j w_j phi(q_i).phi(k_j) v_j / W) / (sum_j w_j phi(q_i).phi(k_j) / W + eps), W = sum_j w_j, term
+    by term in float64 with the formula-only maps of tests/references.py (keys of weight 0 skipped)."""
+    phi = FEATURE_MAP_REFS[feature_map]
+    b, h, n = k.shape[0], k.shape[1], k.shape[2]
+    w = key_weights_ref(key_mask, b, h, n)
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            kept = [j for j in range(n) if w[bi, hi, j] > 0]
+            total = float(sum(w[bi, hi, j] for j in kept)) or 1.0
+            for i in range(q.shape[2]):
+                sims = [float(w[bi, hi, j] * (phi(q[bi, hi, i].double()) @ phi(k[bi, hi, j].double()))) for j in kept]
+                num = sum((s * v[bi, hi, j].double() for s, j in zip(sims, kept)), torch.zeros(v.shape[-1],
+                                                                                          dtype=torch.float64))
+                out[bi, hi, i] = (num / total) / (sum(sims) / total + eps)
+    return out
+
+
 @pytest.mark.parametrize('eps', [1e-6, 0.5])
 @pytest.mark.parametrize('feature_map', MAPS)
-def test_library_reference_matches_independent_reference(feature_map, eps):
-    """linvit.ops.quadratic_linear_attention (other tests use it) agrees with the formula-only reference."""
+def test_the_reference_is_the_formula(feature_map, eps):
+    """linvit.ops.quadratic_linear_attention (what the other tests compare with) is the formula written term by
+    term with the formula-only maps."""
     q, k, v = _qkv(EPS_SHAPE, dtype=torch.float64, seed=3)
     for mask_kind in MASK_KINDS:
         mask = _eps_key_mask(mask_kind)
         got = quadratic_linear_attention(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
-        ref = quadratic_attention_ref(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
+        ref = _formula(q, k, v, feature_map=feature_map, eps=eps, key_mask=mask)
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12, msg=lambda m, kind=mask_kind: f"{kind}: {m}")
 
 
-def test_library_reference_defaults_callables_light_weights_and_non_finite_padding():
-    """The library reference's defaults (elu1, eps 1e-6), a feature map passed as a function, key weights that sum
-    to less than 1 (the mean divides by that sum, not by max(sum, 1)), and inf values under zero-weight keys."""
+def test_the_reference_takes_defaults_callables_light_weights_and_non_finite_padding():
+    """The reference's defaults (elu1, eps 1e-6), a feature map passed as a function, key weights that sum to less
+    than 1 (the mean divides by that sum, not by max(sum, 1)), and inf values under zero-weight keys."""
     q, k, v = _qkv(EPS_SHAPE, dtype=torch.float64, seed=6)
-    ref = quadratic_attention_ref(q, k, v, feature_map='elu1', eps=1e-6)
-    torch.testing.assert_close(quadratic_linear_attention(q, k, v), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(quadratic_linear_attention(q, k, v), _formula(q, k, v), rtol=1e-12, atol=1e-12)
     relu_fn = get_feature_map('relu')
     torch.testing.assert_close(quadratic_linear_attention(q, k, v, feature_map=relu_fn, eps=0.5),
-                               quadratic_attention_ref(q, k, v, feature_map='relu', eps=0.5), rtol=1e-12, atol=1e-12)
+                               _formula(q, k, v, feature_map='relu', eps=0.5), rtol=1e-12, atol=1e-12)
     weights = torch.full((EPS_SHAPE[0], EPS_SHAPE[3]), 0.02, dtype=torch.float64)  # 17 keys: total weight 0.34
     weights[:, ::4] = 0.0
-    v_padded = v.clone()
-    v_padded[:, :, ::4] = float('inf')  # what padded tokens may hold; a zero weight must drop them
-    got = quadratic_linear_attention(q, k, v_padded, eps=0.5, key_mask=weights)
-    ref = quadratic_attention_ref(q, k, v, eps=0.5, key_mask=weights)
-    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    k_padded, v_padded = k.clone(), v.clone()
+    k_padded[:, :, ::4] = float('nan')  # what padded tokens may hold; a zero weight must drop them
+    v_padded[:, :, ::4] = float('inf')
+    got = quadratic_linear_attention(q, k_padded, v_padded, eps=0.5, key_mask=weights)
+    torch.testing.assert_close(got, _formula(q, k, v, eps=0.5, key_mask=weights), rtol=1e-12, atol=1e-12)
 
 
 def test_every_feature_map_has_an_independent_reference():
@@ -330,5 +351,5 @@ def test_each_input_is_named_in_shape_errors(which):
 def test_a_feature_map_function_is_used_as_given():
     q, k, v = _qkv(EPS_SHAPE, dtype=torch.float64, seed=7)
     got = linear_attention(q, k, v, feature_map=get_feature_map('relu'), eps=0.5)
-    expected = quadratic_attention_ref(q, k, v, feature_map='relu', eps=0.5)
+    expected = quadratic_linear_attention(q, k, v, feature_map='relu', eps=0.5)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)

@@ -6,9 +6,13 @@ on them; the projections are written as x W^T + b in float64.
 """
 import pytest
 import torch
-from references import quadratic_attention_ref, rel_err
+from references import rel_err
 
-from linvit.ops import projected_linear_attention_from_features, projected_linear_attention_from_inputs
+from linvit.ops import (
+    projected_linear_attention_from_features,
+    projected_linear_attention_from_inputs,
+    quadratic_linear_attention,
+)
 
 # (B, H, Nq, N, F, Dv, C): one token, cross attention (Nq != N), Dv != F (a learnable map's width), odd sizes
 SHAPES = [
@@ -34,7 +38,7 @@ def _inputs(shape, dtype=torch.float64, seed=0):
 def _reference(phi_q, phi_k, v, weight, bias, eps, key_mask=None) -> torch.Tensor:
     """[B, Nq, C] float64: the quadratic attention of the features, heads concatenated, then x W^T + b."""
     b, h, nq, _ = phi_q.shape
-    out = quadratic_attention_ref(phi_q, phi_k, v, 'relu', eps, key_mask)  # relu: the identity on features
+    out = quadratic_linear_attention(phi_q, phi_k, v, 'relu', eps, key_mask)  # relu: the identity on features
     out = out.transpose(1, 2).reshape(b, nq, h * v.shape[-1])
     out = out @ weight.double().t()
     return out if bias is None else out + bias.double()

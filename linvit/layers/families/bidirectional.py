@@ -57,7 +57,7 @@ class BidirectionalAttention(LinearAttention):
     decay: 'retnet' (per-head RetNet decays 1 - 2^-5 .. ), None, a float or one per head (fixed, not trained).
     data_gate: add a data-dependent per-token, per-channel gate sigmoid(scan_gate(x)) ** (1 / 16) (GLA); its
         projection starts near a gate of 1. scan_chunk_size: tokens per chunk of the scans (None: 64, 16 with the
-        per-channel gate; see ``linvit.ops.causal.default_chunk_size``).
+        per-channel gate; see ``linvit.ops.causal.chunk.default_chunk_size``).
     Prefix tokens come first in every order (the class token sits next to the first patches).
     """
 

@@ -2,7 +2,7 @@
 
 With A = phi(Q) [Nq, D], K' = phi(K) [N, D] (masked keys zeroed, kept keys weighted), S = K'^T [V | 1]
 [D, Dv + 1] and [num | den0] = A S, the forward is out = num / den with den = den0 + eps * count (see
-``linvit.ops.linear_attention`` for the mean normaliser). For an upstream gradient G [Nq, Dv]:
+``linvit.ops.linear_attn.pytorch`` for the mean normaliser). For an upstream gradient G [Nq, Dv]:
 
     G' = [G / den | -rowsum(G * out) / den]      the gradient at A S: the division's backward, fused
     dA = G' S^T,   dS = A^T G',   dK' = [V | 1] dS^T,   dV = K' dS[:, :Dv]
@@ -15,11 +15,14 @@ nothing is recomputed) or q, k and v (other maps: phi is recomputed in backward)
 qkv projection; plain autograd of the same forward also keeps the map's intermediates, [num | den] and the
 quotient, and runs a backward op per forward op.
 
-Two entry points: ``fused_linear_attention(q, k, v, ...)`` for any q [B, H, Nq, D], k [B, H, N, D],
-v [B, H, N, Dv]; ``fused_linear_attention_qkv(qkv, ...)`` for self-attention on timm's packed projection
-qkv [B, N, 3, H, D], whose gradient is written as one [B, N, 3, H, D] tensor (no zero-filled slice gradients to
-sum) and whose output is token-major [B, N, H, D], so the projection that follows reads it without a transpose
-copy. Both compute in float32 (float64 for float64 inputs) with autocast off and return the input's dtype.
+The backward is two halves, as the forward is (``linvit.ops.linear_attention_state`` and ``_apply``): the query
+half (``_grad_queries``: dQ and dS from G') and the key half (``_grad_keys``: dK and dV from dS), which the
+registered state and apply ops (``linvit.ops.linear_attn.op``) run on their own.
+
+Entry points: ``fused_linear_attention(q, k, v, ...)`` for any q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv],
+and ``fused_linear_attention_from_features`` for features a learnable map made. Both compute in float32 (float64
+for float64 inputs) with autocast off and return the input's dtype, the output token-major [B, N, H, Dv] in memory
+(so the projection that follows reads it without a transpose copy).
 
 The feature map needs a vector-Jacobian product (``FeatureMapSpec.with_vjp``); ``has_fused_backward(name)`` tells.
 Under ``torch.compile`` dynamo traces forward and backward into the graph (no graph break), and inductor fuses
@@ -29,12 +32,12 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from .feature_maps import feature_map_spec
-from .linear_attention import _key_weights, autocast_off, check_attention_inputs, compute_dtype, state_from_features
+from ..common import autocast_off, compute_dtype
+from ..feature_maps import feature_map_spec
+from .pytorch import _key_weights, check_attention_inputs, state_from_features
 
-__all__ = ['fused_linear_attention', 'fused_linear_attention_from_features',
-           'fused_linear_attention_qkv', 'has_fused_backward', 'LinearAttentionFunction',
-           'PackedLinearAttentionFunction']
+__all__ = ['fused_linear_attention', 'fused_linear_attention_from_features', 'has_fused_backward',
+           'LinearAttentionFunction']
 
 
 def has_fused_backward(feature_map: str) -> bool:
@@ -107,14 +110,12 @@ def _features_for_backward(feature_map: str, x: torch.Tensor,
     return phi, lambda grad: grad.mul_(derivative(phi))
 
 
-def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
-              w: Optional[torch.Tensor], s: torch.Tensor, den: torch.Tensor, out: torch.Tensor,
-              phi_q: Optional[torch.Tensor] = None,
-              phi_k: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dq, dk, dv) in the compute dtype, shapes of q, k, v; grad and out [B, H, Nq, Dv]. phi_q and
-    phi_k: the features the forward kept (maps with derivative_from_output), else None (q and k are mapped
-    again; then q and k must be given, otherwise they may be None)."""
-    dv = v.shape[-1]
+def _grad_queries(grad: torch.Tensor, q: Optional[torch.Tensor], feature_map: Optional[str], s: torch.Tensor,
+                  den: torch.Tensor, out: torch.Tensor, phi_q: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query half of the backward: (dq, dS^T [B, H, Dv + 1, F], G' [B, H, Nq, Dv + 1]) in the compute dtype.
+    grad and out [B, H, Nq, Dv], s = S [B, H, F, Dv + 1], den [B, H, Nq, 1]; phi_q: the features the forward kept
+    (maps with derivative_from_output), else None (q is mapped again). G'[..., Dv] is the gradient at den."""
     grad_over_den = grad / den
     # the gradient at [num | den0]: the quotient rule of out = num / den, one extra column for the normaliser
     grad_num_den = torch.cat([grad_over_den, -(grad_over_den * out).sum(dim=-1, keepdim=True)], dim=-1)
@@ -124,7 +125,16 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     # compiled kernel adding it to every key's gradient reads vectorised (a column, stride Dv + 1, made it scalar)
     grad_s_t = grad_num_den.transpose(-2, -1) @ phi_q
     dq = vjp_q(grad_num_den @ s.transpose(-2, -1))
-    del phi_q, grad_num_den
+    return dq, grad_s_t, grad_num_den
+
+
+def _grad_keys(grad_s_t: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, feature_map: Optional[str],
+               w: Optional[torch.Tensor], phi_k: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The key half of the backward: (dk, dv) in the compute dtype from the gradient at the state
+    dS^T [B, H, Dv + 1, F]; k [B, H, N, D] (None when phi_k, the features the forward kept, is given), v
+    [B, H, N, Dv], w None or key weights [B, H|1, N, 1]. Masked keys get exactly zero gradients."""
+    dv = v.shape[-1]
     phi_k, vjp_k = _features_for_backward(feature_map, k, phi_k)
     # a contiguous v: the [N, Dv] x [Dv, D] matmul below ran 2x slower on the strided view of the qkv projection
     phi_k, v_kept = _mapped_keys(phi_k, v.contiguous(), w)
@@ -133,11 +143,23 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     grad_v = phi_k @ grad_s_t[..., :dv, :].transpose(-2, -1)
     del phi_k
     if w is None:
-        return dq, vjp_k(grad_phi_k), grad_v
+        return vjp_k(grad_phi_k), grad_v
     keep = w > 0
     # masked keys get exactly zero gradients, also where padding holds non-finite values (0 * nan would leak)
     dk = torch.where(keep, vjp_k(grad_phi_k.mul_(w)), 0.0)
-    return dq, dk, torch.where(keep, grad_v, 0.0)
+    return dk, torch.where(keep, grad_v, 0.0)
+
+
+def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
+              w: Optional[torch.Tensor], s: torch.Tensor, den: torch.Tensor, out: torch.Tensor,
+              phi_q: Optional[torch.Tensor] = None,
+              phi_k: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) in the compute dtype, shapes of q, k, v; grad and out [B, H, Nq, Dv]: the query
+    half, then the key half. phi_q and phi_k: the features the forward kept (maps with derivative_from_output),
+    else None (q and k are mapped again; then q and k must be given, otherwise they may be None)."""
+    dq, grad_s_t, _ = _grad_queries(grad, q, feature_map, s, den, out, phi_q)
+    dk, dv = _grad_keys(grad_s_t, k, v, feature_map, w, phi_k)
+    return dq, dk, dv
 
 
 def _keeps_features(feature_map: Optional[str], dtype: torch.dtype) -> bool:
@@ -186,55 +208,6 @@ class LinearAttentionFunction(torch.autograd.Function):
         return dq.to(first.dtype), dk.to(second.dtype), dv.to(v.dtype), None, None, None
 
 
-def _unpack_qkv(qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, N, 3, H, D] -> q, k, v as [B, H, N, D] views."""
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    return q, k, v
-
-
-class PackedLinearAttentionFunction(torch.autograd.Function):
-    """apply(qkv [B, N, 3, H, D], feature_map name, eps, key_mask or None) -> out [B, N, H, D] in qkv's dtype.
-    The gradient of qkv is one [B, N, 3, H, D] tensor.
-
-    Kept for backward: phi(q), phi(k) and a contiguous copy of v when the map's derivative is a function of its
-    output (then nothing holds the projection's output any more), else qkv itself; the same bytes either way.
-    """
-
-    @staticmethod
-    def forward(ctx, qkv, feature_map, eps, key_mask):
-        dtype = compute_dtype(qkv.dtype)
-        w = _key_weight_column(key_mask, dtype)
-        q, k, v = _unpack_qkv(qkv.to(dtype))
-        phi_q, phi_k = _map(feature_map, q), _map(feature_map, k)
-        out, s, den = _attend(phi_q, phi_k, v, eps, w, qkv.dtype)
-        out = out.transpose(1, 2)  # [B, N, H, D], contiguous
-        ctx.keeps_features = _keeps_features(feature_map, qkv.dtype)
-        if ctx.keeps_features:
-            # the backward's matmuls read v contiguous anyway; copying it here frees the projection's output
-            ctx.save_for_backward(phi_q, phi_k, v.contiguous(), s, den, out, key_mask)
-        else:
-            ctx.save_for_backward(qkv, None, None, s, den, out, key_mask)
-        ctx.feature_map = feature_map
-        ctx.qkv_dtype = qkv.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        first, second, third, s, den, out, key_mask = ctx.saved_tensors
-        dtype = s.dtype
-        w = _key_weight_column(key_mask, dtype)
-        grad, out = grad.to(dtype).transpose(1, 2), out.to(dtype).transpose(1, 2)
-        if ctx.keeps_features:
-            dq, dk, dv = _backward(grad, None, None, third, ctx.feature_map, w, s, den, out, phi_q=first,
-                                   phi_k=second)
-        else:
-            q, k, v = _unpack_qkv(first.to(dtype))
-            dq, dk, dv = _backward(grad, q, k, v, ctx.feature_map, w, s, den, out)
-        # one contiguous [B, N, 3, H, D] write: the layout of the projection's output, which its backward reads
-        grad_qkv = torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
-        return grad_qkv.to(ctx.qkv_dtype), None, None, None
-
-
 def fused_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = 'elu1',
                            eps: float = 1e-6, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``linvit.ops.linear_attention`` (same arguments and result, a feature map given by name) with the fused
@@ -257,20 +230,6 @@ def fused_linear_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tenso
     _check_differentiable_mask(key_mask)
     with autocast_off(v.device.type):
         return LinearAttentionFunction.apply(phi_q, phi_k, v, None, eps, key_mask)
-
-
-def fused_linear_attention_qkv(qkv: torch.Tensor, feature_map: str = 'elu1', eps: float = 1e-6,
-                               key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Self-attention on a packed projection: qkv [B, N, 3, H, D] -> out [B, N, H, D] (token-major, qkv's dtype),
-    key_mask [B, N] or [B, H, N]. The same function as ``linear_attention(q, k, v)`` on the unpacked q, k, v."""
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"fused_linear_attention_qkv expects qkv of shape [B, N, 3, H, D], got {list(qkv.shape)}")
-    q, k, v = _unpack_qkv(qkv)
-    check_attention_inputs(q, k, v, key_mask)
-    _check_fused_map(feature_map)
-    _check_differentiable_mask(key_mask)
-    with autocast_off(qkv.device.type):
-        return PackedLinearAttentionFunction.apply(qkv, feature_map, eps, key_mask)
 
 
 def _check_fused_map(feature_map: str) -> None:

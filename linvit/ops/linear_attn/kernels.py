@@ -1,9 +1,10 @@
 """Triton kernels for non-causal linear attention: the forward and the closed-form backward, two passes each.
 
-The same function as ``linvit.ops.linear_attention`` (see ``linvit.ops.fused`` for the backward's formulas). With
-A = phi(Q) [Nq, D], K' = w * phi(K) [N, D] (masked keys zeroed), the state S^T = [V | 1]^T K' [Dv + 1, D] (its
-last row is the key sum z) and den = A z + eps * count, out = A S[:, :Dv] / den. Four kernels, two per direction,
-each on a grid (programs per head, B * H) whose programs walk a contiguous range of tokens in tiles:
+The same function as ``linvit.ops.linear_attention`` (see ``linvit.ops.linear_attn.function`` for the backward's
+formulas). With A = phi(Q) [Nq, D], K' = w * phi(K) [N, D] (masked keys zeroed), the state
+S^T = [V | 1]^T K' [Dv + 1, D] (its last row is the key sum z) and den = A z + eps * count, out = A S[:, :Dv] / den.
+Four kernels, two per direction, each on a grid (programs per head, B * H) whose programs walk a contiguous range
+of tokens in tiles:
 
     forward   _key_pass:     partial S^T over the program's keys
               _query_pass:   sums the partials (program 0 of a head stores S^T), then out, den for its queries
@@ -34,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import _eps_count
+from .function import _eps_count
 
-# the maps (by the id MAP the kernels take), dtypes and head widths served: linvit.ops.attention_op, which checks
+# the maps (by the id MAP the kernels take), dtypes and head widths served: linvit.ops.linear_attn.backend, which checks
 # every call before it launches these kernels
 __all__ = ['forward', 'backward', 'KERNELS', 'launch_meta']
 
@@ -346,8 +347,8 @@ def _weights(key_weight: Optional[torch.Tensor], k: torch.Tensor) -> Tuple[torch
 def _normaliser_eps(eps: float, n_keys: int, key_weight: Optional[torch.Tensor],
                     unused: torch.Tensor) -> Tuple[float, torch.Tensor, int, int]:
     """The normaliser's eps term as the query pass takes it: (eps * N, ``unused`` as a pointer it never reads, 0, 0)
-    without key weights, else (0, eps * the kept weight [B, H|1, 1, 1] of ``linvit.ops.fused``, its b and h
-    strides)."""
+    without key weights, else (0, eps * the kept weight [B, H|1, 1, 1] of ``linvit.ops.linear_attn.function``, its
+    b and h strides)."""
     if key_weight is None:
         return eps * n_keys, unused, 0, 0  # a real tensor: None pointers differ across Triton versions
     count = _eps_count(eps, n_keys, key_weight.unsqueeze(-1))

@@ -14,120 +14,34 @@ memory) or [B, N, H, D] for the packed op, and for the backward the state S^T = 
 (rows of D floats: aligned loads in the kernels) and the normaliser den [B, H, Nq, 1], both float32 sums (float64
 for float64 inputs). The Triton backward reads neither ``out`` nor a feature map's output: the op keeps ``out``
 only because the PyTorch path's backward reads it (the projection after attention keeps it alive anyway). The
-function is ``linvit.ops.linear_attention``'s; the backward is the closed form of ``linvit.ops.fused``. The public
-entry points are ``linear_attention_op`` and ``linear_attention_qkv_op``.
+function is ``linvit.ops.linear_attention``'s; the backward is the closed form of
+``linvit.ops.linear_attn.function``. The public entry points are ``linear_attention_op`` and
+``linear_attention_qkv_op``.
 
-``backend`` (the layers' and models' ``attn_backend``; one of ``ATTN_BACKENDS``), decided inside the op, at run
-time, from the tensors it gets:
-
-    'auto'    the Triton kernels for CUDA tensors they can serve, the PyTorch path otherwise
-    'triton'  the kernels always (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); a ValueError says
-              why when they cannot serve a call (``kernel_unsupported_reason``)
-    'torch'   the PyTorch path (float32 core, autocast off) on every device
+``backend`` (the layers' and models' ``attn_backend``; one of ``ATTN_BACKENDS``) is decided inside each op, at run
+time, from the tensors it gets (``linvit.ops.linear_attn.backend``).
 
 Because the op is registered, TorchScript can call it too: an fx-traced linvit model (timm's model tests trace with
 fx, then script the graph) keeps one scriptable node per attention.
 """
-import functools
-import importlib.util
-import os
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from .feature_maps import FEATURE_MAPS, feature_map_spec
-from .fused import _attend, _backward, _key_weight_column, _map
-from .linear_attention import _key_weights, autocast_off, check_attention_inputs, compute_dtype
+from ..common import autocast_off, compute_dtype
+from ..feature_maps import feature_map_spec
+from .backend import _kernel_weights, _uses_kernel, check_attn_backend
+from .function import _attend, _backward, _key_weight_column, _map
+from .pytorch import (
+    AttentionState,
+    check_apply_inputs,
+    check_attention_inputs,
+    check_state_inputs,
+    pytorch_apply,
+    pytorch_state,
+)
 
-__all__ = ['ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', 'kernels_serve', 'linear_attention_op',
-           'linear_attention_qkv_op', 'triton_interpreting']
-
-#: the values of ``attn_backend`` (layer option, model kwarg, config key ``model.kwargs.attn_backend``)
-ATTN_BACKENDS = ('auto', 'triton', 'torch')
-
-_TRITON_INSTALLED = importlib.util.find_spec('triton') is not None
-# what the kernels of linvit.ops.triton_kernels serve (that module is imported only when a kernel runs, so
-# `import linvit` stays light and works without Triton); the maps they compute declare their FeatureMapSpec.kernel_id
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_HEAD_DIM = 128
-
-
-def triton_interpreting() -> bool:
-    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET=1``): then on CPU tensors."""
-    return os.environ.get('TRITON_INTERPRET', '0') == '1'
-
-
-def check_attn_backend(backend: str) -> str:
-    """Return ``backend`` if it is one of ``ATTN_BACKENDS``, else raise ValueError naming the choices."""
-    if backend not in ATTN_BACKENDS:
-        raise ValueError(f"attn_backend must be one of {list(ATTN_BACKENDS)}, got {backend!r}")
-    return backend
-
-
-def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
-                              key_mask: Optional[torch.Tensor] = None) -> Optional[str]:
-    """None when the Triton kernels can compute this call, else why not (one sentence for an error message).
-    q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv], key_mask None, [B, N] or [B, H, N]. Decided once per
-    combination of devices, dtypes, head widths, map and mask kind (a cached function of those), not per call."""
-    mask_device = None if key_mask is None else key_mask.device
-    reason = _unsupported_reason((q.device, k.device, v.device, mask_device), (q.dtype, k.dtype, v.dtype),
-                                 (q.shape[-1], v.shape[-1]), key_mask is not None and key_mask.requires_grad,
-                                 triton_interpreting())
-    return reason or _unsupported_map_reason(feature_map)
-
-
-def _unsupported_map_reason(feature_map: str) -> Optional[str]:
-    """None when the kernels compute ``feature_map`` (its spec declares a ``kernel_id``), else why not."""
-    if feature_map_spec(feature_map).kernel_id is not None:
-        return None
-    kernel_maps = [name for name, spec in FEATURE_MAPS.items() if spec.kernel_id is not None]
-    return f"feature map {feature_map!r} is not computed inside the kernels (they have {kernel_maps})"
-
-
-@functools.lru_cache(maxsize=1024)
-def _unsupported_reason(devices: Tuple[torch.device, ...], dtypes: Tuple[torch.dtype, ...], widths: Tuple[int, int],
-                        mask_requires_grad: bool, interpreting: bool) -> Optional[str]:
-    if not _TRITON_INSTALLED:
-        return "Triton is not installed"
-    if devices[0].type != 'cuda' and not interpreting:
-        return f"the tensors are on {devices[0].type}, and the kernels need CUDA (or TRITON_INTERPRET=1)"
-    if len(set(dtypes)) != 1 or dtypes[0] not in _KERNEL_DTYPES:
-        return (f"the kernels take q, k, v of one dtype among float32, bfloat16 and float16, got "
-                f"{', '.join(map(str, dtypes))}")
-    if max(widths) > _MAX_HEAD_DIM:
-        return f"head widths D={widths[0]}, Dv={widths[1]} exceed the kernels' {_MAX_HEAD_DIM}"
-    if mask_requires_grad:
-        return "key_mask requires grad, and the kernels take it as a constant"
-    if len({device for device in devices if device is not None}) != 1:
-        return "q, k, v and key_mask are on different devices"
-    return None
-
-
-def kernels_serve(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
-                  key_mask: Optional[torch.Tensor] = None) -> bool:
-    """Whether the op runs the Triton kernels for a call with these arguments: backend 'triton' always (it raises
-    when they cannot), 'auto' on CUDA tensors they serve, 'torch' never."""
-    if backend == 'torch':
-        return False
-    return backend == 'triton' or (q.device.type == 'cuda'
-                                   and kernel_unsupported_reason(q, k, v, feature_map, key_mask) is None)
-
-
-def _uses_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str,
-                 key_mask: Optional[torch.Tensor]) -> bool:
-    """``kernels_serve``, and a ValueError for backend='triton' when the kernels cannot serve this call."""
-    if backend == 'triton':
-        reason = kernel_unsupported_reason(q, k, v, feature_map, key_mask)
-        if reason is not None:
-            raise ValueError(f"attn_backend='triton' cannot serve this call: {reason}; use attn_backend='auto' or "
-                             f"'torch'")
-    return kernels_serve(backend, q, k, v, feature_map, key_mask)
-
-
-def _kernel_weights(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """key_mask None, [B, N] or [B, H, N] -> None or float32 key weights [B, H|1, N] for the kernels."""
-    return None if key_mask is None else _key_weights(key_mask, torch.float32)
-
+__all__ = ['linear_attention_op', 'linear_attention_qkv_op', 'linear_attention_state', 'linear_attention_apply']
 
 # ---------------------------------------------------------------- registration
 
@@ -168,8 +82,8 @@ def _forward_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_ma
 def _forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, feature_map: str,
                     eps: float, key_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernels: write out (shape of the result, any strides); return (S^T, den)."""
-    from . import triton_kernels
-    return triton_kernels.forward(q, k, v, out, feature_map_spec(feature_map).kernel_id, eps, _kernel_weights(key_mask))
+    from . import kernels
+    return kernels.forward(q, k, v, out, feature_map_spec(feature_map).kernel_id, eps, _kernel_weights(key_mask))
 
 
 @_op('linear_attention(Tensor q, Tensor k, Tensor v, str feature_map, float eps, Tensor? key_mask, str backend) '
@@ -246,8 +160,8 @@ def _backward_kernel(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      den: torch.Tensor, key_mask: Optional[torch.Tensor], feature_map: str, dq: torch.Tensor,
                      dk: torch.Tensor, dv: torch.Tensor) -> None:
     """The Triton kernels: write dq, dk, dv (shapes of q, k, v, any strides); they read neither out nor phi."""
-    from . import triton_kernels
-    triton_kernels.backward(grad, q, k, v, s.contiguous(), den.contiguous(), dq, dk, dv,
+    from . import kernels
+    kernels.backward(grad, q, k, v, s.contiguous(), den.contiguous(), dq, dk, dv,
                             feature_map_spec(feature_map).kernel_id, _kernel_weights(key_mask))
 
 
@@ -398,3 +312,27 @@ def linear_attention_qkv_op(qkv: torch.Tensor, feature_map: str = 'elu1', eps: f
     check_attention_inputs(*_unpack(qkv), key_mask)
     _check_op_arguments(feature_map, key_mask, backend)
     return torch.ops.linvit.linear_attention_qkv(qkv, feature_map, eps, key_mask, backend)[0]
+
+
+def linear_attention_state(k: torch.Tensor, v: torch.Tensor,
+                           feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = 'elu1',
+                           key_mask: Optional[torch.Tensor] = None) -> AttentionState:
+    """The state of the keys k [B, H, N, D] and values v [B, H, N, Dv] (``AttentionState``: float32 sums
+    [B, H, Dv + 1, F] and count [B, H]; float64 for float64 inputs).
+
+    feature_map: a name from ``FEATURE_MAPS``, a function, or None when k already holds mapped features.
+    key_mask: optional [B, N] or [B, H, N], as ``linear_attention`` takes it.
+    ``linear_attention(q, k, v) == linear_attention_apply(q, linear_attention_state(k, v))``, and states of
+    chunks of the keys add up (``add_states``) to the state of all of them.
+    """
+    check_state_inputs(k, v, key_mask)
+    return pytorch_state(k, v, feature_map, key_mask)
+
+
+def linear_attention_apply(q: torch.Tensor, state: AttentionState,
+                           feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = 'elu1',
+                           eps: float = 1e-6, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Queries q [B, H, Nq, D] attending to the keys summarised by ``state`` -> [B, H, Nq, Dv] in ``out_dtype``
+    (default: q's dtype). feature_map as for ``linear_attention_state`` (the same map on both sides)."""
+    check_apply_inputs(q, state)
+    return pytorch_apply(q, state, feature_map, eps, out_dtype)

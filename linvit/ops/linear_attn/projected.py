@@ -2,7 +2,7 @@
 
 A layer's output is proj(concat_h out_h) = sum_h out_h W_h^T + b, with W_h [C, Dv] the projection's columns of head h
 and out_h = (A_h S_h) / den_h, A_h = phi(Q_h) [Nq, F], S_h = phi(K_h)^T V_h [F, Dv], den_h = A_h z_h + eps * count
-(z_h = phi(K_h)^T 1, see ``linvit.ops.linear_attention``). By associativity
+(z_h = phi(K_h)^T 1, see ``linvit.ops.linear_attn.pytorch``). By associativity
 
     proj(out) = sum_h (A_h / den_h) (S_h W_h^T) + b = P M + b,   P = [A_1 / den_1 | ... | A_H / den_H]  [Nq, H F]
                                                                   M = [S_1 W_1^T ; ... ; S_H W_H^T]     [H F, C]
@@ -24,16 +24,18 @@ when F = Dv (the fixed maps). So ``projected_linear_attention_from_inputs`` drop
 linear attention then adds to a ViT block is the feature-map pass and the normaliser. ViT-S at 1024 px on a 2-core
 CPU: the attention layer eager 43.5 -> 40.6 ms, the whole model compiled 2% faster (docs/benchmarks.md).
 
-Inference only (no autograd formula of its own; training takes the fused Function of ``linvit.ops.fused``). Runs in
-the dtype of its inputs, which must be the attention core's compute dtype (float32 or float64) with autocast off:
-the projection then runs in that dtype too, as it does after the unfolded core.
+Inference only (no autograd formula of its own; training takes the fused Function of
+``linvit.ops.linear_attn.function``). Runs in the dtype of its inputs, which must be the attention core's compute
+dtype (float32 or float64) with autocast off: the projection then runs in that dtype too, as it does after the
+unfolded core.
 """
 from typing import Optional, Union
 
 import torch
 
-from .fused import _divide_token_major, _eps_count, _key_weight_column, _mapped_keys
-from .linear_attention import autocast_off, check_attention_inputs
+from ..common import autocast_off
+from .function import _divide_token_major, _eps_count, _key_weight_column, _mapped_keys
+from .pytorch import check_attention_inputs
 
 __all__ = ['projected_linear_attention_from_features', 'projected_linear_attention_from_inputs']
 

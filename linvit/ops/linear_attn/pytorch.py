@@ -11,37 +11,12 @@ Numerics: half-precision inputs are cast to float32 and the matmuls run with aut
 kv = sum_j phi(k_j) v_j^T grows with N and overflows float16 at image-scale token counts. float64 inputs stay
 float64 (for gradcheck). The result is cast back to the dtype of ``v``.
 """
-import contextlib
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
-from torch.compiler import is_dynamo_compiling, is_exporting
 
-from .feature_maps import get_feature_map
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the attention core runs in: float64 stays float64, everything else runs in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def export_tracing() -> bool:
-    """Whether torch.export's non-strict tracing (what ``linvit.export`` uses) runs this call: then the code takes
-    its export form (aten ops every runtime knows, no loop over a symbolic size).
-
-    ``torch.compiler.is_exporting()`` alone is not enough: torch 2.11's dynamo reads it as True under a plain
-    ``torch.compile`` (measured on the GPU machine), which sent every compiled linvit layer down its export path, with
-    no Triton kernel. Under dynamo (torch.compile, strict export) this is False."""
-    return is_exporting() and not is_dynamo_compiling()
-
-
-def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """autocast disabled on ``device_type``, for the float32 cores. autocast has no meta device ("unsupported
-    scalarType"); meta tensors carry shapes only and the cores cast to their compute dtype themselves, so nothing is
-    lost by skipping it there."""
-    if device_type == 'meta':
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, enabled=False)
+from ..common import autocast_off, compute_dtype
+from ..feature_maps import get_feature_map
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -158,41 +133,47 @@ def _phi(feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None]) 
     return get_feature_map(feature_map) if isinstance(feature_map, str) else feature_map
 
 
-def linear_attention_state(k: torch.Tensor, v: torch.Tensor,
-                           feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = 'elu1',
-                           key_mask: Optional[torch.Tensor] = None) -> AttentionState:
-    """The state of the keys k [B, H, N, D] and values v [B, H, N, Dv] (``AttentionState``: float32 sums
-    [B, H, Dv + 1, F] and count [B, H]; float64 for float64 inputs).
-
-    feature_map: a name from ``FEATURE_MAPS``, a function, or None when k already holds mapped features.
-    key_mask: optional [B, N] or [B, H, N], as ``linear_attention`` takes it.
-    ``linear_attention(q, k, v) == linear_attention_apply(q, linear_attention_state(k, v))``, and states of
-    chunks of the keys add up (``add_states``) to the state of all of them.
-    """
+def check_state_inputs(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> None:
+    """Raise ValueError unless k [B, H, N, D], v [B, H, N, Dv] and key_mask None, [B, N] or [B, H, N]."""
     if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"linear_attention_state expects k [B, H, N, D] and v [B, H, N, Dv] with the same B, H, N; "
                          f"got k {list(k.shape)}, v {list(v.shape)}")
     check_attention_inputs(k, k, v, key_mask)
-    dtype = compute_dtype(v.dtype)
-    with autocast_off(v.device.type):
-        return state_from_features(_phi(feature_map)(k.to(dtype)), v.to(dtype), key_mask)
 
 
-def linear_attention_apply(q: torch.Tensor, state: AttentionState,
-                           feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = 'elu1',
-                           eps: float = 1e-6, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Queries q [B, H, Nq, D] attending to the keys summarised by ``state`` -> [B, H, Nq, Dv] in ``out_dtype``
-    (default: q's dtype). feature_map as for ``linear_attention_state`` (the same map on both sides)."""
+def check_apply_inputs(q: torch.Tensor, state: AttentionState) -> None:
+    """Raise ValueError unless q [B, H, Nq, D] and a state of sums [B, H, Dv + 1, F] and count [B, H] share B, H."""
     sums = state.sums
     if q.dim() != 4 or sums.dim() != 4 or q.shape[:2] != sums.shape[:2] or list(state.count.shape) != list(q.shape[:2]):
         raise ValueError(f"linear_attention_apply expects q [B, H, Nq, D] and a state of sums [B, H, Dv + 1, F] and "
                          f"count [B, H] with the same B, H; got q {list(q.shape)}, sums {list(sums.shape)}, count "
                          f"{list(state.count.shape)}")
+
+
+def check_state_features(phi_q: torch.Tensor, sums: torch.Tensor) -> None:
+    """Raise ValueError unless the mapped queries [.., F] have the state's F features."""
+    if phi_q.shape[-1] != sums.shape[-1]:
+        raise ValueError(f"the mapped queries have {phi_q.shape[-1]} features and the state {sums.shape[-1]} "
+                         f"(sums {list(sums.shape)}): were they made with the same feature map?")
+
+
+def pytorch_state(k: torch.Tensor, v: torch.Tensor,
+                  feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = 'elu1',
+                  key_mask: Optional[torch.Tensor] = None) -> AttentionState:
+    """``linear_attention_state`` (checked inputs) on the PyTorch path, differentiated by plain autograd: any map,
+    a function or None (k holds features already), and a key mask that may require grad."""
+    dtype = compute_dtype(v.dtype)
+    with autocast_off(v.device.type):
+        return state_from_features(_phi(feature_map)(k.to(dtype)), v.to(dtype), key_mask)
+
+
+def pytorch_apply(q: torch.Tensor, state: AttentionState,
+                  feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = 'elu1',
+                  eps: float = 1e-6, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``linear_attention_apply`` (checked inputs) on the PyTorch path, differentiated by plain autograd."""
     with autocast_off(q.device.type):
-        phi_q = _phi(feature_map)(q.to(sums.dtype))
-        if phi_q.shape[-1] != sums.shape[-1]:
-            raise ValueError(f"the mapped queries have {phi_q.shape[-1]} features and the state {sums.shape[-1]} "
-                             f"(sums {list(sums.shape)}): were they made with the same feature map?")
+        phi_q = _phi(feature_map)(q.to(state.sums.dtype))
+        check_state_features(phi_q, state.sums)
         out = apply_to_features(phi_q, state, eps)
     return out.to(out_dtype or q.dtype)
 
