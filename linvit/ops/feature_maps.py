@@ -185,8 +185,10 @@ class FeatureMapSpec:
         projection output in place instead of allocating phi.
     derivative_from_output: fn'(x) computed from phi = fn(x) (an elementwise map only): the fused Function then
         keeps phi(q), phi(k) for backward instead of recomputing them from q, k.
-    kernel_id: the map's id in the Triton kernels (``linvit.ops.triton_kernels``) if they compute it; None: calls
-        with this map take the PyTorch path (``kernel_unsupported_reason`` says so).
+    kernel_id: the name of the map's branch in the Triton kernels (a key of
+        ``linvit.ops.linear_attn.backend.KERNEL_FEATURE_MAPS``) if they compute it; a name they have no branch for
+        is a ValueError when a call would use it. None: calls with this map take the PyTorch path
+        (``kernel_unsupported_reason`` says so).
     module: a learnable map: an nn.Module class built per layer as ``module(num_heads, head_dim, device=,
         dtype=)``, mapping [B, H, N, head_dim] to non-negative [B, H, N, F] (F may differ from D); its parameters
         train through autograd, the attention core through the fused Function on its features. Layers own it
@@ -197,7 +199,7 @@ class FeatureMapSpec:
     with_vjp: Optional[FeatureMapWithVJP] = None
     inplace: Optional[FeatureMap] = None
     derivative_from_output: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    kernel_id: Optional[int] = None
+    kernel_id: Optional[str] = None
     module: Optional[Any] = None
 
     def __post_init__(self) -> None:
@@ -259,9 +261,9 @@ def get_feature_map(name: str) -> FeatureMap:
 
 for _spec in (
     FeatureMapSpec('elu1', elu1, with_vjp=elu1_with_vjp, inplace=elu1_inplace,
-                   derivative_from_output=elu1_derivative_from_output, kernel_id=0),
+                   derivative_from_output=elu1_derivative_from_output, kernel_id='elu1'),
     FeatureMapSpec('relu', relu, with_vjp=relu_with_vjp, inplace=relu_inplace,
-                   derivative_from_output=relu_derivative_from_output, kernel_id=1),
+                   derivative_from_output=relu_derivative_from_output, kernel_id='relu'),
     FeatureMapSpec('focused', focused, with_vjp=focused_with_vjp),
     FeatureMapSpec('relu2', relu2, with_vjp=relu2_with_vjp, inplace=relu2_inplace,
                    derivative_from_output=relu2_derivative_from_output),

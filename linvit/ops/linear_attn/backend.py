@@ -18,7 +18,8 @@ import torch
 from ..feature_maps import FEATURE_MAPS, feature_map_spec
 from .pytorch import _key_weights
 
-__all__ = ['ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', 'kernels_serve', 'triton_interpreting']
+__all__ = ['ATTN_BACKENDS', 'KERNEL_FEATURE_MAPS', 'check_attn_backend', 'check_kernel_feature_maps',
+           'kernel_feature_map', 'kernel_unsupported_reason', 'kernels_serve', 'triton_interpreting']
 
 #: the values of ``attn_backend`` (layer option, model kwarg, config key ``model.kwargs.attn_backend``)
 ATTN_BACKENDS = ('auto', 'triton', 'torch')
@@ -28,6 +29,9 @@ _TRITON_INSTALLED = importlib.util.find_spec('triton') is not None
 # `import linvit` stays light and works without Triton); the maps they compute declare their FeatureMapSpec.kernel_id
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HEAD_DIM = 128
+#: the feature maps the kernels compute: ``FeatureMapSpec.kernel_id`` -> the branch of ``_feature`` and
+#: ``_feature_derivative`` in linvit.ops.linear_attn.kernels (their constexpr MAP; they refuse to compile any other)
+KERNEL_FEATURE_MAPS = {'elu1': 0, 'relu': 1}
 
 
 def triton_interpreting() -> bool:
@@ -54,9 +58,30 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return reason or _unsupported_map_reason(feature_map)
 
 
+def kernel_feature_map(kernel_id: str) -> int:
+    """The kernels' branch (their constexpr MAP) for a ``FeatureMapSpec.kernel_id``; ValueError for a name they
+    have no branch for (never a silent fallback to another map)."""
+    branch = KERNEL_FEATURE_MAPS.get(kernel_id) if isinstance(kernel_id, str) else None
+    if branch is None:
+        raise ValueError(f"kernel_id {kernel_id!r} names no feature map of the Triton kernels (they have "
+                         f"{list(KERNEL_FEATURE_MAPS)}): add its branch to linvit.ops.linear_attn.kernels and "
+                         f"KERNEL_FEATURE_MAPS, or declare kernel_id=None (the PyTorch path)")
+    return branch
+
+
+def check_kernel_feature_maps() -> None:
+    """ValueError unless every registered map's ``kernel_id`` (if any) has a branch in the kernels."""
+    for spec in FEATURE_MAPS.values():
+        if spec.kernel_id is not None:
+            kernel_feature_map(spec.kernel_id)
+
+
 def _unsupported_map_reason(feature_map: str) -> Optional[str]:
-    """None when the kernels compute ``feature_map`` (its spec declares a ``kernel_id``), else why not."""
-    if feature_map_spec(feature_map).kernel_id is not None:
+    """None when the kernels compute ``feature_map`` (its spec declares a ``kernel_id`` they have a branch for: a
+    ValueError if they have none), else why not."""
+    kernel_id = feature_map_spec(feature_map).kernel_id
+    if kernel_id is not None:
+        kernel_feature_map(kernel_id)
         return None
     kernel_maps = [name for name, spec in FEATURE_MAPS.items() if spec.kernel_id is not None]
     return f"feature map {feature_map!r} is not computed inside the kernels (they have {kernel_maps})"
@@ -105,3 +130,6 @@ def _uses_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def _kernel_weights(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """key_mask None, [B, N] or [B, H, N] -> None or float32 key weights [B, H|1, N] for the kernels."""
     return None if key_mask is None else _key_weights(key_mask, torch.float32)
+
+
+check_kernel_feature_maps()  # the built-in maps; a map registered later is checked when a call would use it

@@ -35,10 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import KERNEL_FEATURE_MAPS
 from .function import _eps_count
 
-# the maps (by the id MAP the kernels take), dtypes and head widths served: linvit.ops.linear_attn.backend, which checks
-# every call before it launches these kernels
+# the maps (by the branch MAP the kernels take, KERNEL_FEATURE_MAPS), dtypes and head widths served:
+# linvit.ops.linear_attn.backend, which checks every call before it launches these kernels
 __all__ = ['forward', 'backward', 'KERNELS', 'launch_meta']
 
 _BLOCK_TOKENS = 64
@@ -46,10 +47,16 @@ _BLOCK_TOKENS = 64
 MAX_CHUNKS = 16
 
 
+#: the branches of _feature and _feature_derivative, by name (KERNEL_FEATURE_MAPS gives each map's)
+_ELU1 = tl.constexpr(KERNEL_FEATURE_MAPS['elu1'])
+_RELU = tl.constexpr(KERNEL_FEATURE_MAPS['relu'])
+
+
 @triton.jit
 def _feature(x, MAP: tl.constexpr):
-    """phi(x) for the map id MAP (0 elu1, 1 relu), float32 [..]."""
-    if MAP == 0:
+    """phi(x) for the map branch MAP (_ELU1, _RELU), float32 [..]; any other MAP does not compile."""
+    tl.static_assert((MAP == _ELU1) or (MAP == _RELU), "MAP names no feature map of the kernels")
+    if MAP == _ELU1:
         return tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
     else:
         return tl.maximum(x, 0.0)
@@ -58,8 +65,9 @@ def _feature(x, MAP: tl.constexpr):
 @triton.jit
 def _feature_derivative(phi, MAP: tl.constexpr):
     """phi'(x) read off phi = phi(x) (float32), so x need not stay in registers: elu1's exp(min(x, 0)) is
-    min(phi, 1) (1 at 0, as autograd's), relu's is 1 where phi > 0 else 0."""
-    if MAP == 0:
+    min(phi, 1) (1 at 0, as autograd's), relu's is 1 where phi > 0 else 0; any other MAP does not compile."""
+    tl.static_assert((MAP == _ELU1) or (MAP == _RELU), "MAP names no feature map of the kernels")
+    if MAP == _ELU1:
         return tl.minimum(phi, 1.0)
     else:
         return tl.where(phi > 0, 1.0, 0.0)
@@ -293,6 +301,8 @@ def launch_meta(d: int, dv: int, dtype: torch.dtype, map_id: int,
     spill in the backward on sm_80); wider heads, and float32 (whose exact dots run as scalar multiply-adds),
     32-token tiles and 2 stages. That keeps every half variant free of spills on sm_90, and on sm_80 up to D = 64,
     and every variant within sm_80's 163 KiB of shared memory (``tools/kernel_report.py``, Triton 3.6 and 3.8)."""
+    if map_id not in KERNEL_FEATURE_MAPS.values():
+        raise ValueError(f"map_id {map_id!r} is no feature-map branch of the kernels ({KERNEL_FEATURE_MAPS})")
     block_d, block_dv = _block_width(d), _block_width(dv)
     small = dtype != torch.float32 and block_d * block_dv <= 64 * 64
     meta = dict(D=d, DV=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, MAP=map_id,

@@ -30,7 +30,7 @@ import torch
 
 from ..common import autocast_off, compute_dtype
 from ..feature_maps import feature_map_spec
-from .backend import _kernel_weights, _uses_kernel, check_attn_backend
+from .backend import _kernel_weights, _uses_kernel, check_attn_backend, kernel_feature_map
 from .function import _attend, _backward, _key_weight_column, _map
 from .pytorch import (
     AttentionState,
@@ -65,6 +65,11 @@ def _fake(name: str) -> Callable:
     return torch.library.register_fake(f'linvit::{name}', lib=_LIBRARY)
 
 
+def _kernel_map(feature_map: str) -> int:
+    """The kernels' branch of map ``feature_map`` (ValueError when they have none)."""
+    return kernel_feature_map(feature_map_spec(feature_map).kernel_id)
+
+
 # ---------------------------------------------------------------- the forward ops
 
 def _forward_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str, eps: float,
@@ -83,7 +88,7 @@ def _forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     eps: float, key_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernels: write out (shape of the result, any strides); return (S^T, den)."""
     from . import kernels
-    return kernels.forward(q, k, v, out, feature_map_spec(feature_map).kernel_id, eps, _kernel_weights(key_mask))
+    return kernels.forward(q, k, v, out, _kernel_map(feature_map), eps, _kernel_weights(key_mask))
 
 
 @_op('linear_attention(Tensor q, Tensor k, Tensor v, str feature_map, float eps, Tensor? key_mask, str backend) '
@@ -162,7 +167,7 @@ def _backward_kernel(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """The Triton kernels: write dq, dk, dv (shapes of q, k, v, any strides); they read neither out nor phi."""
     from . import kernels
     kernels.backward(grad, q, k, v, s.contiguous(), den.contiguous(), dq, dk, dv,
-                            feature_map_spec(feature_map).kernel_id, _kernel_weights(key_mask))
+                            _kernel_map(feature_map), _kernel_weights(key_mask))
 
 
 @_op('linear_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor s, Tensor den, '
