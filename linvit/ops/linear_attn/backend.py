@@ -127,6 +127,31 @@ def _uses_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return kernels_serve(backend, q, k, v, feature_map, key_mask)
 
 
+def state_unsupported_reason(q: torch.Tensor, sums: torch.Tensor, count: torch.Tensor,
+                             feature_map: str) -> Optional[str]:
+    """``kernel_unsupported_reason`` for queries q [B, H, Nq, D] attending to a state (sums [B, H, Dv + 1, D], count
+    [B, H]): the kernels take float32 states, q in one of their dtypes."""
+    if sums.dtype != torch.float32 or count.dtype != torch.float32:
+        return f"the state holds {sums.dtype} sums, and the kernels take float32 states"
+    reason = _unsupported_reason((q.device, sums.device, count.device, None), (q.dtype,),
+                                 (q.shape[-1], sums.shape[-2] - 1), False, triton_interpreting())
+    return reason or _unsupported_map_reason(feature_map)
+
+
+def _uses_kernel_for_state(backend: str, q: torch.Tensor, sums: torch.Tensor, count: torch.Tensor,
+                           feature_map: str) -> bool:
+    """``_uses_kernel`` for a call that reads a state (``linvit::linear_attention_apply`` and its backward)."""
+    if backend == 'torch':
+        return False
+    if backend == 'triton':
+        reason = state_unsupported_reason(q, sums, count, feature_map)
+        if reason is not None:
+            raise ValueError(f"attn_backend='triton' cannot serve this call: {reason}; use attn_backend='auto' or "
+                             f"'torch'")
+        return True
+    return q.device.type == 'cuda' and state_unsupported_reason(q, sums, count, feature_map) is None
+
+
 def _kernel_weights(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """key_mask None, [B, N] or [B, H, N] -> None or float32 key weights [B, H|1, N] for the kernels."""
     return None if key_mask is None else _key_weights(key_mask, torch.float32)

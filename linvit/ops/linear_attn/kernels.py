@@ -11,6 +11,11 @@ of tokens in tiles:
     backward  _grad_query:   dq for the program's queries, partial dS^T
               _grad_key:     sums the dS^T partials, then dk, dv for its keys
 
+The halves run on their own too (``state``, ``apply`` and their backwards, for ``linvit::linear_attention_state`` /
+``_apply``): the key pass with its partials summed into the state, the query pass reading a given state as its one
+partial (scaled per head by 1 / max(count, 1), as the fused forward scales by 1 / N), and the backward passes with
+the gradient at the state as their one partial.
+
 Partial sums are reduced by their consumer in a fixed order: deterministic, no atomics, no extra launch. The number
 of programs per head depends only on the shapes and the GPU (enough programs to fill it, at most ``MAX_CHUNKS`` so
 the consumers' sums stay small next to the tokens they read).
@@ -40,7 +45,7 @@ from .function import _eps_count
 
 # the maps (by the branch MAP the kernels take, KERNEL_FEATURE_MAPS), dtypes and head widths served:
 # linvit.ops.linear_attn.backend, which checks every call before it launches these kernels
-__all__ = ['forward', 'backward', 'KERNELS', 'launch_meta']
+__all__ = ['forward', 'backward', 'state', 'state_backward', 'apply', 'apply_backward', 'KERNELS', 'launch_meta']
 
 _BLOCK_TOKENS = 64
 #: the most programs per head of a pass: each consumer program sums this many [Dv + 1, D] float32 partials
@@ -410,3 +415,82 @@ def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _grad_key[(key_chunks, heads)](
         k, v, w, part, dk, dv, N, H, query_chunks, key_tokens, 1.0 / N, *k.stride(), *v.stride(), *w_strides,
         *dk.stride(), *dv.stride(), BLOCK_N=tile, HAS_W=key_weight is not None, **meta)
+
+
+# ---------------------------------------------------------------- the two halves on their own (state and apply)
+
+
+def state(k: torch.Tensor, v: torch.Tensor, map_id: int, key_weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """The key pass alone: the summed state [B, H, Dv + 1, D] (float32; rows as ``AttentionState.sums``) of
+    k [B, H, N, D], v [B, H, N, Dv] (any strides) with key_weight None or float32 [B, H|1, N]."""
+    B, H, N, D = k.shape
+    DV = v.shape[3]
+    heads = B * H
+    items, tile = launch_meta(D, DV, k.dtype, map_id, _hopper(k.device))
+    w, w_strides = _weights(key_weight, k)
+    key_tokens, key_chunks = _split(N, heads, tile, k.device)
+    part = torch.empty(heads, key_chunks, DV + 1, D, dtype=torch.float32, device=k.device)
+    _key_pass[(key_chunks, heads)](k, v, w, part, N, H, key_tokens, *k.stride(), *v.stride(), *w_strides,
+                                   BLOCK_N=tile, HAS_W=key_weight is not None, **dict(items))
+    return part.sum(dim=1).view(B, H, DV + 1, D)
+
+
+def state_backward(grad_sums: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                   map_id: int, key_weight: Optional[torch.Tensor]) -> None:
+    """Writes dk, dv (shapes of k, v, any strides) from the gradient at the state, grad_sums [B, H, Dv + 1, D]
+    (float32): the backward's key pass with that gradient as its one partial."""
+    B, H, N, D = k.shape
+    DV = v.shape[3]
+    heads = B * H
+    items, tile = launch_meta(D, DV, k.dtype, map_id, _hopper(k.device))
+    part = grad_sums.contiguous()  # [B * H, 1, DV + 1, D] in memory: one partial per head
+    w, w_strides = _weights(key_weight, k)
+    key_tokens, key_chunks = _split(N, heads, tile, k.device)
+    _grad_key[(key_chunks, heads)](
+        k, v, w, part, dk, dv, N, H, 1, key_tokens, 1.0, *k.stride(), *v.stride(), *w_strides, *dk.stride(),
+        *dv.stride(), BLOCK_N=tile, HAS_W=key_weight is not None, **dict(items))
+
+
+def _mean_state(sums: torch.Tensor, count: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sums / c contiguous, c [B, H, 1, 1]) with c = max(count, 1): the state as the passes' dot operand takes it,
+    scaled like a mean so that a half-precision cast cannot overflow (the key pass's 1 / N, per head)."""
+    scale = count.clamp_min(1.0)[..., None, None]
+    return (sums / scale).contiguous(), scale
+
+
+def apply(q: torch.Tensor, sums: torch.Tensor, count: torch.Tensor, out: torch.Tensor, map_id: int,
+          eps: float) -> torch.Tensor:
+    """The query pass alone: writes out [B, H, Nq, Dv] (any strides and dtype) for q [B, H, Nq, D] (any strides)
+    attending to the state sums [B, H, Dv + 1, D] and count [B, H] (float32); returns den [B, H, Nq, 1] (float32)
+    divided by max(count, 1), which ``apply_backward`` reads."""
+    B, H, NQ, D = q.shape
+    DV = sums.shape[2] - 1
+    heads = B * H
+    items, tile = launch_meta(D, DV, q.dtype, map_id, _hopper(q.device))
+    s_mean, scale = _mean_state(sums, count)
+    # eps * count on the scale of the mean state: den / c = A z / c + eps * count / c
+    eps_count = (eps * count.clamp_min(1e-30) / scale[..., 0, 0]).contiguous()
+    s_t = torch.empty(heads, DV + 1, D, dtype=torch.float32, device=q.device)  # program 0's copy (not read)
+    den = torch.empty(heads, NQ, dtype=torch.float32, device=q.device)
+    query_tokens, query_chunks = _split(NQ, heads, tile, q.device)
+    _query_pass[(query_chunks, heads)](
+        q, s_mean, s_t, eps_count, out, den, NQ, H, 1, query_tokens, 1.0, 0.0, *q.stride(), *out.stride(),
+        *eps_count.stride(), BLOCK_M=tile, HAS_W=True, **dict(items))
+    return den.view(B, H, NQ, 1)
+
+
+def apply_backward(grad: torch.Tensor, q: torch.Tensor, sums: torch.Tensor, count: torch.Tensor, den: torch.Tensor,
+                   dq: torch.Tensor, map_id: int) -> torch.Tensor:
+    """Writes dq (shape of q, any strides) from grad [B, H, Nq, Dv] (any strides), the state and ``apply``'s den;
+    returns the gradient at the state sums [B, H, Dv + 1, D] (float32)."""
+    B, H, NQ, D = q.shape
+    DV = sums.shape[2] - 1
+    heads = B * H
+    items, tile = launch_meta(D, DV, q.dtype, map_id, _hopper(q.device))
+    s_mean, scale = _mean_state(sums, count)
+    query_tokens, query_chunks = _split(NQ, heads, tile, q.device)
+    part = torch.empty(heads, query_chunks, DV + 1, D, dtype=torch.float32, device=q.device)
+    _grad_query[(query_chunks, heads)](q, grad, den.contiguous(), s_mean, dq, part, NQ, H, query_tokens, 1.0,
+                                       *q.stride(), *grad.stride(), *dq.stride(), BLOCK_M=tile, **dict(items))
+    # the partials hold c times the gradient at the sums (den / c in their denominators)
+    return part.sum(dim=1).view(B, H, DV + 1, D) / scale

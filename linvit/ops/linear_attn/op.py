@@ -1,12 +1,20 @@
 """Non-causal linear attention as ``torch.library`` custom ops: the Triton kernels on GPU, the PyTorch path elsewhere.
 
-Four ops in the ``linvit`` namespace, each with a fake (meta) implementation so ``torch.compile``, ``torch.export``
-and CUDA graphs see one opaque node per call, and the two forward ops with a registered autograd formula:
+Eight ops in the ``linvit`` namespace, each with a fake (meta) implementation so ``torch.compile``, ``torch.export``
+and CUDA graphs see one opaque node per call, and the four forward ops with a registered autograd formula:
 
     linvit::linear_attention(q, k, v, feature_map, eps, key_mask, backend) -> (out, S, den)
     linvit::linear_attention_backward(grad, q, k, v, out, S, den, key_mask, feature_map, backend) -> (dq, dk, dv)
     linvit::linear_attention_qkv(qkv, feature_map, eps, key_mask, backend) -> (out, S, den)
     linvit::linear_attention_qkv_backward(grad, qkv, out, S, den, key_mask, feature_map, backend) -> grad_qkv
+
+and the two halves of the first (``linear_attention_state`` / ``linear_attention_apply``):
+
+    linvit::linear_attention_state(k, v, feature_map, key_mask, backend) -> (sums, count)
+    linvit::linear_attention_state_backward(grad_sums, k, v, key_mask, feature_map, backend) -> (dk, dv)
+    linvit::linear_attention_apply(q, sums, count, feature_map, eps, out_dtype, backend) -> (out, den)
+    linvit::linear_attention_apply_backward(grad, q, sums, count, out, den, feature_map, eps, count_grad, backend)
+        -> (dq, grad_sums, grad_count)
 
 with q [B, H, Nq, D], k [B, H, N, D], v [B, H, N, Dv] (any strides), qkv timm's packed projection [B, N, 3, H, D],
 key_mask None, [B, N] or [B, H, N] (bool keeps a key, float weighs it; a constant), out [B, H, Nq, Dv] (token-major
@@ -15,11 +23,14 @@ memory) or [B, N, H, D] for the packed op, and for the backward the state S^T = 
 for float64 inputs). The Triton backward reads neither ``out`` nor a feature map's output: the op keeps ``out``
 only because the PyTorch path's backward reads it (the projection after attention keeps it alive anyway). The
 function is ``linvit.ops.linear_attention``'s; the backward is the closed form of
-``linvit.ops.linear_attn.function``. The public entry points are ``linear_attention_op`` and
-``linear_attention_qkv_op``.
+``linvit.ops.linear_attn.function``. The state is ``AttentionState``'s: sums = S^T, count [B, H] the kept keys'
+weight; the apply op's den is what its backward reads (the kernels keep it divided by max(count, 1), the scale
+their half-precision dots take the state in); the gradient at count is returned only when asked (count_grad).
 
 ``backend`` (the layers' and models' ``attn_backend``; one of ``ATTN_BACKENDS``) is decided inside each op, at run
-time, from the tensors it gets (``linvit.ops.linear_attn.backend``).
+time, from the tensors it gets (``linvit.ops.linear_attn.backend``). The public entry points are
+``linear_attention_op``, ``linear_attention_qkv_op`` and, for maps given by name, ``linear_attention_state`` and
+``linear_attention_apply``.
 
 Because the op is registered, TorchScript can call it too: an fx-traced linvit model (timm's model tests trace with
 fx, then script the graph) keeps one scriptable node per attention.
@@ -30,15 +41,17 @@ import torch
 
 from ..common import autocast_off, compute_dtype
 from ..feature_maps import feature_map_spec
-from .backend import _kernel_weights, _uses_kernel, check_attn_backend, kernel_feature_map
-from .function import _attend, _backward, _key_weight_column, _map
+from .backend import _kernel_weights, _uses_kernel, _uses_kernel_for_state, check_attn_backend, kernel_feature_map
+from .function import _attend, _backward, _grad_keys, _grad_queries, _key_weight_column, _map
 from .pytorch import (
     AttentionState,
     check_apply_inputs,
     check_attention_inputs,
+    check_state_features,
     check_state_inputs,
     pytorch_apply,
     pytorch_state,
+    state_from_features,
 )
 
 __all__ = ['linear_attention_op', 'linear_attention_qkv_op', 'linear_attention_state', 'linear_attention_apply']
@@ -284,6 +297,170 @@ _LIBRARY.impl('linear_attention', _autograd_kernel(_AttentionGrad, 'linear_atten
 _LIBRARY.impl('linear_attention_qkv', _autograd_kernel(_PackedAttentionGrad, 'linear_attention_qkv'), 'Autograd')
 
 
+# ---------------------------------------------------------------- the two halves: state and apply
+#
+# linvit::linear_attention is their composition (state, then apply) fused into one op: its Triton forward is the
+# state op's key pass followed by the apply op's query pass without the state leaving the kernels' buffers, and its
+# backward the apply op's query gradient pass followed by the state op's key gradient pass.
+
+def _state_torch(k: torch.Tensor, v: torch.Tensor, feature_map: str,
+                 key_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path: (sums [B, H, Dv + 1, F], count [B, H]) in the compute dtype, fresh tensors."""
+    dtype = compute_dtype(v.dtype)
+    with autocast_off(v.device.type):
+        sums, count = state_from_features(_map(feature_map, k.to(dtype)), v.to(dtype), key_mask)
+    return sums, count.contiguous()  # a [B, 1] mask's count is expanded over the heads
+
+
+@_op('linear_attention_state(Tensor k, Tensor v, str feature_map, Tensor? key_mask, str backend) -> (Tensor, Tensor)')
+def _linear_attention_state(k: torch.Tensor, v: torch.Tensor, feature_map: str, key_mask: Optional[torch.Tensor],
+                            backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    if not _uses_kernel(backend, k, k, v, feature_map, key_mask):
+        return _state_torch(k, v, feature_map, key_mask)
+    from . import kernels
+    sums = kernels.state(k, v, _kernel_map(feature_map), _kernel_weights(key_mask))
+    b, h, n = k.shape[0], k.shape[1], k.shape[2]
+    if key_mask is None:
+        return sums, torch.full((b, h), float(n), dtype=torch.float32, device=k.device)
+    return sums, _kernel_weights(key_mask).sum(dim=-1).expand(b, h).contiguous()
+
+
+@_fake('linear_attention_state')
+def _(k, v, feature_map, key_mask, backend):
+    dtype = compute_dtype(v.dtype)  # a fixed map keeps the width: F = D
+    b, h, _, d = k.shape
+    return k.new_empty(b, h, v.shape[3] + 1, d, dtype=dtype), k.new_empty(b, h, dtype=dtype)
+
+
+@_op('linear_attention_state_backward(Tensor grad_sums, Tensor k, Tensor v, Tensor? key_mask, str feature_map, '
+     'str backend) -> (Tensor, Tensor)')
+def _linear_attention_state_backward(grad_sums: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     key_mask: Optional[torch.Tensor], feature_map: str,
+                                     backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    dk, dv = torch.empty_like(k), torch.empty_like(v)  # the strides the fake promises
+    if not _uses_kernel(backend, k, k, v, feature_map, key_mask):
+        dtype = compute_dtype(v.dtype)
+        with autocast_off(v.device.type):
+            grads = _grad_keys(grad_sums.to(dtype), k.to(dtype), v.to(dtype), feature_map,
+                               _key_weight_column(key_mask, dtype))
+        return dk.copy_(grads[0]), dv.copy_(grads[1])
+    from . import kernels
+    kernels.state_backward(grad_sums.float(), k, v, dk, dv, _kernel_map(feature_map), _kernel_weights(key_mask))
+    return dk, dv
+
+
+@_fake('linear_attention_state_backward')
+def _(grad_sums, k, v, key_mask, feature_map, backend):
+    return torch.empty_like(k), torch.empty_like(v)
+
+
+@_op('linear_attention_apply(Tensor q, Tensor sums, Tensor count, str feature_map, float eps, ScalarType? out_dtype, '
+     'str backend) -> (Tensor, Tensor)')
+def _linear_attention_apply(q: torch.Tensor, sums: torch.Tensor, count: torch.Tensor, feature_map: str, eps: float,
+                            out_dtype: Optional[torch.dtype], backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    dtype = q.dtype if out_dtype is None else out_dtype
+    b, h, nq = q.shape[0], q.shape[1], q.shape[2]
+    dv = sums.shape[2] - 1
+    if not _uses_kernel_for_state(backend, q, sums, count, feature_map):
+        with autocast_off(q.device.type):
+            num_den = _map(feature_map, q.to(sums.dtype)) @ sums.transpose(-2, -1)
+            den = num_den[..., dv:] + eps * count.clamp_min(1e-30)[..., None, None]
+            return (num_den[..., :dv] / den).to(dtype), den
+    from . import kernels
+    out = torch.empty(b, h, nq, dv, dtype=dtype, device=q.device)
+    return out, kernels.apply(q, sums, count, out, _kernel_map(feature_map), eps)
+
+
+@_fake('linear_attention_apply')
+def _(q, sums, count, feature_map, eps, out_dtype, backend):
+    b, h, nq = q.shape[0], q.shape[1], q.shape[2]
+    dtype = q.dtype if out_dtype is None else out_dtype
+    return q.new_empty(b, h, nq, sums.shape[2] - 1, dtype=dtype), q.new_empty(b, h, nq, 1, dtype=sums.dtype)
+
+
+@_op('linear_attention_apply_backward(Tensor grad, Tensor q, Tensor sums, Tensor count, Tensor out, Tensor den, '
+     'str feature_map, float eps, bool count_grad, str backend) -> (Tensor, Tensor, Tensor)')
+def _linear_attention_apply_backward(grad: torch.Tensor, q: torch.Tensor, sums: torch.Tensor, count: torch.Tensor,
+                                     out: torch.Tensor, den: torch.Tensor, feature_map: str, eps: float,
+                                     count_grad: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, the gradient at sums, the gradient at count: empty unless count_grad). den is the forward's, as its
+    implementation keeps it (the kernels: divided by max(count, 1))."""
+    dq = torch.empty_like(q)  # the strides the fake promises
+    dtype = sums.dtype
+    dv = sums.shape[2] - 1
+    if not _uses_kernel_for_state(backend, q, sums, count, feature_map):
+        with autocast_off(q.device.type):
+            grads = _grad_queries(grad.to(dtype), q.to(dtype), feature_map, sums.transpose(-2, -1), den,
+                                  out.to(dtype))
+        # den = den0 + eps * count: the gradient at count is eps times the column of the gradient at den
+        grad_count = eps * grads[2][..., dv].sum(dim=-1) if count_grad else count.new_empty(0)
+        return dq.copy_(grads[0]), grads[1], grad_count
+    from . import kernels
+    grad_sums = kernels.apply_backward(grad, q, sums, count, den, dq, _kernel_map(feature_map))
+    grad_count = count.new_empty(0)
+    if count_grad:  # den here is den / max(count, 1)
+        true_den = den * count.clamp_min(1.0)[..., None, None]
+        grad_count = -eps * ((grad.to(dtype) * out.to(dtype)).sum(dim=-1, keepdim=True) / true_den).sum(dim=(-2, -1))
+    return dq, grad_sums, grad_count
+
+
+@_fake('linear_attention_apply_backward')
+def _(grad, q, sums, count, out, den, feature_map, eps, count_grad, backend):
+    return torch.empty_like(q), torch.empty_like(sums), count.new_empty(count.shape if count_grad else (0,))
+
+
+class _StateGrad(torch.autograd.Function):
+    """The autograd formula of linvit::linear_attention_state: dk, dv from the gradient at the sums (the count, a
+    sum of constant key weights, has none)."""
+
+    @staticmethod
+    def forward(ctx, k, v, feature_map, key_mask, backend):
+        with torch._C._AutoDispatchBelowAutograd():
+            sums, count = torch.ops.linvit.linear_attention_state(k, v, feature_map, key_mask, backend)
+        ctx.save_for_backward(k, v, key_mask)
+        ctx.feature_map, ctx.backend = feature_map, backend
+        ctx.mark_non_differentiable(count)
+        ctx.set_materialize_grads(False)
+        return sums, count
+
+    @staticmethod
+    def backward(ctx, grad_sums, _grad_count):
+        if grad_sums is None:
+            return None, None, None, None, None
+        k, v, key_mask = ctx.saved_tensors
+        dk, dv = torch.ops.linvit.linear_attention_state_backward(grad_sums, k, v, key_mask, ctx.feature_map,
+                                                                  ctx.backend)
+        return dk, dv, None, None, None
+
+
+class _ApplyGrad(torch.autograd.Function):
+    """The autograd formula of linvit::linear_attention_apply: dq and the gradients at the state's sums and count."""
+
+    @staticmethod
+    def forward(ctx, q, sums, count, feature_map, eps, out_dtype, backend):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, den = torch.ops.linvit.linear_attention_apply(q, sums, count, feature_map, eps, out_dtype, backend)
+        ctx.save_for_backward(q, sums, count, out, den)
+        ctx.feature_map, ctx.eps, ctx.backend = feature_map, eps, backend
+        ctx.mark_non_differentiable(den)
+        ctx.set_materialize_grads(False)
+        return out, den
+
+    @staticmethod
+    def backward(ctx, grad, _grad_den):
+        if grad is None:
+            return None, None, None, None, None, None, None
+        q, sums, count, out, den = ctx.saved_tensors
+        count_grad = ctx.needs_input_grad[2]
+        dq, grad_sums, grad_count = torch.ops.linvit.linear_attention_apply_backward(
+            grad, q, sums, count, out, den, ctx.feature_map, ctx.eps, count_grad, ctx.backend)
+        return dq, grad_sums, grad_count if count_grad else None, None, None, None, None
+
+
+_LIBRARY.impl('linear_attention_state', _autograd_kernel(_StateGrad, 'linear_attention_state'), 'Autograd')
+_LIBRARY.impl('linear_attention_apply', _autograd_kernel(_ApplyGrad, 'linear_attention_apply'), 'Autograd')
+
+
 # ---------------------------------------------------------------- entry points
 
 def _check_op_arguments(feature_map: str, key_mask: Optional[torch.Tensor], backend: str) -> None:
@@ -319,6 +496,13 @@ def linear_attention_qkv_op(qkv: torch.Tensor, feature_map: str = 'elu1', eps: f
     return torch.ops.linvit.linear_attention_qkv(qkv, feature_map, eps, key_mask, backend)[0]
 
 
+def _op_serves(feature_map, key_mask: Optional[torch.Tensor]) -> bool:
+    """Whether a state or apply call goes through the registered ops: a map given by name that declares its
+    vector-Jacobian product, and a constant key mask; else the PyTorch path with plain autograd."""
+    return isinstance(feature_map, str) and feature_map_spec(feature_map).with_vjp is not None \
+        and not (key_mask is not None and key_mask.requires_grad)
+
+
 def linear_attention_state(k: torch.Tensor, v: torch.Tensor,
                            feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = 'elu1',
                            key_mask: Optional[torch.Tensor] = None) -> AttentionState:
@@ -329,15 +513,27 @@ def linear_attention_state(k: torch.Tensor, v: torch.Tensor,
     key_mask: optional [B, N] or [B, H, N], as ``linear_attention`` takes it.
     ``linear_attention(q, k, v) == linear_attention_apply(q, linear_attention_state(k, v))``, and states of
     chunks of the keys add up (``add_states``) to the state of all of them.
+
+    A map named in ``FEATURE_MAPS`` with a vector-Jacobian product and a constant key mask run the registered op
+    ``linvit::linear_attention_state`` (the Triton key pass on CUDA, the PyTorch path elsewhere; one node under
+    torch.compile); other maps and masks that require grad run the PyTorch path with plain autograd.
     """
     check_state_inputs(k, v, key_mask)
-    return pytorch_state(k, v, feature_map, key_mask)
+    if not _op_serves(feature_map, key_mask):
+        return pytorch_state(k, v, feature_map, key_mask)
+    return AttentionState(*torch.ops.linvit.linear_attention_state(k, v, feature_map, key_mask, 'auto'))
 
 
 def linear_attention_apply(q: torch.Tensor, state: AttentionState,
                            feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = 'elu1',
                            eps: float = 1e-6, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Queries q [B, H, Nq, D] attending to the keys summarised by ``state`` -> [B, H, Nq, Dv] in ``out_dtype``
-    (default: q's dtype). feature_map as for ``linear_attention_state`` (the same map on both sides)."""
+    (default: q's dtype). feature_map as for ``linear_attention_state`` (the same map on both sides); a named map
+    with a vector-Jacobian product runs the registered op ``linvit::linear_attention_apply`` (the Triton query pass
+    on CUDA for float32 states), differentiable in q and in the state."""
     check_apply_inputs(q, state)
-    return pytorch_apply(q, state, feature_map, eps, out_dtype)
+    if not _op_serves(feature_map, None):
+        return pytorch_apply(q, state, feature_map, eps, out_dtype)
+    if q.shape[-1] != state.sums.shape[-1]:  # the named maps keep the width: phi(q) has D features
+        check_state_features(q, state.sums)
+    return torch.ops.linvit.linear_attention_apply(q, state.sums, state.count, feature_map, eps, out_dtype, 'auto')[0]
