@@ -111,7 +111,7 @@ gpu-prep:
 # the GPU machine's Triton (3.6, with its torch 2.11: the device notes) compiles every kernel variant for sm_90 and
 # sm_80, checked without a GPU: installs that Triton alone into build/ (a 188 MB wheel from PyPI, 642 MB installed,
 # once) and runs the ahead-of-time compile test with it. Not part of make test; run it after changing
-# linvit/ops/triton_kernels.py.
+# linvit/ops/linear_attn/kernels.py.
 GPU_TRITON ?= 3.6.0
 GPU_TRITON_DIR := build/triton-$(GPU_TRITON)
 triton-compat: $(STAMP)
