@@ -2,7 +2,14 @@
 
 Importing this package registers the models with timm (``timm.list_models('linvit_*')``).
 """
-from .bounded import bounded_forward_features, bounded_forward_intermediates, bounded_unsupported_reason
+from .bounded import (
+    bounded_forward_features,
+    bounded_forward_intermediates,
+    bounded_segment,
+    bounded_segment_unsupported_reason,
+    bounded_unsupported_reason,
+    iter_bounded_segment,
+)
 from .convert import convert_to_linear, linear_attention_from_softmax
 from .linvit import (
     BLOCK_TYPES,
@@ -18,4 +25,5 @@ from .segmentation import SEG_HEADS, MLPHead, SegmentationModel, SimpleFeaturePy
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'BLOCK_TYPES',
            'block_types', 'resolve_softmax_blocks', 'checkpoint_filter_fn', 'convert_to_linear',
            'linear_attention_from_softmax', 'SegmentationModel', 'SimpleFeaturePyramid', 'MLPHead', 'SEG_HEADS',
-           'bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason']
+           'bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason',
+           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason']

@@ -18,18 +18,21 @@ once for the whole grid by the model's own ``_pos_embed``. This needs blocks who
 (``FamilySpec.state``): a hybrid with softmax blocks, or a family without it, is refused in one line; sliding
 windows (``linvit.inference``) serve those. Inference only: gradients are not kept.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 
 from ..layers import LinearAttention
 from ..ops import add_states
 from .linvit import LinearAttentionBlock, patch_grid
+from .segmentation import PYRAMID_SCALES, MLPHead, SegmentationModel
 
-__all__ = ['bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason']
+__all__ = ['bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason',
+           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'HEAD_HALO']
 
 #: blocks of timm's pre-norm form x + ls1(attn(norm1(x))), then x + ls2(mlp(norm2(x))), which the bands reproduce
 _PRE_NORM_BLOCKS = (Block, LinearAttentionBlock)
@@ -67,24 +70,37 @@ def _bands(rows: int, rows_per_chunk: int) -> List[Tuple[int, int]]:
     return [(r, min(r + rows_per_chunk, rows)) for r in range(0, rows, rows_per_chunk)]
 
 
-def _embed(model: nn.Module, images: torch.Tensor, rows_per_chunk: int) -> Tuple[torch.Tensor, List[int]]:
-    """images [B, C, H, W] -> tokens [B, prefix + gh * gw, dim] as the model's ``_embed`` makes them, band by band."""
+#: read_band(r0, r1) -> the input pixels of patch rows r0..r1-1: [B, C, (r1 - r0) * patch height, W' * patch width]
+BandReader = Callable[[int, int], torch.Tensor]
+
+
+def _embed(model: nn.Module, read_band: BandReader, batch: int, grid: List[int], rows_per_chunk: int
+           ) -> torch.Tensor:
+    """Tokens [B, prefix + gh * gw, dim] as the model's ``_embed`` makes them, band by band from ``read_band``."""
     pe = model.patch_embed
-    gh, gw = patch_grid(images, pe.patch_size, pe.img_size, pe.strict_img_size, pe.dynamic_img_pad)
-    ph = pe.patch_size[0]
-    B, dim, prefix = images.shape[0], model.embed_dim, model.num_prefix_tokens
+    gh, gw = grid
+    dim, prefix = model.embed_dim, model.num_prefix_tokens
+    weight = pe.proj.weight
     # the model's own position-embedding code on zero patch features gives prefix tokens and resampled positions
     # exactly as it adds them (0 + pos == pos): once for the whole grid
-    zeros = images.new_zeros((1, gh, gw, dim) if model.dynamic_img_size else (1, gh * gw, dim))
+    zeros = weight.new_zeros((1, gh, gw, dim) if model.dynamic_img_size else (1, gh * gw, dim))
     offsets = model._pos_embed(zeros)  # [1, prefix + gh * gw, dim]
-    tokens = images.new_empty(B, prefix + gh * gw, dim)
-    tokens[:, :prefix] = model.norm_pre(offsets[:, :prefix].expand(B, -1, -1))
+    del zeros
+    tokens = weight.new_empty(batch, prefix + gh * gw, dim)
+    tokens[:, :prefix] = model.norm_pre(offsets[:, :prefix].expand(batch, -1, -1))
     for r0, r1 in _bands(gh, rows_per_chunk):
-        strip = images[:, :, r0 * ph:r1 * ph, :gw * pe.patch_size[1]]
-        patches = pe.norm(pe.proj(strip).flatten(2).transpose(1, 2))  # [B, rows * gw, dim]
+        patches = pe.norm(pe.proj(read_band(r0, r1)).flatten(2).transpose(1, 2))  # [B, rows * gw, dim]
         span = slice(prefix + r0 * gw, prefix + r1 * gw)
         tokens[:, span] = model.norm_pre(patches + offsets[:, span])
-    return tokens, [gh, gw]
+    return tokens
+
+
+def _image_bands(model: nn.Module, images: torch.Tensor) -> Tuple[BandReader, List[int]]:
+    """(band reader, grid) over a whole image tensor [B, C, H, W], with the grid the plain forward takes."""
+    pe = model.patch_embed
+    grid = patch_grid(images, pe.patch_size, pe.img_size, pe.strict_img_size, pe.dynamic_img_pad)
+    ph, pw = pe.patch_size
+    return (lambda r0, r1: images[:, :, r0 * ph:r1 * ph, :grid[1] * pw]), grid
 
 
 def _block(block: nn.Module, tokens: torch.Tensor, grid: List[int], prefix: int, rows_per_chunk: int) -> None:
@@ -118,11 +134,11 @@ def _block(block: nn.Module, tokens: torch.Tensor, grid: List[int], prefix: int,
         tokens[:, :prefix] = new_prefix
 
 
-def _blocks(model: nn.Module, images: torch.Tensor, take: Sequence[int], rows_per_chunk: int
-            ) -> Tuple[torch.Tensor, List[int], List[torch.Tensor]]:
-    """Run blocks 0..max(take) (all without ``take``): (tokens, grid, copies of the tokens after each block in
-    ``take``)."""
-    tokens, grid = _embed(model, images, rows_per_chunk)
+def _blocks(model: nn.Module, read_band: BandReader, batch: int, grid: List[int], take: Sequence[int],
+            rows_per_chunk: int, tick: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Run blocks 0..max(take) (all without ``take``): (tokens, copies of the tokens after each block in ``take``).
+    ``tick()`` is called after each block."""
+    tokens = _embed(model, read_band, batch, grid, rows_per_chunk)
     prefix = model.num_prefix_tokens
     last = max(take) if take else len(model.blocks) - 1
     taken = []
@@ -130,7 +146,9 @@ def _blocks(model: nn.Module, images: torch.Tensor, take: Sequence[int], rows_pe
         _block(block, tokens, grid, prefix, rows_per_chunk)
         if index in take:
             taken.append(tokens if index == last else tokens.clone())
-    return tokens, grid, taken
+        if tick is not None:
+            tick()
+    return tokens, taken
 
 
 @torch.no_grad()
@@ -138,7 +156,8 @@ def bounded_forward_features(model: nn.Module, images: torch.Tensor, rows_per_ch
     """``model.forward_features(images)`` in bands of ``rows_per_chunk`` patch rows: images [B, C, H, W] ->
     normalised tokens [B, prefix + H' * W', dim]. The final norm runs in place, band by band."""
     _check(model, rows_per_chunk)
-    tokens, grid, _ = _blocks(model, images, (), rows_per_chunk)
+    read_band, grid = _image_bands(model, images)
+    tokens, _ = _blocks(model, read_band, images.shape[0], grid, (), rows_per_chunk)
     for start in range(0, tokens.shape[1], rows_per_chunk * grid[1]):
         span = slice(start, start + rows_per_chunk * grid[1])
         tokens[:, span] = model.norm(tokens[:, span])
@@ -155,6 +174,162 @@ def bounded_forward_intermediates(model: nn.Module, images: torch.Tensor, indice
     take = sorted(set(int(i) for i in indices))
     if not take or take[0] < 0 or take[-1] >= len(model.blocks):
         raise ValueError(f"indices must name blocks 0..{len(model.blocks) - 1}, got {list(indices)}")
-    _, (gh, gw), taken = _blocks(model, images, take, rows_per_chunk)
-    prefix = model.num_prefix_tokens
-    return [t[:, prefix:].reshape(t.shape[0], gh, gw, -1).permute(0, 3, 1, 2) for t in taken]
+    read_band, grid = _image_bands(model, images)
+    _, taken = _blocks(model, read_band, images.shape[0], grid, take, rows_per_chunk)
+    return [_as_map(t, model.num_prefix_tokens, grid) for t in taken]
+
+
+def _as_map(tokens: torch.Tensor, prefix: int, grid: List[int]) -> torch.Tensor:
+    """tokens [B, prefix + gh * gw, dim] -> the patch tokens as a map [B, dim, gh, gw] (a view)."""
+    return tokens[:, prefix:].reshape(tokens.shape[0], grid[0], grid[1], -1).permute(0, 3, 1, 2)
+
+
+# --- segmentation: the backbone in bands, then the pyramid and head in tiles of rows, class ids per tile ---------
+
+#: read_rows(y0, y1) -> image rows y0..y1-1 as the model takes them (normalised floats): [B, C, y1 - y0, W]
+RowReader = Callable[[int, int], torch.Tensor]
+#: progress(steps done, steps in all), called after each block and each head tile
+Progress = Callable[[int, int], None]
+
+#: patch rows of backbone map read beyond each side of a head tile. The coarsest level (stride 2p: one row per two
+#: patch rows) loses its edge row to the 3x3 convolution, and resampling it to stride p/4 for the tile's first and
+#: last rows reads one row further: two rows at stride 2p, four patch rows. When the grid has an odd number of rows,
+#: max pooling drops the last one, which stretches the coarsest level by up to half a row upwards: two patch rows
+#: more. (Four patch rows give wrong rows on odd grids, two on every grid: tests/models/test_bounded.py.)
+HEAD_HALO = 6
+
+
+def bounded_segment_unsupported_reason(model: nn.Module) -> Optional[str]:
+    """Why ``model`` cannot run ``iter_bounded_segment`` (one line), or None when it can."""
+    if not isinstance(model, SegmentationModel):
+        return f"{type(model).__name__} is not a linvit SegmentationModel"
+    if type(model.head) is not MLPHead:
+        return f"its head is a {type(model.head).__name__}, not the MLPHead whose tiles the bounded forward computes"
+    return bounded_unsupported_reason(model.backbone)
+
+
+def _padded_band_reader(read_rows: RowReader, size: Tuple[int, int], patch: Tuple[int, int], grid: List[int]
+                        ) -> BandReader:
+    """A band reader over ``read_rows`` with the image padded with zeros at the bottom/right to the patch grid, as
+    ``linvit.inference.whole_inference`` pads it."""
+    height, width = size
+    ph, pw = patch
+
+    def read_band(r0: int, r1: int) -> torch.Tensor:
+        y0, y1 = r0 * ph, min(r1 * ph, height)
+        rows = read_rows(y0, y1)
+        if rows.ndim != 4 or tuple(rows.shape[-2:]) != (y1 - y0, width):
+            raise ValueError(f"read_rows({y0}, {y1}) must return [B, C, {y1 - y0}, {width}], got "
+                             f"{tuple(rows.shape)}")
+        return F.pad(rows, (0, grid[1] * pw - width, 0, r1 * ph - y1))
+    return read_band
+
+
+def _source_coords(rows_in: int, rows_out: int, start: int, stop: int) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """(low rows, high rows, weights of high) that bilinear resampling (align_corners=False) of ``rows_in`` rows to
+    ``rows_out`` reads for output rows start..stop-1, in the whole map's coordinates as ``F.interpolate`` takes
+    them: row = low * (1 - weight) + high * weight."""
+    src = ((torch.arange(start, stop, dtype=torch.float64) + 0.5) * (rows_in / rows_out) - 0.5).clamp_(min=0)
+    low = src.floor()
+    weight = src - low
+    low = low.long()
+    return low, (low + 1).clamp_(max=rows_in - 1), weight
+
+
+def _resample(x: torch.Tensor, offset: int, rows_in: int, rows_out: int, start: int, stop: int, width: int
+              ) -> torch.Tensor:
+    """Rows start..stop-1 of the bilinear resampling of a map [B, C, rows_in, w] to [B, C, rows_out, width], from
+    x [B, C, n, w] holding its rows offset..offset+n-1 -> [B, C, stop - start, width]: the rows at their place in
+    the whole map, then the columns as ``F.interpolate`` resamples whole rows."""
+    low, high, weight = _source_coords(rows_in, rows_out, start, stop)
+    low, high = low - offset, high - offset
+    if len(low) and (int(low.min()) < 0 or int(high.max()) >= x.shape[-2]):
+        raise RuntimeError(f"rows {start}..{stop - 1} read source rows outside the tile's "
+                           f"{offset}..{offset + x.shape[-2] - 1}: the head halo is too small")
+    weight = weight.to(x.device, x.dtype).view(-1, 1)
+    rows = x[:, :, low.to(x.device)] * (1 - weight) + x[:, :, high.to(x.device)] * weight
+    return F.interpolate(rows, size=(stop - start, width), mode='bilinear', align_corners=False)
+
+
+def _head_tile(model: SegmentationModel, maps: Dict[int, torch.Tensor], grid: List[int], a: int, b: int,
+               out_rows: Tuple[int, int], out_width: int) -> torch.Tensor:
+    """Logits [B, K, y1 - y0, out_width] of image rows out_rows = (y0, y1) from the backbone maps' patch rows
+    a..b-1 (the rows' tile and its halo). The head (per pixel: 1x1 convolutions, norms) runs on the finest-level
+    rows that the final resampling reads, not on the halo."""
+    gh = grid[0]
+    ph, pw = model.backbone.patch_embed.patch_size
+    pyramid = model.neck([maps[block][:, :, a:b] for block in model.level_blocks])
+    level_rows = [int(gh * scale) for scale in PYRAMID_SCALES]  # max pooling floors an odd row count
+    offsets = [int(a * scale) for scale in PYRAMID_SCALES]  # a is even: the pooled rows pair as in the whole map
+    low, high, _ = _source_coords(level_rows[0], ph * gh, *out_rows)
+    first, last = int(low.min()), int(high.max())  # the finest level's rows the logits read
+    pyramid[0] = pyramid[0][:, :, first - offsets[0]:last + 1 - offsets[0]]
+    width = pyramid[0].shape[-1]
+
+    def resize(x: torch.Tensor, level: int) -> torch.Tensor:
+        return _resample(x, offsets[level], level_rows[level], level_rows[0], first, last + 1, width)
+
+    logits = model.head(pyramid, resize)  # [B, K, last + 1 - first, 4 * gw]
+    return _resample(logits, first, level_rows[0], ph * gh, *out_rows, grid[1] * pw)[..., :out_width]
+
+
+@torch.no_grad()
+def iter_bounded_segment(model: nn.Module, read_rows: RowReader, batch: int, size: Tuple[int, int],
+                         rows_per_chunk: int = 16, progress: Optional[Progress] = None
+                         ) -> Iterator[Tuple[int, torch.Tensor]]:
+    """``linvit.inference.whole_inference(model, images, pad_multiple=patch)`` of a SegmentationModel, a band of rows
+    at a time: yields (y0, logits [B, K, n, W] of image rows y0..y0+n-1), top to bottom, covering the image of
+    ``size`` = (H, W) read through ``read_rows``.
+
+    The backbone runs in bands of ``rows_per_chunk`` patch rows (``bounded_forward_intermediates``); the pyramid and
+    the head run on tiles of as many patch rows (rounded up to even, so max pooling pairs rows as in the whole map)
+    with ``HEAD_HALO`` patch rows each side, their levels resampled at their place in the whole map. What exists
+    for the whole image: the residual stream and the backbone maps the pyramid reads; never the pyramid, nor
+    full-size logits. The image is read once, band by band."""
+    reason = bounded_segment_unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"the bounded forward cannot run this model: {reason}")
+    backbone = model.backbone
+    _check(backbone, rows_per_chunk)
+    height, width = size
+    patch = tuple(backbone.patch_embed.patch_size)
+    grid = [-(-height // patch[0]), -(-width // patch[1])]
+    pe = backbone.patch_embed  # the plain forward's size rules (a fixed-size model takes only img_size)
+    patch_grid(torch.empty(1, 1, grid[0] * patch[0], grid[1] * patch[1], device='meta'), pe.patch_size, pe.img_size,
+               pe.strict_img_size, pe.dynamic_img_pad)
+    step = rows_per_chunk + rows_per_chunk % 2
+    tiles = _bands(grid[0], step)
+    done, total = 0, max(model.take_blocks) + 1 + len(tiles)
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    read_band = _padded_band_reader(read_rows, (height, width), patch, grid)
+    _, taken = _blocks(backbone, read_band, batch, grid, model.take_blocks, rows_per_chunk, tick)
+    maps = {block: _as_map(t, backbone.num_prefix_tokens, grid) for block, t in zip(model.take_blocks, taken)}
+    for r0, r1 in tiles:
+        a, b = max(r0 - HEAD_HALO, 0), min(r1 + HEAD_HALO, grid[0])
+        y0, y1 = r0 * patch[0], min(r1 * patch[0], height)
+        if y0 < y1:
+            yield y0, _head_tile(model, maps, grid, a, b, (y0, y1), width)
+        tick()
+
+
+@torch.no_grad()
+def bounded_segment(model: nn.Module, images: torch.Tensor, rows_per_chunk: int = 16) -> torch.Tensor:
+    """Class ids [B, H, W] (uint8 for up to 256 classes, else int32) of ``model(images)`` for images [B, C, H, W]
+    of any size (padded to the patch as ``whole_inference`` pads), computed by ``iter_bounded_segment``: the argmax
+    is taken per band, so full-size float logits never exist."""
+    if images.ndim != 4:
+        raise ValueError(f"images must be [B, C, H, W], got shape {tuple(images.shape)}")
+    batch, _, height, width = images.shape
+    dtype = torch.uint8 if model.num_classes <= 256 else torch.int32
+    classes = torch.empty(batch, height, width, dtype=dtype, device=images.device)
+    for y0, logits in iter_bounded_segment(model, lambda a, b: images[:, :, a:b], batch, (height, width),
+                                           rows_per_chunk):
+        classes[:, y0:y0 + logits.shape[-2]] = logits.argmax(1).to(dtype)
+    return classes

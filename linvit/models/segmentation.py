@@ -19,7 +19,7 @@ Backbones are created with ``dynamic_img_size=True``, so one model trains on ``i
 images of any size whose sides the patch size divides (``linvit.inference`` pads the rest).
 """
 import math
-from typing import List, Sequence, Type
+from typing import Callable, List, Optional, Sequence, Type
 
 import torch
 import torch.nn as nn
@@ -94,8 +94,16 @@ class SimpleFeaturePyramid(nn.Module):
                 for x, norm, rescale, project in zip(features, self.input_norms, self.rescales, self.projections)]
 
 
+#: resize(map [B, C, h_i, w_i], level i) -> [B, C, h_0, w_0]: how a head brings coarser levels to the finest one
+LevelResize = Callable[[torch.Tensor, int], torch.Tensor]
+
+
 class MLPHead(nn.Module):
-    """SegFormer's all-MLP decoder: pyramid [B, in_dim, h_i, w_i] (finest first) -> logits [B, K, h_0, w_0]."""
+    """SegFormer's all-MLP decoder: pyramid [B, in_dim, h_i, w_i] (finest first) -> logits [B, K, h_0, w_0].
+
+    ``resize`` brings the coarser levels to the finest one's size: bilinear over the whole maps by default; the
+    bounded forward (``linvit.models.bounded``) passes one that samples a band of rows at its place in the image.
+    """
 
     def __init__(self, in_dim: int, head_dim: int, num_classes: int, num_levels: int = len(PYRAMID_SCALES),
                  dropout: float = 0.1) -> None:
@@ -106,10 +114,11 @@ class MLPHead(nn.Module):
         self.dropout = nn.Dropout2d(dropout)
         self.classifier = nn.Conv2d(head_dim, num_classes, 1)
 
-    def forward(self, pyramid: List[torch.Tensor]) -> torch.Tensor:
+    def forward(self, pyramid: List[torch.Tensor], resize: Optional[LevelResize] = None) -> torch.Tensor:
         size = pyramid[0].shape[-2:]
         levels = [project(x) for x, project in zip(pyramid, self.projections)]
-        levels = [levels[0]] + [F.interpolate(x, size=size, mode='bilinear', align_corners=False) for x in levels[1:]]
+        resize = resize or (lambda x, level: F.interpolate(x, size=size, mode='bilinear', align_corners=False))
+        levels = [levels[0]] + [resize(x, level) for level, x in enumerate(levels[1:], start=1)]
         return self.classifier(self.dropout(self.fuse(torch.cat(levels, dim=1))))
 
 

@@ -7,7 +7,15 @@ import torch
 from references import rel_err
 
 import linvit
-from linvit.models import bounded_forward_features, bounded_forward_intermediates
+from linvit.inference import whole_inference
+from linvit.models import (
+    SegmentationModel,
+    bounded,
+    bounded_forward_features,
+    bounded_forward_intermediates,
+    bounded_segment,
+    iter_bounded_segment,
+)
 
 CASES = {
     'plain-cls': dict(),
@@ -81,3 +89,86 @@ def test_training_mode_and_bad_band_sizes_are_refused():
         bounded_forward_features(model, torch.randn(1, 3, 64, 64), rows_per_chunk=0)
     with pytest.raises(ValueError, match='model.eval'):
         bounded_forward_features(model.train(), torch.randn(1, 3, 64, 64))
+
+
+# --- segmentation: backbone bands, head tiles with their halo, class ids per band --------------------------------
+
+def _seg_model(patch: int = 8, **kwargs) -> SegmentationModel:
+    torch.manual_seed(0)
+    backbone = timm.create_model('linvit_tiny_patch16_224', num_classes=0, depth=4, embed_dim=48, num_heads=3,
+                                 img_size=64, patch_size=patch, dynamic_img_size=True, **kwargs)
+    model = SegmentationModel(backbone, num_classes=5, neck_dim=16, head_dim=16).eval()
+    for module in model.modules():  # nonzero local branch; LayerNorm2d with weights, so every level matters
+        if isinstance(module, linvit.layers.LocalMix):
+            torch.nn.init.normal_(module.conv.weight, std=0.3)
+    return model
+
+
+def _bounded_logits(model, images, rows):
+    height, width = images.shape[-2:]
+    bands = list(iter_bounded_segment(model, lambda a, b: images[:, :, a:b], images.shape[0], (height, width), rows))
+    assert [y0 for y0, _ in bands] == sorted(y0 for y0, _ in bands)
+    return torch.cat([logits for _, logits in bands], dim=2)
+
+
+SEG_CASES = {
+    'plain-cls': dict(),
+    'local-mix-registers': dict(local_mix=True, reg_tokens=2),
+    'avg-no-cls': dict(class_token=False, global_pool='avg', local_mix=True, feature_map='relu'),
+}
+
+
+@pytest.mark.parametrize('case', list(SEG_CASES))
+@pytest.mark.parametrize('patch, size', [(8, (88, 72)), (8, (100, 61)), (16, (200, 120)), (12, (150, 100))])
+@pytest.mark.parametrize('rows', [1, 3, 6])
+def test_bounded_segmentation_equals_whole_inference(case, patch, size, rows):
+    model = _seg_model(patch, **SEG_CASES[case])
+    images = torch.randn(2, 3, *size)  # sides the patch does not divide are padded, as whole_inference pads them
+    with torch.no_grad():
+        plain = whole_inference(model, images, pad_multiple=patch)
+    bounded = _bounded_logits(model, images, rows)
+    assert bounded.shape == plain.shape
+    assert rel_err(bounded, plain) < 1e-5
+
+
+def test_bounded_segmentation_at_1024_px():
+    model = _seg_model(16, local_mix=True)
+    images = torch.randn(1, 3, 1024, 1024)
+    with torch.no_grad():
+        plain = whole_inference(model, images, pad_multiple=16)
+    assert rel_err(_bounded_logits(model, images, 8), plain) < 1e-5
+
+
+def test_class_ids_are_the_argmax_of_the_plain_logits():
+    model = _seg_model(8, local_mix=True)
+    images = torch.randn(1, 3, 96, 80)
+    with torch.no_grad():
+        plain = whole_inference(model, images, pad_multiple=8)
+    classes = bounded_segment(model, images, rows_per_chunk=2)
+    assert classes.dtype == torch.uint8 and classes.shape == (1, 96, 80)
+    top2 = plain.topk(2, dim=1).values
+    disagree = classes.long() != plain.argmax(1)
+    assert not disagree.any() or bool(((top2[:, 0] - top2[:, 1])[disagree] < 1e-5).all())  # only exact ties
+
+
+@pytest.mark.parametrize('halo, size', [(2, (128, 64)), (4, (136, 64))])
+def test_a_smaller_head_halo_gives_wrong_rows(monkeypatch, halo, size):
+    """The halo is what makes tiles exact: with two patch rows the coarsest level's edge rows are wrong; with four,
+    those of a grid with an odd number of rows (17 here), whose coarsest level max pooling has stretched."""
+    model = _seg_model(8)
+    images = torch.randn(1, 3, *size)
+    with torch.no_grad():
+        plain = whole_inference(model, images, pad_multiple=8)
+    monkeypatch.setattr(bounded, 'HEAD_HALO', halo)
+    assert rel_err(_bounded_logits(model, images, 4), plain) > 1e-4
+
+
+def test_bounded_segmentation_refuses_in_one_line():
+    with pytest.raises(ValueError, match='softmax attention') as error:
+        bounded_segment(_seg_model(8, softmax_blocks=[1]), torch.randn(1, 3, 64, 64))
+    assert '\n' not in str(error.value)
+    with pytest.raises(ValueError, match='not a linvit SegmentationModel'):
+        bounded_segment(_model(), torch.randn(1, 3, 64, 64))
+    model = _seg_model(8)
+    with pytest.raises(ValueError, match=r'read_rows\(0, 8\) must return \[B, C, 8, 64\]'):
+        list(iter_bounded_segment(model, lambda a, b: torch.zeros(1, 3, b - a, 60), 1, (64, 64), 1))
