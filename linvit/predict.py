@@ -8,17 +8,26 @@
 A ``Predictor`` hides the runtime: PyTorch (``linvit.engine.loading.load_trained``: the run's model, classes,
 normalisation and seg.eval settings) or onnxruntime (``linvit.export.ort_session``; the file's ``linvit.*`` metadata
 says its task, classes and normalisation). Classification resizes each image to the training size and normalises
-it as validation does; segmentation runs each image at full resolution, whole or in sliding windows
-(``linvit.inference.segment``), and writes ``<name>_mask.png`` (class ids, 8-bit; 16-bit above 256 classes) and
-``<name>_overlay.png`` (the classes coloured with the run's palette). An image that cannot be read is skipped and
-reported as (path, reason); the others are still predicted. Progress goes to stderr (tqdm), one line per image.
+it as validation does.
+
+Segmentation runs each image at full resolution. Images are read by ``linvit.data.large_image.open_image``: PNG,
+JPEG, ... through PIL; TIFF, BigTIFF, pyramidal TIFF and slide formats lazily, band by band (``downsample`` picks a
+pyramid level). The mode is chosen per image (``choose_mode``) unless named: 'bounded' (the whole image in bands of
+patch rows, ``linvit.models.iter_bounded_segment``: memory bounded, class ids made band by band, for a PyTorch model
+whose attention has the state form), 'whole' (one forward) or 'slide' (windows; ``linvit.inference.segment``); the
+log names the mode and why. TIFF and slide inputs give ``<name>_mask.tif`` (class ids, a tiled zlib BigTIFF that
+keeps a GeoTIFF's georeferencing), ``<name>_preview.png`` and ``<name>_overlay.png`` (both downsampled to 1024 px);
+other inputs ``<name>_mask.png`` (class ids, 8-bit; 16-bit above 256 classes) and ``<name>_overlay.png`` (the
+classes coloured with the run's palette) at full size. An image that cannot be read (a missing optional reader
+included) is skipped and reported as (path, reason); the others are still predicted. Progress goes to stderr
+(tqdm): one line per image, and a bar over the bounded forward's blocks and tiles.
 """
 import csv
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -26,16 +35,33 @@ from PIL import Image
 from tqdm import tqdm
 
 from .data.folder import list_images, load_rgb, readable_extensions
+from .data.large_image import (
+    ClassMapWriter,
+    ImageSource,
+    large_image_extensions,
+    open_image,
+    write_overlay_png,
+    write_preview_png,
+)
 from .data.transforms import build_seg_transforms, build_transforms
 from .engine.plots import class_palette, overlay_mask
 from .inference import segment
+from .models import bounded_segment_unsupported_reason, iter_bounded_segment
 
 __all__ = ['Predictor', 'torch_predictor', 'onnx_predictor', 'load_predictor', 'Item', 'collect_inputs',
            'classify_images', 'write_predictions', 'segment_image', 'segment_images', 'save_mask_png',
-           'PREDICTION_FIELDS']
+           'PREDICTION_FIELDS', 'PREDICT_MODES', 'MASK_FORMATS', 'choose_mode', 'bounded_unavailable']
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 Skipped = List[Tuple[str, str]]  # (path, reason)
+
+#: segmentation modes (--mode): 'auto' chooses one of the others per image (``choose_mode``)
+PREDICT_MODES = ('auto', 'bounded', 'whole', 'slide')
+#: class map formats (--mask-format): 'auto' writes tiff for the inputs in TIFF_INPUTS, png for the others
+MASK_FORMATS = ('auto', 'tiff', 'png')
+TIFF_INPUTS = large_image_extensions() | {'.tif', '.tiff'}
+#: 'auto' runs a model without the state form whole up to this many pixels (2048 x 2048), in windows above
+DEFAULT_MAX_PIXELS = 2048 * 2048
 
 #: the columns of predictions.csv
 PREDICTION_FIELDS = ['file', 'rank', 'class_index', 'class_name', 'probability']
@@ -53,6 +79,8 @@ class Predictor:
     multiple: int  # image sides the model takes are multiples of this
     max_batch: Optional[int] = None  # a file exported for a fixed batch takes exactly this many images
     seg_defaults: Dict[str, object] = field(default_factory=dict)  # a run's task's (seg.eval: mode, window, stride)
+    model: Optional[torch.nn.Module] = None  # the PyTorch model (None for ONNX): the bounded forward runs it
+    device: str = 'cpu'
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -77,7 +105,7 @@ def torch_predictor(path: str, device: str = 'cpu') -> Predictor:
     multiple = getattr(model, 'input_multiple', None) or max(model.patch_embed.patch_size)
     return Predictor(run=run, task=trained.task, class_names=trained.class_names, mean=trained.mean, std=trained.std,
                      img_size=trained.img_size, multiple=int(multiple),
-                     seg_defaults=dict(trained.prediction_defaults))
+                     seg_defaults=dict(trained.prediction_defaults), model=model, device=device)
 
 
 def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
@@ -135,7 +163,7 @@ def collect_inputs(inputs: Sequence[str]) -> Tuple[List[Item], Skipped]:
     the formats PIL opens; output names are made unique."""
     items: List[Item] = []
     missing: Skipped = []
-    extensions = readable_extensions()
+    extensions = readable_extensions() | large_image_extensions()
     for given in inputs:
         if os.path.isdir(given):
             for path in list_images(Path(given), extensions):
@@ -226,41 +254,155 @@ def save_mask_png(mask: np.ndarray, path: str, num_classes: int) -> None:
 
 def segment_image(predictor: Predictor, images: torch.Tensor, mode: str, window: int, stride: Optional[int],
                   batch_size: int) -> np.ndarray:
-    """Normalised images [1, 3, H, W] -> class ids int64 [H, W] (argmax of the full-resolution logits)."""
+    """Normalised images [1, 3, H, W] -> class ids int64 [H, W] (argmax of the full-resolution logits), 'whole' or
+    'slide' (``linvit.inference.segment``)."""
     logits = segment(lambda x: _batches(predictor.run, x, predictor.max_batch), images, mode, window=window,
                      stride=stride, batch_size=batch_size, pad_multiple=predictor.multiple)
     return logits[0].argmax(dim=0).numpy()
 
 
+def bounded_unavailable(predictor: Predictor) -> Optional[str]:
+    """Why the predictor cannot run the bounded whole-image forward (one phrase), or None when it can."""
+    if predictor.model is None:
+        return 'an ONNX file runs whole or in windows (the bounded forward needs the PyTorch model)'
+    return bounded_segment_unsupported_reason(predictor.model)
+
+
+def choose_mode(predictor: Predictor, height: int, width: int, requested: str, max_pixels: int,
+                rows_per_chunk: int) -> Tuple[str, str]:
+    """(mode, why) for an image of height x width: ``requested`` unless it is 'auto', which takes 'bounded' (the
+    whole image, memory bounded) when the model has the state form, else 'whole' up to ``max_pixels`` pixels and
+    'slide' above. ValueError for 'bounded' asked of a model without it."""
+    if requested not in PREDICT_MODES:
+        raise ValueError(f"unknown segmentation mode {requested!r} (--mode); choose one of: {', '.join(PREDICT_MODES)}")
+    reason = bounded_unavailable(predictor)
+    if requested == 'bounded' and reason is not None:
+        raise ValueError(f"--mode bounded cannot run this model: {reason}; use --mode whole or slide")
+    if requested != 'auto':
+        return requested, '--mode'
+    if reason is None:
+        return 'bounded', (f"the whole image in bands of {rows_per_chunk} patch rows (--rows-per-chunk): the model "
+                           f"has the state form, so memory stays bounded")
+    pixels = height * width
+    if pixels <= max_pixels:
+        return 'whole', f"{reason}; {pixels} pixels are within --max-pixels {max_pixels}"
+    return 'slide', f"{reason}; {pixels} pixels are above --max-pixels {max_pixels}"
+
+
+def _open_or_skip(item: Item, skipped: Skipped, downsample: float) -> Optional[ImageSource]:
+    """``linvit.data.large_image.open_image``, or None after noting why the file cannot be read (a missing
+    optional reader included: its message names the pip command)."""
+    try:
+        return open_image(item.path, downsample)
+    except Exception as error:  # PIL, tifffile and OpenSlide raise many types for unreadable files
+        reason = f"{type(error).__name__}: {error}"
+        skipped.append((item.path, reason))
+        tqdm.write(f"skipped {item.path}: cannot read it as an image ({reason})", file=sys.stderr)
+        return None
+
+
+def _class_id_bands(predictor: Predictor, source: ImageSource, mode: str, normalise: Callable[[np.ndarray],
+                    torch.Tensor], window: int, stride: Optional[int], batch_size: int, rows_per_chunk: int,
+                    label: str) -> Iterator[Tuple[int, np.ndarray]]:
+    """(y0, class ids int64 [n, W]) for the rows of ``source``, top to bottom: band by band for 'bounded' (with a
+    progress bar over its blocks and tiles), the whole image at once for 'whole' and 'slide'."""
+    if mode != 'bounded':
+        images = normalise(source.read(0, source.height)).unsqueeze(0)
+        yield 0, segment_image(predictor, images, mode, window, stride, batch_size)
+        return
+    device = predictor.device
+
+    def read_rows(y0: int, y1: int) -> torch.Tensor:
+        return normalise(source.read(y0, y1)).unsqueeze(0).to(device)
+
+    with tqdm(desc=label, unit='step', leave=False, file=sys.stderr) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        for y0, logits in iter_bounded_segment(predictor.model, read_rows, 1, (source.height, source.width),
+                                               rows_per_chunk, progress):
+            yield y0, logits[0].argmax(dim=0).cpu().numpy()
+
+
+def _mask_format(path: str, requested: str) -> str:
+    if requested not in MASK_FORMATS:
+        raise ValueError(f"unknown mask format {requested!r} (--mask-format); choose one of: {', '.join(MASK_FORMATS)}")
+    if requested != 'auto':
+        return requested
+    return 'tiff' if os.path.splitext(path)[1].lower() in TIFF_INPUTS else 'png'
+
+
+def _write_tiff(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, stem: str, num_classes: int,
+                palette: np.ndarray, alpha: float) -> Tuple[List[str], np.ndarray]:
+    """STEM_mask.tif (tiled BigTIFF, the source's georeferencing), STEM_preview.png and STEM_overlay.png (both
+    downsampled); returns (their paths, the preview's class ids)."""
+    paths = [f"{stem}_mask.tif", f"{stem}_preview.png", f"{stem}_overlay.png"]
+    with ClassMapWriter(paths[0], source.height, source.width, num_classes, georef=source.georef) as writer:
+        for y0, ids in bands:
+            writer.write_rows(y0, ids)
+    write_preview_png(writer.preview, paths[1], palette)
+    write_overlay_png(source, writer.preview, paths[2], palette, alpha)
+    return paths, writer.preview
+
+
+def _write_png(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, stem: str, num_classes: int,
+               palette: np.ndarray, alpha: float) -> Tuple[List[str], np.ndarray]:
+    """STEM_mask.png (class ids) and STEM_overlay.png at the image's size; returns (their paths, the mask)."""
+    mask = np.empty((source.height, source.width), dtype=np.uint8 if num_classes <= 256 else np.uint16)
+    for y0, ids in bands:
+        mask[y0:y0 + len(ids)] = ids
+    paths = [f"{stem}_mask.png", f"{stem}_overlay.png"]
+    save_mask_png(mask, paths[0], num_classes)
+    image = source.read(0, source.height).astype(np.float32) / 255
+    overlay = overlay_mask(image, mask, palette, alpha=alpha)
+    Image.fromarray((overlay * 255).round().clip(0, 255).astype(np.uint8)).save(paths[1])
+    return paths, mask
+
+
 def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[str], mode: Optional[str] = None,
                    window: Optional[int] = None, stride: Optional[int] = None, batch_size: int = 8,
-                   alpha: float = 0.5) -> Tuple[int, Skipped]:
-    """Write OUT/<name>_mask.png and OUT/<name>_overlay.png per readable image; returns (how many were written,
-    [(path, reason)] for the unreadable ones). ``mode``, ``window`` and ``stride`` default to the run's seg.eval
-    ('whole' and the training size for an ONNX file); ``alpha`` is the opacity of the class colours."""
+                   alpha: float = 0.5, rows_per_chunk: int = 16, max_pixels: int = DEFAULT_MAX_PIXELS,
+                   mask_format: str = 'auto', downsample: float = 1.0) -> Tuple[int, Skipped]:
+    """Write each readable image's class map and overlay under OUT (see the module docstring); returns (how many
+    were written, [(path, reason)] for the unreadable ones).
+
+    mode: 'auto' (default: ``choose_mode``), 'bounded', 'whole' or 'slide'; ``window`` and ``stride`` default to the
+        run's seg.eval (the training size for an ONNX file). ``rows_per_chunk``: patch rows per band of the bounded
+        forward (its memory budget). ``max_pixels``: 'auto' runs a model without the state form whole up to this.
+    mask_format: 'tiff' (tiled BigTIFF + preview), 'png', or 'auto': tiff for TIFF and slide inputs.
+    downsample: the pyramid level of a pyramidal input (``open_image``). ``alpha``: opacity of the class colours.
+    """
     if not out:
         raise ValueError('segmentation writes masks: give --out FOLDER')
-    mode = mode or predictor.seg_defaults.get('mode') or 'whole'
+    mode = mode or 'auto'
     window = window or predictor.seg_defaults.get('window') or predictor.img_size[0]
     stride = stride or predictor.seg_defaults.get('stride')
-    palette = class_palette(len(predictor.class_names))
-    # validation's pipeline: normalisation only, at full resolution
+    num_classes = len(predictor.class_names)
+    palette = class_palette(num_classes)
+    # validation's pipeline: normalisation only, at full resolution; per pixel, so a band of rows at a time
     transform = build_seg_transforms(None, predictor.img_size[0], predictor.mean, predictor.std, ignore_index=255,
                                      train=False)
+
+    def normalise(rows: np.ndarray) -> torch.Tensor:
+        return transform(image=rows)['image']
+
     written = 0
     skipped: Skipped = []
-    for item in tqdm(items, desc=f'segment ({mode})', unit='img', file=sys.stderr):
-        image = _read_or_skip(item, skipped)
-        if image is None:
+    for item in tqdm(items, desc='segment', unit='img', file=sys.stderr):
+        source = _open_or_skip(item, skipped, downsample)
+        if source is None:
             continue
-        images = transform(image=image)['image'].unsqueeze(0)
-        mask = segment_image(predictor, images, mode, window, stride, batch_size)
-        stem = os.path.join(out, item.name)
-        os.makedirs(os.path.dirname(stem) or '.', exist_ok=True)
-        save_mask_png(mask, f"{stem}_mask.png", len(predictor.class_names))
-        overlay = overlay_mask(image.astype(np.float32) / 255, mask, palette, alpha=alpha)
-        Image.fromarray((overlay * 255).round().clip(0, 255).astype(np.uint8)).save(f"{stem}_overlay.png")
-        present = ', '.join(predictor.class_names[c] for c in np.unique(mask))
-        tqdm.write(f"{item.path}: {stem}_mask.png, {stem}_overlay.png (classes: {present})")
+        with source:
+            chosen, why = choose_mode(predictor, source.height, source.width, mode, max_pixels, rows_per_chunk)
+            tqdm.write(f"{item.path}: {source.description}; {chosen}: {why}", file=sys.stderr)
+            stem = os.path.join(out, item.name)
+            os.makedirs(os.path.dirname(stem) or '.', exist_ok=True)
+            bands = _class_id_bands(predictor, source, chosen, normalise, window, stride, batch_size,
+                                    rows_per_chunk, item.name)
+            writer = _write_tiff if _mask_format(item.path, mask_format) == 'tiff' else _write_png
+            paths, classes = writer(bands, source, stem, num_classes, palette, alpha)
+        present = ', '.join(predictor.class_names[c] for c in np.unique(classes))
+        tqdm.write(f"{item.path}: {', '.join(paths)} (classes: {present})")
         written += 1
     return written, skipped

@@ -4,19 +4,28 @@
 The model is a run directory of ``train.py``, a checkpoint (.pt), a .safetensors file beside its run's config.yaml,
 or an ONNX file written by ``tools/export_onnx.py`` (onnxruntime; its task, class names and normalisation are read
 from the file). An ONNX file exported from a run whose weights have changed since (the run trained again) is
-refused with the command that exports it anew. Folders are searched recursively for the image formats PIL opens.
+refused with the command that exports it anew. Folders are searched recursively for the image formats PIL opens
+and for TIFF and slide files.
 
 Classification: each image is resized to the model's training size and normalised as in validation; the top-k
 classes with their probabilities are printed and, with ``--out``, written to ``OUT/predictions.csv``.
 
-Segmentation: each image runs at full resolution, whole (padded to the patch multiple) or in overlapping windows
-whose logits are averaged (``--mode slide``; ``linvit.inference``); ``OUT/<name>_mask.png`` holds the class id of
-every pixel (8-bit, 16-bit above 256 classes) and ``OUT/<name>_overlay.png`` the image with the classes coloured
-(the palette of the run's pictures). Names mirror the input's path below the folder it was found in.
+Segmentation: each image runs at full resolution. ``--mode auto`` (the default) chooses per image and logs why:
+the whole image in bands of patch rows when the model's attention has the state form (memory bounded by
+``--rows-per-chunk``: a 10,000 px image on a laptop; ``linvit.models.iter_bounded_segment``), else the whole image
+in one forward up to ``--max-pixels`` and overlapping windows above (``--mode slide``; ``linvit.inference``). Images
+are read with ``linvit.data.large_image``: PNG/JPEG through PIL (its pixel limit lifted for the files named), TIFF,
+BigTIFF, pyramidal TIFF and SVS/NDPI lazily through tifffile (``--downsample`` picks a pyramid level), MIRAX and the
+rest through OpenSlide (``pip install openslide-python openslide-bin``). TIFF and slide inputs give
+``OUT/<name>_mask.tif`` (class ids, tiled compressed BigTIFF, a GeoTIFF's georeferencing kept) with
+``<name>_preview.png`` and ``<name>_overlay.png`` (downsampled); other inputs ``OUT/<name>_mask.png`` (8-bit,
+16-bit above 256 classes) and ``<name>_overlay.png`` at full size (``--mask-format`` overrides). Names mirror the
+input's path below the folder it was found in.
 
     python tools/predict.py runs/demo photo.jpg more/ --top-k 3 --out preds/
-    python tools/predict.py runs/demo_seg scans/ --out masks/ --mode slide --window 512
-    python tools/predict.py seg.onnx big.png --out masks/
+    python tools/predict.py runs/demo_seg scans/ --out masks/                         # auto: bounded when it can
+    python tools/predict.py runs/demo_seg slide.svs --out masks/ --downsample 4        # a pyramid level
+    python tools/predict.py seg.onnx big.png --out masks/ --mode slide --window 512
 
 An image that cannot be read is reported by name and skipped; the others are still predicted. Exit status: 0 when
 every image was predicted, 1 when some were skipped, 2 when nothing could run (no model, a stale ONNX file, no
@@ -30,8 +39,16 @@ from typing import List, Optional
 import torch
 
 from linvit.bench.cli import HelpFormatter
-from linvit.inference import SEGMENT_MODES
-from linvit.predict import classify_images, collect_inputs, load_predictor, segment_images, write_predictions
+from linvit.predict import (
+    DEFAULT_MAX_PIXELS,
+    MASK_FORMATS,
+    PREDICT_MODES,
+    classify_images,
+    collect_inputs,
+    load_predictor,
+    segment_images,
+    write_predictions,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,9 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('inputs', nargs='+', help='image files and/or folders (searched recursively)')
     parser.add_argument('--out', help='output folder (segmentation: required; classification: predictions.csv)')
     parser.add_argument('--top-k', type=int, default=5, help='classification: classes listed per image')
-    parser.add_argument('--mode', choices=SEGMENT_MODES,
-                        help="segmentation: 'whole' image or 'slide' windows (default: the run's seg.eval.mode, "
-                             "'whole' for ONNX files)")
+    parser.add_argument('--mode', choices=PREDICT_MODES, default='auto',
+                        help="segmentation: 'auto' chooses per image; 'bounded' the whole image in bands (models "
+                             "with the state form), 'whole' one forward, 'slide' overlapping windows")
+    parser.add_argument('--rows-per-chunk', type=int, default=16,
+                        help='bounded: patch rows per band (its memory budget: fewer rows, less memory)')
+    parser.add_argument('--max-pixels', type=int, default=DEFAULT_MAX_PIXELS,
+                        help='auto, for a model without the state form: whole images up to this many pixels, '
+                             'windows above')
+    parser.add_argument('--mask-format', choices=MASK_FORMATS, default='auto',
+                        help="segmentation: 'tiff' (tiled BigTIFF + preview), 'png', or 'auto' (tiff for TIFF and "
+                             "slide inputs)")
+    parser.add_argument('--downsample', type=float, default=1.0,
+                        help='segmentation: the pyramid level of a pyramidal TIFF/slide (the largest downsample '
+                             'not above this)')
     parser.add_argument('--window', type=int, help="slide: window side in pixels (default: the run's, else the "
                                                    "training size)")
     parser.add_argument('--stride', type=int, help='slide: step between windows (default: 2/3 of the window)')
@@ -66,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     predictor = load_predictor(args.model, args.device, args.threads)
     if predictor.task == 'segmentation':
         _, unreadable = segment_images(predictor, items, args.out, args.mode, args.window, args.stride,
-                                       args.batch_size, args.alpha)
+                                       args.batch_size, args.alpha, args.rows_per_chunk, args.max_pixels,
+                                       args.mask_format, args.downsample)
     else:
         rows, unreadable = classify_images(predictor, items, args.top_k, args.batch_size)
         if args.out:
