@@ -1,5 +1,6 @@
-"""Figures of a profile run: images/s and memory added by the calls against the image size, log-log, one line per
-model and mode (floors dashed). Drawn with matplotlib's object API (``matplotlib.figure.Figure``, no pyplot).
+"""Figures of a profile run: images/s, memory added by the calls and their peak memory against the image size,
+log-log, one line per model and mode (floors dashed). Drawn with matplotlib's object API
+(``matplotlib.figure.Figure``, no pyplot).
 
     paths = plot(rows, out_dir)          # one PNG per (workload, dtype, batch): profile_inference_float32_b1.png
     fig = throughput_figure(group)       # the Figure of one such group of successful rows
@@ -11,17 +12,17 @@ from typing import Any, Dict, List, Sequence, Tuple
 from linvit.plotting import cycle_colour, plain_log_y, save_png
 
 from .report import aggregate_rounds, group_key
-from .specs import MODES, size_label
+from .specs import PROFILE_MODES, size_label
 
 __all__ = ['MODE_MARKERS', 'plot', 'throughput_figure', 'legend_entries', 'image_side', 'size_tick_labels',
-           'plain_log_y', 'memory_axis_label', 'figure_title']
+           'plain_log_y', 'memory_axis_label', 'peak_axis_label', 'figure_title']
 
-MODE_MARKERS = {'eager': 's', 'compiled': 'o'}
+MODE_MARKERS = {'eager': 's', 'compiled': 'o', 'bounded': '^'}
 
 
 def plot(rows: List[Dict[str, Any]], out_dir: str) -> List[str]:
-    """One PNG per (workload, dtype, batch): img/s and added memory vs image size, log-log; a line per model and
-    mode. Rounds are merged first (``report.aggregate_rounds``). Returns the paths written."""
+    """One PNG per (workload, dtype, batch): img/s, added and peak memory vs image size, log-log; a line per model
+    and mode. Rounds are merged first (``report.aggregate_rounds``). Returns the paths written."""
     paths = []
     rows = aggregate_rounds(rows)
     for workload, dtype, batch in sorted({group_key(r) for r in rows}):
@@ -35,14 +36,15 @@ def plot(rows: List[Dict[str, Any]], out_dir: str) -> List[str]:
 
 
 def throughput_figure(group: List[Dict[str, Any]]) -> Any:
-    """The Figure of one (workload, dtype, batch) group of successful rows: img/s and added memory per image size."""
+    """The Figure of one (workload, dtype, batch) group of successful rows: img/s, added memory and peak memory per
+    image size (the peak is what must fit the device: the model, its input and the calls' own memory)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 6), layout='constrained')
-    ax_speed, ax_mem = fig.subplots(1, 2)
+    fig = Figure(figsize=(18, 6), layout='constrained')
+    ax_speed, ax_mem, ax_peak = fig.subplots(1, 3)
     base_labels = list(dict.fromkeys(_base_label(r) for r in group))
     colors = {label: cycle_colour(i) for i, label in enumerate(base_labels)}
-    modes = [m for m in MODES if any(r['mode'] == m for r in group)]
+    modes = [m for m in PROFILE_MODES if any(r['mode'] == m for r in group)]
     for label in dict.fromkeys(r['model'] for r in group):
         for mode in modes:
             line = sorted((r for r in group if r['model'] == label and r['mode'] == mode), key=image_side)
@@ -54,9 +56,11 @@ def throughput_figure(group: List[Dict[str, Any]]) -> Any:
             sides = [image_side(r) for r in line]
             ax_speed.plot(sides, [r['img_per_s'] for r in line], **style)
             ax_mem.plot(sides, [r.get('added_mem_mib') for r in line], **style)
+            ax_peak.plot(sides, [r.get('peak_mem_mib') for r in line], **style)
     ax_speed.set_ylabel('images / s (higher is better)')
     ax_mem.set_ylabel(memory_axis_label(group))
-    for ax in (ax_speed, ax_mem):
+    ax_peak.set_ylabel(peak_axis_label(group))
+    for ax in (ax_speed, ax_mem, ax_peak):
         _label_image_sizes(ax, group)
         plain_log_y(ax)
         ax.grid(True, which='both', alpha=0.3)
@@ -144,10 +148,17 @@ def memory_axis_label(rows: Sequence[Dict[str, Any]]) -> str:
     return f"MiB added by the {step}\n(process RSS above the built model)"
 
 
+def peak_axis_label(rows: Sequence[Dict[str, Any]]) -> str:
+    if str(rows[0].get('device', '')).startswith('cuda'):
+        return "peak MiB during the calls\n(GPU memory allocated: model, input, calls)"
+    return "peak MiB during the calls\n(process RSS: interpreter, model, input, calls)"
+
+
 def figure_title(rows: Sequence[Dict[str, Any]], modes: Sequence[str]) -> str:
     """What was measured and where: workload, dtype, batch, modes; machine, threads, device."""
     first = rows[0]
-    workload = 'training step' if first['workload'] == 'training' else 'inference'
+    workload = {'training': 'training step', 'segmentation': 'segmentation inference'}.get(first['workload'],
+                                                                                         'inference')
     machine = next((r['machine'] for r in rows if r.get('machine')), None)
     threads = next((r['threads'] for r in rows if r.get('threads')), None)
     parts = (machine, f"{threads} threads" if threads else None, f"device {first['device']}" if first.get('device')

@@ -56,10 +56,11 @@ class Config:
     repeats: int
     threads: Optional[int] = None
     compile_mode: Optional[str] = None
+    rows_per_chunk: int = 16  # bounded mode: patch rows per band
 
     def to_json(self) -> str:
         d = {k: getattr(self, k) for k in ('height', 'width', 'batch', 'dtype', 'mode', 'workload', 'device',
-                                           'warmup', 'repeats', 'threads', 'compile_mode')}
+                                           'warmup', 'repeats', 'threads', 'compile_mode', 'rows_per_chunk')}
         d.update(spec=self.model.spec, name=self.model.name, kwargs=[list(kv) for kv in self.model.kwargs],
                  floor=self.model.floor)
         return json.dumps(d)
@@ -84,45 +85,72 @@ def build_configs(models: Sequence[str], sizes: Sequence[Tuple[int, int]], floor
                   workloads: Sequence[str] = ('inference',), dtypes: Sequence[str] = ('float32',),
                   batches: Sequence[int] = (1,), modes: Sequence[str] = ('eager', 'compiled'), device: str = 'cpu',
                   warmup: int = 2, repeats: int = 5, threads: Optional[int] = None,
-                  compile_mode: Optional[str] = None) -> List[Config]:
+                  compile_mode: Optional[str] = None, rows_per_chunk: int = 16) -> List[Config]:
     """Every configuration of a sweep, size-major so that an interrupted run has whole comparisons; ``floors``
-    (``FLOORS``) adds the floor of every model, of the linvit ones, or of none."""
+    (``FLOORS``) adds the floor of every model, of the linvit ones, or of none. The bounded mode is measured for
+    the inference of linvit models only (softmax attention and floors have no state form)."""
     specs = [parse_model_spec(m) for m in models]
     if floors != 'none':
         specs = specs + [s.as_floor() for s in specs if floors == 'all' or s.kind == 'linvit']
     sizes = sorted(dict.fromkeys(sizes), key=lambda hw: (hw[0] * hw[1], hw))
-    return [Config(spec, height, width, batch, dtype, mode, workload, device, warmup, repeats, threads, compile_mode)
+    return [Config(spec, height, width, batch, dtype, mode, workload, device, warmup, repeats, threads, compile_mode,
+                   rows_per_chunk)
             for workload in workloads for dtype in dtypes for batch in batches for height, width in sizes
-            for mode in modes for spec in specs]
+            for mode in modes for spec in specs
+            if mode != 'bounded' or (workload != 'training' and spec.kind == 'linvit')]
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # the child process: one configuration
 
+#: classes of the segmentation workload's head
+SEGMENTATION_CLASSES = 11
+
+
 def _build_model(config: Config) -> Tuple[torch.nn.Module, Optional[int]]:
-    """The model of ``config`` (its floor when asked) and its token count per image (None without a patch grid)."""
+    """The model of ``config`` (its floor when asked) and its token count per image (None without a patch grid);
+    for the segmentation workload, a ``SegmentationModel`` on it (default neck and head)."""
     import timm
 
     from linvit.layers import make_floor
+    from linvit.models import SegmentationModel
 
-    model = timm.create_model(config.model.name, pretrained=False, img_size=(config.height, config.width),
-                              **dict(config.model.kwargs))
+    kwargs = dict(config.model.kwargs)
+    if config.workload == 'segmentation':
+        kwargs = {'num_classes': 0, 'dynamic_img_size': True, **kwargs}
+    backbone = timm.create_model(config.model.name, pretrained=False, img_size=(config.height, config.width), **kwargs)
     if config.model.floor:
-        make_floor(model)
-    grid = getattr(getattr(model, 'patch_embed', None), 'grid_size', None)
-    tokens = (grid[0] * grid[1] + getattr(model, 'num_prefix_tokens', 0)) if grid else None
-    return model, tokens
+        make_floor(backbone)
+    grid = getattr(getattr(backbone, 'patch_embed', None), 'grid_size', None)
+    tokens = (grid[0] * grid[1] + getattr(backbone, 'num_prefix_tokens', 0)) if grid else None
+    if config.workload == 'segmentation':
+        return SegmentationModel(backbone, num_classes=SEGMENTATION_CLASSES), tokens
+    return backbone, tokens
+
+
+def _forward(config: Config, model: torch.nn.Module) -> Callable[[torch.Tensor], Any]:
+    """What one inference call runs: the model (compiled in compiled mode) or its bounded forward; segmentation
+    ends in class ids, as predictions do."""
+    from linvit import fast
+    from linvit.models import bounded_forward_features, bounded_segment
+
+    segmentation = config.workload == 'segmentation'
+    if config.mode == 'bounded' and segmentation:
+        return lambda images: bounded_segment(model, images, config.rows_per_chunk)
+    if config.mode == 'bounded':
+        return lambda images: model.forward_head(bounded_forward_features(model, images, config.rows_per_chunk))
+    forward = fast.compile_model(model, mode=config.compile_mode) if config.mode == 'compiled' else model
+    return (lambda images: forward(images).argmax(1)) if segmentation else forward
 
 
 def _inference_call(config: Config, model: torch.nn.Module, device: torch.device) -> Callable[[], Any]:
-    """A forward under inference_mode: model and images cast to the precision (compiled in compiled mode)."""
-    from linvit import fast
+    """A forward under inference_mode: model and images cast to the precision (``_forward``)."""
     from linvit.precision import PRECISIONS
 
     dtype = PRECISIONS[config.dtype]
     model = model.to(device=device, dtype=dtype).eval()
     images = torch.randn(config.batch, 3, config.height, config.width, device=device).to(dtype)
-    forward = fast.compile_model(model, mode=config.compile_mode) if config.mode == 'compiled' else model
+    forward = _forward(config, model)
 
     def call() -> Any:
         with torch.inference_mode():
@@ -153,7 +181,7 @@ def measure(config: Config) -> Dict[str, Any]:
     torch.manual_seed(0)
     device = torch.device(config.device)
     model, tokens = _build_model(config)
-    build_call = _inference_call if config.workload == 'inference' else _training_call
+    build_call = _training_call if config.workload == 'training' else _inference_call
     call = build_call(config, model, device)
     cuda = device.type == 'cuda'
 
@@ -215,6 +243,7 @@ def base_row(config: Config) -> Dict[str, Any]:
         'height': config.height, 'width': config.width, 'batch': config.batch, 'dtype': config.dtype,
         'mode': config.mode, 'workload': config.workload, 'device': config.device, 'warmup': config.warmup,
         'repeats': config.repeats, 'compile_mode': config.compile_mode if config.mode == 'compiled' else None,
+        'rows_per_chunk': config.rows_per_chunk if config.mode == 'bounded' else None,
     }
 
 

@@ -12,7 +12,7 @@ from linvit.precision import PRECISIONS
 
 from . import profile, report
 from .cli import THREADS_HELP, HelpFormatter, measurement_threads, precision_arg, threads_arg
-from .specs import MODES, WORKLOADS, parse_model_spec, parse_size
+from .specs import MODES, PROFILE_MODES, PROFILE_WORKLOADS, parse_model_spec, parse_size
 
 __all__ = ['DEFAULT_MODELS', 'DEFAULT_SIZES', 'DEFAULT_OUT', 'build_parser', 'parse_args', 'build_configs', 'main']
 
@@ -32,10 +32,16 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument('--batch', nargs='+', type=int, default=[1], help='batch sizes')
     parser.add_argument('--dtype', nargs='+', type=precision_arg, choices=list(PRECISIONS), default=['float32'],
                         help='precisions: inference casts model and input, training runs under autocast')
-    parser.add_argument('--mode', nargs='+', choices=MODES, default=list(MODES),
-                        help='eager PyTorch, or compiled through linvit.fast (torch.compile, static shapes)')
-    parser.add_argument('--workload', nargs='+', choices=WORKLOADS, default=['inference'],
-                        help='inference: a forward under inference_mode; training: forward, loss and backward')
+    parser.add_argument('--mode', nargs='+', choices=PROFILE_MODES, default=list(MODES),
+                        help='eager PyTorch, compiled through linvit.fast (torch.compile, static shapes), or bounded: '
+                             'the whole image in bands of --rows-per-chunk patch rows (linvit.models.bounded; '
+                             'inference of linvit models, the others are left out)')
+    parser.add_argument('--workload', nargs='+', choices=PROFILE_WORKLOADS, default=['inference'],
+                        help='inference: a forward under inference_mode; training: forward, loss and backward; '
+                             'segmentation: the backbone in a SegmentationModel (simple pyramid, MLP head), class '
+                             'ids at full resolution')
+    parser.add_argument('--rows-per-chunk', type=int, default=16,
+                        help='bounded: patch rows per band (the memory budget)')
     parser.add_argument('--warmup', type=int, default=2, help='untimed calls before timing, >= 1 (the first compiles)')
     parser.add_argument('--repeats', type=int, default=5, help='timed calls per configuration')
     parser.add_argument('--compile-mode', help="torch.compile mode of compiled runs, e.g. 'reduce-overhead' (CUDA "
@@ -72,6 +78,8 @@ def parse_args(argv: Optional[List[str]] = None, description: Optional[str] = No
         parser.error('--warmup, --repeats and --rounds must be >= 1')
     if min(args.batch) < 1:
         parser.error('--batch sizes must be >= 1')
+    if args.rows_per_chunk < 1:
+        parser.error('--rows-per-chunk must be >= 1')
     try:
         for text in args.models:
             parse_model_spec(text)
@@ -87,7 +95,7 @@ def build_configs(args: argparse.Namespace) -> List[profile.Config]:
     """The sweep's configurations from parsed options (``profile.build_configs``)."""
     return profile.build_configs(args.models, args.sizes, args.floors, args.workload, args.dtype, args.batch,
                                  args.mode, args.device, args.warmup, args.repeats, args.measurement.threads,
-                                 args.compile_mode)
+                                 args.compile_mode, args.rows_per_chunk)
 
 
 def main(argv: Optional[List[str]] = None, description: Optional[str] = None) -> int:

@@ -1,6 +1,7 @@
 """Rows of a profile run (one dict per configuration and round): the CSV they are kept in, rounds merged into
 medians, and the printed tables (per linvit model: its floor and softmax counterpart side by side, the crossover
-size, the time growth per doubling of the side, compiled / eager ratios), then the configurations that failed.
+size, the time growth per doubling of the side; compiled / eager and bounded / eager ratios; peak memory and time
+per token of every model and mode), then the configurations that failed.
 
 Times are in ms, memory in MiB (2**20 bytes).
 """
@@ -13,16 +14,18 @@ from linvit import timing
 from linvit.timing import CpuLoad
 
 from .cli import busy_warning, crossover
-from .specs import MODES, counterpart, size_label
+from .specs import PROFILE_MODES, counterpart, size_label
 
 __all__ = ['CSV_FIELDS', 'write_csv', 'read_csv', 'describe_row', 'failure_lines', 'aggregate_rounds', 'group_key',
-           'sweep_load', 'Table', 'model_summary', 'doublings', 'plain_summary', 'mode_summary', 'summarize']
+           'sweep_load', 'Table', 'model_summary', 'doublings', 'plain_summary', 'mode_summary', 'memory_summary',
+           'summarize']
 
 CSV_FIELDS = ['round', 'model', 'name', 'kwargs', 'kind', 'height', 'width', 'tokens', 'batch', 'dtype', 'mode',
-              'workload', 'device', 'machine', 'compile_mode', 'status', 'median_ms', 'p90_ms', 'img_per_s',
-              'peak_mem_mib', 'base_mem_mib', 'added_mem_mib', 'first_call_ms', 'warmup', 'repeats', 'threads',
-              'load_average', 'cores', 'allocator', 'error']
-_INT_FIELDS = ('round', 'height', 'width', 'tokens', 'batch', 'warmup', 'repeats', 'threads', 'cores')
+              'workload', 'device', 'machine', 'compile_mode', 'rows_per_chunk', 'status', 'median_ms', 'p90_ms',
+              'img_per_s', 'peak_mem_mib', 'base_mem_mib', 'added_mem_mib', 'first_call_ms', 'warmup', 'repeats',
+              'threads', 'load_average', 'cores', 'allocator', 'error']
+_INT_FIELDS = ('round', 'height', 'width', 'tokens', 'batch', 'warmup', 'repeats', 'threads', 'cores',
+               'rows_per_chunk')
 _FLOAT_FIELDS = ('median_ms', 'p90_ms', 'img_per_s', 'peak_mem_mib', 'base_mem_mib', 'added_mem_mib', 'first_call_ms',
                  'load_average')
 
@@ -232,17 +235,46 @@ def plain_summary(table: Table) -> List[str]:
     return lines
 
 
-def mode_summary(rows: List[Dict[str, Any]]) -> List[str]:
-    """compiled / eager img/s of each model at each size, for rows of one (workload, dtype, batch) measured both
-    ways."""
+def mode_summary(rows: List[Dict[str, Any]], mode: str = 'compiled') -> List[str]:
+    """``mode`` / eager img/s of each model at each size, for rows of one (workload, dtype, batch) measured both
+    ways (models without ``mode`` rows, e.g. softmax ones in bounded mode, are left out)."""
     eager = Table([r for r in rows if r['mode'] == 'eager'])
-    compiled = Table([r for r in rows if r['mode'] == 'compiled'])
-    labels = list(dict.fromkeys(r['model'] for r in rows))
-    width = max(len(label) for label in labels)
-    lines = [f"{'compiled/eager':>{width}} " + ' '.join(f"{size_label(*hw):>9}" for hw in eager.sizes())]
+    other = Table([r for r in rows if r['mode'] == mode])
+    labels = [label for label in dict.fromkeys(r['model'] for r in rows) if any(k[0] == label for k in other.by_key)]
+    width = max([len(label) for label in labels] + [len(mode) + 6])
+    lines = [f"{mode + '/eager':>{width}} " + ' '.join(f"{size_label(*hw):>9}" for hw in eager.sizes())]
     for label in labels:
-        cells = [_fmt_ratio(_ratio(compiled.value(label, hw), eager.value(label, hw))) for hw in eager.sizes()]
+        cells = [_fmt_ratio(_ratio(other.value(label, hw), eager.value(label, hw))) for hw in eager.sizes()]
         lines.append(f"{label:>{width}} " + ' '.join(f"{c:>9}" for c in cells))
+    return lines
+
+
+def _time_per_token_us(row: Optional[Dict[str, Any]]) -> Optional[float]:
+    if not row or row.get('status') != 'ok' or not row.get('tokens'):
+        return None
+    return row['median_ms'] * 1e3 / (row['batch'] * row['tokens'])
+
+
+def memory_summary(rows: List[Dict[str, Any]]) -> List[str]:
+    """Peak memory (MiB) and time per token (us) of every model and mode at every size, for rows of one (workload,
+    dtype, batch): what fits a device, and what the bounded forward's bands cost against the plain forward. A size
+    where a model ran out of memory or time shows its status."""
+    sizes = Table(rows).sizes()
+    lines = []
+    for title, value in (('peak MiB', lambda r: r.get('peak_mem_mib')), ('us/token', _time_per_token_us)):
+        keys = [(label, mode) for label in dict.fromkeys(r['model'] for r in rows) for mode in PROFILE_MODES
+                if any(r['model'] == label and r['mode'] == mode for r in rows)]
+        names = [f"{label} [{mode}]" for label, mode in keys]
+        width = max(len(name) for name in names + [title])
+        lines.append(f"{title:>{width}} " + ' '.join(f"{size_label(*hw):>9}" for hw in sizes))
+        for name, (label, mode) in zip(names, keys):
+            by_size = {(r['height'], r['width']): r for r in rows if r['model'] == label and r['mode'] == mode}
+            cells = []
+            for hw in sizes:
+                row = by_size.get(hw)
+                number = value(row) if row and row.get('status') == 'ok' else None
+                cells.append(_fmt(number, row['status'] if row else '-', 0 if title == 'peak MiB' else 3))
+            lines.append(f"{name:>{width}} " + ' '.join(f"{c:>9}" for c in cells))
     return lines
 
 
@@ -282,7 +314,7 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
     lines = []
     for key in sorted({group_key(r) for r in rows}):
         group = [r for r in rows if group_key(r) == key]
-        modes = [m for m in MODES if any(r['mode'] == m for r in group)]
+        modes = [m for m in PROFILE_MODES if any(r['mode'] == m for r in group)]
         for mode in modes:
             table = Table([r for r in group if r['mode'] == mode])
             lines.extend(_table_heading(table, key, mode, rounds))
@@ -291,8 +323,12 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
                 lines.extend(model_summary(table, label))
             if not linvit:
                 lines.extend(plain_summary(table))
-        if len(modes) == 2:
-            workload, dtype, batch = key
-            lines.append(f"\n# {workload}, {dtype}, batch {batch}: compiled / eager img/s")
-            lines.extend(mode_summary(group))
+        workload, dtype, batch = key
+        for mode in modes[1:] if modes[0] == 'eager' else ():
+            lines.append(f"\n# {workload}, {dtype}, batch {batch}: {mode} / eager img/s")
+            lines.extend(mode_summary(group, mode))
+        memory = 'GPU memory allocated' if str(group[0].get('device', '')).startswith('cuda') else 'process RSS'
+        lines.append(f"\n# {workload}, {dtype}, batch {batch}: peak memory during the calls (MiB, {memory}) and "
+                     f"time per token (us, median latency / (batch x tokens))")
+        lines.extend(memory_summary(group))
     return lines

@@ -5,7 +5,8 @@ import ast
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-__all__ = ['MODES', 'WORKLOADS', 'ModelSpec', 'parse_model_spec', 'parse_size', 'size_label', 'counterpart',
+__all__ = ['MODES', 'WORKLOADS', 'PROFILE_MODES', 'PROFILE_WORKLOADS', 'ModelSpec', 'parse_model_spec', 'parse_size',
+           'size_label', 'counterpart',
            'SIZE_WORDS']
 
 #: how a model runs: eager PyTorch, or compiled through linvit.fast
@@ -13,6 +14,12 @@ MODES = ('eager', 'compiled')
 #: what is timed: a training step (forward, loss, backward), or a forward under inference_mode; the GPU check measures
 #: them in this order
 WORKLOADS = ('training', 'inference')
+#: the resolution profiler's modes: MODES, and the bounded forward (``linvit.models.bounded``: the whole image in
+#: bands of patch rows, memory bounded; inference of linvit models)
+PROFILE_MODES = MODES + ('bounded',)
+#: the resolution profiler's workloads: WORKLOADS, and segmentation (a ``SegmentationModel`` on the backbone, class
+#: ids at full resolution, as tools/predict.py makes them)
+PROFILE_WORKLOADS = WORKLOADS + ('segmentation',)
 
 #: timm's model size words, used to pair a linvit model with the softmax model of the same size
 SIZE_WORDS = ('tiny', 'small', 'base', 'large', 'huge', 'giant')

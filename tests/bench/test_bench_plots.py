@@ -22,9 +22,9 @@ def test_plot_writes_one_png_per_workload_dtype_batch(tmp_path):
 def test_plot_labels_sizes_in_pixels_and_tokens_with_the_legend_outside():
     group = [r for r in report.aggregate_rounds(hand_rows()) if r['status'] == 'ok']
     fig = plots.throughput_figure(group)
-    ax_speed, ax_mem = fig.axes
+    ax_speed, ax_mem, ax_peak = fig.axes
     fig.canvas.draw()
-    for ax in (ax_speed, ax_mem):
+    for ax in (ax_speed, ax_mem, ax_peak):
         assert [t.get_text() for t in ax.get_xticklabels()] == [
             '224 px\n197 tok', '512 px\n1,025 tok', '1024 px\n4,097 tok', '2048 px\n16,385 tok']
         assert ax.get_legend() is None

@@ -65,3 +65,14 @@ def test_failures_are_listed_errors_first():
     assert report.failure_lines(rows) == [
         '\n# 1 of 3 configurations failed:', 'c 32 b1 float32 eager inference: ERROR ValueError: no',
         '\n# 1 of 3 configurations out of memory or time:', 'b 32 b1 float32 eager inference: OOM CUDA OOM']
+
+
+def test_memory_table_gives_peak_and_time_per_token_with_the_status_where_a_model_ran_out():
+    rows = [r for r in hand_rows() if r['mode'] == 'compiled']
+    lines = report.memory_summary(report.aggregate_rounds(rows))
+    peak = {line.split()[0]: line.split()[2:] for line in lines[:4]}
+    assert lines[0].split() == ['peak', 'MiB', '224', '512', '1024', '2048']
+    assert peak['vit_small_patch16_224'] == ['924', '1212', '1724', 'oom']  # 700 + side; out of memory at 2048
+    per_token = {line.split()[0]: line.split()[2:] for line in lines[4:]}
+    # linvit compiled at 224 px: 80 img/s -> 12.5 ms over 197 tokens = 63.452 us per token
+    assert per_token['linvit_small_patch16_224'][0] == f"{12.5e3 / 197:.3f}"

@@ -154,3 +154,21 @@ def test_the_preset_tool_runs_as_a_script(tmp_path):
     done = subprocess.run([sys.executable, str(tool), '--help'], capture_output=True, text=True, cwd=tmp_path,
                           timeout=300)
     assert done.returncode == 0 and '--sizes SIZE' in done.stdout, done.stderr[-2000:]
+
+
+def test_segmentation_plain_and_bounded_with_peak_memory_and_time_per_token(prof, tmp_path, capsys):
+    out = tmp_path / 'prof'
+    models = ['linvit_tiny_patch16_224:depth=2', 'vit_tiny_patch16_224:depth=2']
+    assert prof.main(['--models', *models, '--sizes', '64', '--workload', 'segmentation', '--mode', 'eager',
+                      'bounded', '--rows-per-chunk', '2', '--floors', 'none', '--warmup', '1', '--repeats', '1',
+                      '--out', str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = list(csv.DictReader((out / 'profile.csv').open()))
+    # the softmax ViT has no state form: no bounded row for it
+    assert [(r['model'], r['mode'], r['status'], r['rows_per_chunk']) for r in rows] == [
+        (models[0], 'eager', 'ok', ''), (models[1], 'eager', 'ok', ''), (models[0], 'bounded', 'ok', '2')]
+    assert '# segmentation, float32, batch 1: bounded / eager img/s' in printed
+    memory = printed.split('peak memory during the calls (MiB, process RSS)')[1].splitlines()
+    peaks = {' '.join(line.split()[:2]): line.split()[2] for line in memory[2:5]}
+    assert peaks == {f"{r['model']} [{r['mode']}]": str(round(float(r['peak_mem_mib']))) for r in rows}
+    assert (out / 'profile_segmentation_float32_b1.png').read_bytes()[:8] == PNG_MAGIC
