@@ -32,7 +32,7 @@ from .linvit import LinearAttentionBlock, patch_grid
 from .segmentation import PYRAMID_SCALES, MLPHead, SegmentationModel
 
 __all__ = ['bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason',
-           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'HEAD_HALO']
+           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'HEAD_HALOS']
 
 #: blocks of timm's pre-norm form x + ls1(attn(norm1(x))), then x + ls2(mlp(norm2(x))), which the bands reproduce
 _PRE_NORM_BLOCKS = (Block, LinearAttentionBlock)
@@ -191,12 +191,13 @@ RowReader = Callable[[int, int], torch.Tensor]
 #: progress(steps done, steps in all), called after each block and each head tile
 Progress = Callable[[int, int], None]
 
-#: patch rows of backbone map read beyond each side of a head tile. The coarsest level (stride 2p: one row per two
-#: patch rows) loses its edge row to the 3x3 convolution, and resampling it to stride p/4 for the tile's first and
-#: last rows reads one row further: two rows at stride 2p, four patch rows. When the grid has an odd number of rows,
-#: max pooling drops the last one, which stretches the coarsest level by up to half a row upwards: two patch rows
-#: more. (Four patch rows give wrong rows on odd grids, two on every grid: tests/models/test_bounded.py.)
-HEAD_HALO = 6
+#: patch rows of backbone map each pyramid level (finest first) reads beyond a head tile's rows: the rows its 3x3
+#: convolution loses at the crop's edges, plus those that resampling it to stride p/4 for the tile's first and last
+#: output rows reads. Stride p/4 and p/2 read one patch row beyond, stride p two. Stride 2p (one row per two patch
+#: rows) loses its edge row and reads one more: four patch rows; when the grid has an odd number of rows, max
+#: pooling drops the last one, which stretches that level by up to half a row upwards: two patch rows more. Each
+#: halo is the smallest that is exact (tests/models/test_bounded.py takes one row off each).
+HEAD_HALOS = (1, 1, 2, 6)
 
 
 def bounded_segment_unsupported_reason(model: nn.Module) -> Optional[str]:
@@ -252,18 +253,32 @@ def _resample(x: torch.Tensor, offset: int, rows_in: int, rows_out: int, start: 
     return F.interpolate(rows, size=(stop - start, width), mode='bilinear', align_corners=False)
 
 
-def _head_tile(model: SegmentationModel, maps: Dict[int, torch.Tensor], grid: List[int], a: int, b: int,
+def _level_rows(r0: int, r1: int, halo: int, scale: float, rows: int) -> Tuple[int, int]:
+    """Patch rows [a, b) of backbone map that a pyramid level reads for the tile r0..r1-1: its halo each side,
+    ``a`` a multiple of the rows a coarser level pools together, so that its rows pair as in the whole map."""
+    pooled = round(1 / scale) if scale < 1 else 1
+    a = max(r0 - halo, 0)
+    return a - a % pooled, min(r1 + halo, rows)
+
+
+def _head_tile(model: SegmentationModel, maps: Dict[int, torch.Tensor], grid: List[int], r0: int, r1: int,
                out_rows: Tuple[int, int], out_width: int) -> torch.Tensor:
-    """Logits [B, K, y1 - y0, out_width] of image rows out_rows = (y0, y1) from the backbone maps' patch rows
-    a..b-1 (the rows' tile and its halo). The head (per pixel: 1x1 convolutions, norms) runs on the finest-level
-    rows that the final resampling reads, not on the halo."""
+    """Logits [B, K, y1 - y0, out_width] of image rows out_rows = (y0, y1), within patch rows r0..r1-1: each pyramid
+    level from its backbone map's rows with the level's halo (``HEAD_HALOS``), resampled at its place in the whole
+    map; the head (per pixel: 1x1 convolutions, norms) runs on the finest-level rows the final resampling reads."""
     gh = grid[0]
     ph, pw = model.backbone.patch_embed.patch_size
-    pyramid = model.neck([maps[block][:, :, a:b] for block in model.level_blocks])
+    pyramid, offsets = [], []
+    for level, (block, scale, halo) in enumerate(zip(model.level_blocks, PYRAMID_SCALES, HEAD_HALOS)):
+        a, b = _level_rows(r0, r1, halo, scale, gh)
+        pyramid.append(model.neck.level(level, maps[block][:, :, a:b]))
+        offsets.append(int(a * scale))
     level_rows = [int(gh * scale) for scale in PYRAMID_SCALES]  # max pooling floors an odd row count
-    offsets = [int(a * scale) for scale in PYRAMID_SCALES]  # a is even: the pooled rows pair as in the whole map
     low, high, _ = _source_coords(level_rows[0], ph * gh, *out_rows)
     first, last = int(low.min()), int(high.max())  # the finest level's rows the logits read
+    if first - offsets[0] < 0 or last + 1 - offsets[0] > pyramid[0].shape[-2]:
+        raise RuntimeError(f"rows {first}..{last} of the finest level are outside the tile's: the head halo is too "
+                           f"small")
     pyramid[0] = pyramid[0][:, :, first - offsets[0]:last + 1 - offsets[0]]
     width = pyramid[0].shape[-1]
 
@@ -283,8 +298,8 @@ def iter_bounded_segment(model: nn.Module, read_rows: RowReader, batch: int, siz
     ``size`` = (H, W) read through ``read_rows``.
 
     The backbone runs in bands of ``rows_per_chunk`` patch rows (``bounded_forward_intermediates``); the pyramid and
-    the head run on tiles of as many patch rows (rounded up to even, so max pooling pairs rows as in the whole map)
-    with ``HEAD_HALO`` patch rows each side, their levels resampled at their place in the whole map. What exists
+    the head run on tiles of as many patch rows (rounded up to even, so max pooling pairs rows as in the whole map),
+    each level with its halo of patch rows (``HEAD_HALOS``), resampled at its place in the whole map. What exists
     for the whole image: the residual stream and the backbone maps the pyramid reads; never the pyramid, nor
     full-size logits. The image is read once, band by band."""
     reason = bounded_segment_unsupported_reason(model)
@@ -312,10 +327,9 @@ def iter_bounded_segment(model: nn.Module, read_rows: RowReader, batch: int, siz
     _, taken = _blocks(backbone, read_band, batch, grid, model.take_blocks, rows_per_chunk, tick)
     maps = {block: _as_map(t, backbone.num_prefix_tokens, grid) for block, t in zip(model.take_blocks, taken)}
     for r0, r1 in tiles:
-        a, b = max(r0 - HEAD_HALO, 0), min(r1 + HEAD_HALO, grid[0])
         y0, y1 = r0 * patch[0], min(r1 * patch[0], height)
         if y0 < y1:
-            yield y0, _head_tile(model, maps, grid, a, b, (y0, y1), width)
+            yield y0, _head_tile(model, maps, grid, r0, r1, (y0, y1), width)
         tick()
 
 

@@ -89,9 +89,12 @@ class SimpleFeaturePyramid(nn.Module):
                           nn.Conv2d(out_dim, out_dim, 3, padding=1, bias=False), LayerNorm2d(out_dim))
             for s in PYRAMID_SCALES)
 
+    def level(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Pyramid level ``index`` (finest first) from its backbone map x [B, C, h, w]."""
+        return self.projections[index](self.rescales[index](self.input_norms[index](x)))
+
     def forward(self, features: List[torch.Tensor]) -> List[torch.Tensor]:
-        return [project(rescale(norm(x)))
-                for x, norm, rescale, project in zip(features, self.input_norms, self.rescales, self.projections)]
+        return [self.level(index, x) for index, x in enumerate(features)]
 
 
 #: resize(map [B, C, h_i, w_i], level i) -> [B, C, h_0, w_0]: how a head brings coarser levels to the finest one
