@@ -46,7 +46,11 @@ from .data.large_image import (
 from .data.transforms import build_seg_transforms, build_transforms
 from .engine.plots import class_palette, overlay_mask
 from .inference import segment
-from .models import bounded_segment_unsupported_reason, iter_bounded_segment
+from .models.bounded import (
+    DEFAULT_ROWS_PER_CHUNK,
+    bounded_segment_unsupported_reason,
+    iter_bounded_segment,
+)
 
 __all__ = ['Predictor', 'torch_predictor', 'onnx_predictor', 'load_predictor', 'Item', 'collect_inputs',
            'classify_images', 'write_predictions', 'segment_image', 'segment_images', 'save_mask_png',
@@ -362,8 +366,9 @@ def _write_png(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, ste
 
 def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[str], mode: Optional[str] = None,
                    window: Optional[int] = None, stride: Optional[int] = None, batch_size: int = 8,
-                   alpha: float = 0.5, rows_per_chunk: int = 16, max_pixels: int = DEFAULT_MAX_PIXELS,
-                   mask_format: str = 'auto', downsample: float = 1.0) -> Tuple[int, Skipped]:
+                   alpha: float = 0.5, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK,
+                   max_pixels: int = DEFAULT_MAX_PIXELS, mask_format: str = 'auto',
+                   downsample: float = 1.0) -> Tuple[int, Skipped]:
     """Write each readable image's class map and overlay under OUT (see the module docstring); returns (how many
     were written, [(path, reason)] for the unreadable ones).
 

@@ -11,6 +11,7 @@ from PIL import Image
 from linvit.predict import (
     PREDICTION_FIELDS,
     Predictor,
+    choose_mode,
     classify_images,
     collect_inputs,
     load_predictor,
@@ -119,3 +120,32 @@ def test_what_stops_a_prediction(tmp_path):
         segment_images(predictor, [], None)
     with pytest.raises(FileNotFoundError, match='nothing.onnx does not exist'):
         load_predictor(str(tmp_path / 'nothing.onnx'))
+
+
+def _seg_predictor(**backbone_kwargs) -> Predictor:
+    import timm
+
+    from linvit.models import SegmentationModel
+    backbone = timm.create_model('linvit_tiny_patch16_224', num_classes=0, depth=2, embed_dim=48, num_heads=3,
+                                 patch_size=8, dynamic_img_size=True, **backbone_kwargs)
+    predictor = red_threshold_segmenter([])
+    predictor.model = SegmentationModel(backbone, num_classes=2, neck_dim=16, head_dim=16).eval()
+    return predictor
+
+
+def test_auto_mode_is_bounded_when_the_model_allows_it_else_whole_or_windows_by_size():
+    mode, why = choose_mode(_seg_predictor(), 5000, 5000, 'auto', max_pixels=100, rows_per_chunk=8)
+    assert mode == 'bounded' and 'bands of 8 patch rows' in why
+    hybrid = _seg_predictor(softmax_blocks=[1])
+    mode, why = choose_mode(hybrid, 10, 10, 'auto', max_pixels=100, rows_per_chunk=8)
+    assert mode == 'whole' and 'softmax attention' in why and 'within --max-pixels 100' in why
+    mode, why = choose_mode(hybrid, 10, 11, 'auto', max_pixels=100, rows_per_chunk=8)
+    assert mode == 'slide' and 'above --max-pixels 100' in why
+    onnx = red_threshold_segmenter([])  # no PyTorch model: an ONNX file
+    assert choose_mode(onnx, 10, 11, 'auto', max_pixels=100, rows_per_chunk=8)[0] == 'slide'
+    assert choose_mode(onnx, 10, 11, 'whole', max_pixels=100, rows_per_chunk=8) == ('whole', '--mode')
+    with pytest.raises(ValueError, match='--mode bounded cannot run this model: block 1 has') as error:
+        choose_mode(hybrid, 10, 10, 'bounded', max_pixels=100, rows_per_chunk=8)
+    assert '\n' not in str(error.value)
+    with pytest.raises(ValueError, match='ONNX file runs whole or in windows'):
+        choose_mode(onnx, 10, 10, 'bounded', max_pixels=100, rows_per_chunk=8)

@@ -39,6 +39,7 @@ from typing import List, Optional
 import torch
 
 from linvit.bench.cli import HelpFormatter
+from linvit.models.bounded import DEFAULT_ROWS_PER_CHUNK
 from linvit.predict import (
     DEFAULT_MAX_PIXELS,
     MASK_FORMATS,
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--mode', choices=PREDICT_MODES, default='auto',
                         help="segmentation: 'auto' chooses per image; 'bounded' the whole image in bands (models "
                              "with the state form), 'whole' one forward, 'slide' overlapping windows")
-    parser.add_argument('--rows-per-chunk', type=int, default=16,
+    parser.add_argument('--rows-per-chunk', type=int, default=DEFAULT_ROWS_PER_CHUNK,
                         help='bounded: patch rows per band (its memory budget: fewer rows, less memory)')
     parser.add_argument('--max-pixels', type=int, default=DEFAULT_MAX_PIXELS,
                         help='auto, for a model without the state form: whole images up to this many pixels, '

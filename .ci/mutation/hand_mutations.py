@@ -6,8 +6,9 @@ import subprocess
 from pathlib import Path
 
 MUTATIONS = [
-    ('eps * N -> eps (unmasked)', 'linvit/ops/linear_attention.py', 'den = den + eps * phi_k.shape[-2]',
-     'den = den + eps', 'tests/ops/test_linear_attention.py'),
+    ('eps * N -> eps (unmasked)', 'linvit/ops/linear_attn/pytorch.py',
+     'return out1[..., :dv] / (out1[..., dv:] + eps * count)', 'return out1[..., :dv] / (out1[..., dv:] + eps)',
+     'tests/ops/test_linear_attention.py'),
     ("elu1 '+ r' -> '+ x'", 'linvit/ops/feature_maps.py', 'return torch.exp(x - r) + r', 'return torch.exp(x - r) + x',
      'tests/ops/test_linear_attention.py'),
     ('local mix reflect padding', 'linvit/layers/local_mix.py', 'padding=kernel_size // 2, groups=channels,',

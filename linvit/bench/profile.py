@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from linvit.models.bounded import DEFAULT_ROWS_PER_CHUNK
 from linvit.timing import CpuLoad, percentile
 
 from . import plots, report
@@ -56,7 +57,7 @@ class Config:
     repeats: int
     threads: Optional[int] = None
     compile_mode: Optional[str] = None
-    rows_per_chunk: int = 16  # bounded mode: patch rows per band
+    rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK  # bounded mode: patch rows per band
 
     def to_json(self) -> str:
         d = {k: getattr(self, k) for k in ('height', 'width', 'batch', 'dtype', 'mode', 'workload', 'device',
@@ -85,7 +86,7 @@ def build_configs(models: Sequence[str], sizes: Sequence[Tuple[int, int]], floor
                   workloads: Sequence[str] = ('inference',), dtypes: Sequence[str] = ('float32',),
                   batches: Sequence[int] = (1,), modes: Sequence[str] = ('eager', 'compiled'), device: str = 'cpu',
                   warmup: int = 2, repeats: int = 5, threads: Optional[int] = None,
-                  compile_mode: Optional[str] = None, rows_per_chunk: int = 16) -> List[Config]:
+                  compile_mode: Optional[str] = None, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> List[Config]:
     """Every configuration of a sweep, size-major so that an interrupted run has whole comparisons; ``floors``
     (``FLOORS``) adds the floor of every model, of the linvit ones, or of none. The bounded mode is measured for
     the inference of linvit models only (softmax attention and floors have no state form)."""

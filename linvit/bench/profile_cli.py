@@ -8,6 +8,7 @@ import os
 import tempfile
 from typing import List, Optional
 
+from linvit.models.bounded import DEFAULT_ROWS_PER_CHUNK
 from linvit.precision import PRECISIONS
 
 from . import profile, report
@@ -40,7 +41,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                         help='inference: a forward under inference_mode; training: forward, loss and backward; '
                              'segmentation: the backbone in a SegmentationModel (simple pyramid, MLP head), class '
                              'ids at full resolution')
-    parser.add_argument('--rows-per-chunk', type=int, default=16,
+    parser.add_argument('--rows-per-chunk', type=int, default=DEFAULT_ROWS_PER_CHUNK,
                         help='bounded: patch rows per band (the memory budget)')
     parser.add_argument('--warmup', type=int, default=2, help='untimed calls before timing, >= 1 (the first compiles)')
     parser.add_argument('--repeats', type=int, default=5, help='timed calls per configuration')

@@ -138,7 +138,7 @@ class LinearAttention(nn.Module):
             later patches) and no attn_mask.
         causal_chunk_size: tokens per chunk of the causal scan.
         attn_backend: who computes the non-causal core (``linvit.ops.ATTN_BACKENDS``): 'auto' (the Triton
-            kernels of ``linvit.ops.attention_op`` on CUDA tensors they serve, the PyTorch path elsewhere),
+            kernels of ``linvit.ops.linear_attn.op`` on CUDA tensors they serve, the PyTorch path elsewhere),
             'triton' (the kernels always; an error says why when they cannot serve a call) or 'torch'.
 
     forward: x [B, N, dim] -> [B, N, dim_out]; attn_mask is an optional key-padding mask (see
@@ -226,8 +226,9 @@ class LinearAttention(nn.Module):
         self.feature_map = map_spec.module(num_heads, head_dim, **dd) if learnable else map_spec.fn
         # without autograd a fixed map is written into the fresh qkv projection output rather than a new tensor
         self.feature_map_inplace = _no_inplace_form if learnable else map_spec.inplace or self.feature_map
-        # with autograd, maps that have a registered derivative train through the fused Function (linvit.ops.fused),
-        # which computes plain linear attention only: a family with its own mix never takes it
+        # with autograd, maps that have a registered derivative train through the fused Function
+        # (linvit.ops.linear_attn.function), which computes plain linear attention only: a family with its own mix
+        # never takes it
         self.fused_backward = has_fused_backward(feature_map) and type(self).mix is LinearAttention.mix
         self.eps = eps
         self.causal = causal
@@ -267,7 +268,7 @@ class LinearAttention(nn.Module):
     @torch.jit.unused
     def _mix_tokens_op(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """qkv [B, N, 3, H, D] -> attention output [B, N, H * D] through the registered op
-        (``linvit.ops.attention_op``), which picks its implementation per call: the Triton kernels for CUDA tensors
+        (``linvit.ops.linear_attn.op``), which picks its implementation per call: the Triton kernels for CUDA tensors
         they serve, the fused PyTorch path otherwise (``attn_backend`` can force either). The op keeps qkv (or q, k,
         v) for backward plus the small state and per-row normalisers, and returns the output token-major, so the
         reshape below is a view."""

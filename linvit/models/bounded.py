@@ -1,6 +1,6 @@
 """The backbone over an image whose activations do not fit at once: exactly the plain forward, in bands of patch rows.
 
-    tokens = bounded_forward_features(model, images, rows_per_chunk=16)     # == model.forward_features(images)
+    tokens = bounded_forward_features(model, images, rows_per_chunk=8)     # == model.forward_features(images)
     maps = bounded_forward_intermediates(model, images, [2, 5, 8, 11])      # == forward_intermediates(..., 'NCHW')
 
 What the plain forward holds per block (qkv, the MLP's 4x hidden layer, the attention output, each as large as the
@@ -32,7 +32,12 @@ from .linvit import LinearAttentionBlock, patch_grid
 from .segmentation import PYRAMID_SCALES, MLPHead, SegmentationModel
 
 __all__ = ['bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason',
-           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'HEAD_HALOS']
+           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'HEAD_HALOS',
+           'DEFAULT_ROWS_PER_CHUNK']
+
+#: patch rows per band (and per head tile): at 4096 px, linvit-S segmentation peaks below 2 GiB with 8 and runs as
+#: fast as the plain forward (docs/benchmarks.md); fewer rows, less memory
+DEFAULT_ROWS_PER_CHUNK = 8
 
 #: blocks of timm's pre-norm form x + ls1(attn(norm1(x))), then x + ls2(mlp(norm2(x))), which the bands reproduce
 _PRE_NORM_BLOCKS = (Block, LinearAttentionBlock)
@@ -152,7 +157,8 @@ def _blocks(model: nn.Module, read_band: BandReader, batch: int, grid: List[int]
 
 
 @torch.no_grad()
-def bounded_forward_features(model: nn.Module, images: torch.Tensor, rows_per_chunk: int = 16) -> torch.Tensor:
+def bounded_forward_features(model: nn.Module, images: torch.Tensor,
+                             rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> torch.Tensor:
     """``model.forward_features(images)`` in bands of ``rows_per_chunk`` patch rows: images [B, C, H, W] ->
     normalised tokens [B, prefix + H' * W', dim]. The final norm runs in place, band by band."""
     _check(model, rows_per_chunk)
@@ -166,7 +172,7 @@ def bounded_forward_features(model: nn.Module, images: torch.Tensor, rows_per_ch
 
 @torch.no_grad()
 def bounded_forward_intermediates(model: nn.Module, images: torch.Tensor, indices: Sequence[int],
-                                  rows_per_chunk: int = 16) -> List[torch.Tensor]:
+                                  rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> List[torch.Tensor]:
     """``model.forward_intermediates(images, indices, norm=False, output_fmt='NCHW', intermediates_only=True)`` in
     bands: the outputs of blocks ``indices`` (sorted, distinct, >= 0) as maps [B, dim, H', W']; blocks after the
     last one asked for do not run."""
@@ -291,7 +297,7 @@ def _head_tile(model: SegmentationModel, maps: Dict[int, torch.Tensor], grid: Li
 
 @torch.no_grad()
 def iter_bounded_segment(model: nn.Module, read_rows: RowReader, batch: int, size: Tuple[int, int],
-                         rows_per_chunk: int = 16, progress: Optional[Progress] = None
+                         rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK, progress: Optional[Progress] = None
                          ) -> Iterator[Tuple[int, torch.Tensor]]:
     """``linvit.inference.whole_inference(model, images, pad_multiple=patch)`` of a SegmentationModel, a band of rows
     at a time: yields (y0, logits [B, K, n, W] of image rows y0..y0+n-1), top to bottom, covering the image of
@@ -334,7 +340,8 @@ def iter_bounded_segment(model: nn.Module, read_rows: RowReader, batch: int, siz
 
 
 @torch.no_grad()
-def bounded_segment(model: nn.Module, images: torch.Tensor, rows_per_chunk: int = 16) -> torch.Tensor:
+def bounded_segment(model: nn.Module, images: torch.Tensor,
+                    rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> torch.Tensor:
     """Class ids [B, H, W] (uint8 for up to 256 classes, else int32) of ``model(images)`` for images [B, C, H, W]
     of any size (padded to the patch as ``whole_inference`` pads), computed by ``iter_bounded_segment``: the argmax
     is taken per band, so full-size float logits never exist."""

@@ -180,7 +180,7 @@ class FeatureMapSpec:
     fn: a fixed map, [..., D] -> non-negative [..., D]. Exactly one of ``fn`` and ``module``.
     with_vjp: ``with_vjp(x) -> (fn(x), vjp)``, ``vjp(grad)`` the gradient of x for an upstream ``grad`` (x, grad
         [..., D]; vjp may overwrite grad). With it, layers train through the fused attention Function
-        (``linvit.ops.fused``); without, through plain autograd of ``fn``.
+        (``linvit.ops.linear_attn.function``); without, through plain autograd of ``fn``.
     inplace: ``fn`` written into its argument (a fresh intermediate), returning it: inference then maps the qkv
         projection output in place instead of allocating phi.
     derivative_from_output: fn'(x) computed from phi = fn(x) (an elementwise map only): the fused Function then

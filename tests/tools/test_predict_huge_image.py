@@ -45,7 +45,7 @@ def test_a_ten_thousand_pixel_bigtiff_becomes_a_tiled_class_map(seg_run, predict
     image = _big_tiff(tmp_path / 'scene.tif')
     assert predict_tool.main([str(seg_run), str(image), '--out', str(tmp_path / 'out'), '--threads', '2']) == 0
     log = capsys.readouterr().err
-    assert 'bounded: the whole image in bands of 16 patch rows' in log
+    assert 'bounded: the whole image in bands of 8 patch rows' in log
     with tifffile.TiffFile(tmp_path / 'out' / 'scene_mask.tif') as tif:
         page = tif.pages[0]
         assert tif.is_bigtiff and page.is_tiled and page.shape == (10_000, 10_000)
