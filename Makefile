@@ -13,7 +13,7 @@ MUTATION_WORKERS ?= 2
 # mutant name patterns for make mutation (empty: every module of the target), e.g. 'linvit.layers.families.*'
 MUTANTS ?=
 
-.PHONY: setup demo demo-cls test lint bench gpu-check gpu-quality gpu-prep triton-compat gpu-stack-test mutation clean
+.PHONY: setup demo demo-cls demo-context test lint bench gpu-check gpu-quality gpu-prep triton-compat gpu-stack-test mutation clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,11 @@ demo-cls: $(STAMP)
 	@echo "  $(PY) train.py --config configs/cls_folder.yaml data.root=/path/to/imagefolder output_dir=runs/my_set"
 	@echo "  make bench"
 	@$(PY) -c "$$DEMO_CLS_VERDICT" runs/cls_demo/metrics.json
+
+# why whole-image inference matters: make demo's shapes task (a shape's class is a key's colour anywhere on the border),
+# one model segmenting the validation images whole and in sliding windows of half the side; mIoU of each, pictures
+demo-context: $(STAMP)
+	$(PY) tools/context_demo.py --out runs/context_demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check linvit tests tools train.py

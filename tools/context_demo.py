@@ -6,11 +6,11 @@ The built-in shapes task (``linvit.data.synthetic_seg``) gives every grey shape 
 (red or blue), and the key sits anywhere along the image's top or left border: the class of a shape's pixels is
 decided up to a whole image side away. A model that sees the whole image can relate the two (linear attention makes
 seeing the whole image cheap at any size: ``tools/predict.py`` runs it in bounded memory); a sliding window that
-does not hold the key cannot, and guesses. This tool trains such a model (``configs/seg_context_demo.yaml``: 128 px,
-about 4 minutes on 2 CPU cores) unless given a run, then segments the validation images both ways with the same
-model (``linvit.inference.segment``: 'whole', and 'slide' with windows of half the image side every quarter side,
-logits averaged where they overlap), prints the mIoU and per-class IoU of each, and draws the same images both ways
-(RUN/context_whole.png, RUN/context_windows.png: image | ground truth | prediction).
+does not hold the key cannot, and guesses. This tool trains such a model (``configs/seg_context_demo.yaml``:
+make demo's model at 64 px, about 3 minutes on 2 CPU cores) unless given a run, then segments the validation images
+both ways with the same model (``linvit.inference.segment``: 'whole', and 'slide' with windows of half the image
+side every quarter side, logits averaged where they overlap), prints the mIoU and per-class IoU of each, and draws
+the same images both ways (RUN/context_whole.png, RUN/context_windows.png: image | ground truth | prediction).
 
     python tools/context_demo.py                           # train runs/context_demo, then compare (make demo-context)
     python tools/context_demo.py --run runs/context_demo   # compare only, with a trained run

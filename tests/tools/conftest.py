@@ -60,3 +60,8 @@ def predict_tool() -> ModuleType:
 @pytest.fixture(scope='module')
 def causal_bench() -> ModuleType:
     return load_tool('bench_causal')
+
+
+@pytest.fixture(scope='module')
+def context_demo_tool() -> ModuleType:
+    return load_tool('context_demo')
