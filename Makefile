@@ -67,7 +67,7 @@ demo-cls: $(STAMP)
 # why whole-image inference matters: make demo's shapes task (a shape's class is a key's colour anywhere on the border),
 # one model segmenting the validation images whole and in sliding windows of half the side; mIoU of each, pictures
 demo-context: $(STAMP)
-	$(PY) tools/context_demo.py --out runs/context_demo
+	$(PY) tools/context_demo.py --out runs/seg_context_demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check linvit tests tools train.py

@@ -12,9 +12,9 @@ both ways with the same model (``linvit.inference.segment``: 'whole', and 'slide
 side every quarter side, logits averaged where they overlap), prints the mIoU and per-class IoU of each, and draws
 the same images both ways (RUN/context_whole.png, RUN/context_windows.png: image | ground truth | prediction).
 
-    python tools/context_demo.py                           # train runs/context_demo, then compare (make demo-context)
-    python tools/context_demo.py --run runs/context_demo   # compare only, with a trained run
-    python tools/context_demo.py --window 96 --stride 32   # other windows
+    python tools/context_demo.py                               # train runs/seg_context_demo, then compare
+    python tools/context_demo.py --run runs/seg_context_demo   # compare only, with a trained run
+    python tools/context_demo.py --window 48 --stride 16       # other windows
 
 Windows of half the side are already larger than a shape, so each window holds whole shapes; what it misses is the
 key, unless the key lies inside it. Larger images do not change that: the answer is as far away as the image is
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument('--run', help='a trained segmentation run on the shapes task (default: train '
                                       'configs/seg_context_demo.yaml into --out first)')
-    parser.add_argument('--out', default='runs/context_demo', help='where a new run is trained (replaced)')
+    parser.add_argument('--out', default='runs/seg_context_demo', help='where a new run is trained (replaced)')
     parser.add_argument('--window', type=int, help='sliding window side in px (default: half the image side)')
     parser.add_argument('--stride', type=int, help='step between windows in px (default: a quarter of the side)')
     parser.add_argument('--batch-size', type=int, default=16, help='images per forward')
