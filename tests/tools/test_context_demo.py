@@ -4,18 +4,8 @@ import json
 import re
 
 import pytest
-from tiny_run import TINY_MODEL, TINY_SEG
-
-from linvit.engine import load_config, train
 
 pytestmark = pytest.mark.compiler
-
-
-@pytest.fixture(scope='module')
-def seg_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp('context') / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_SEG, 'train.epochs=1', f'output_dir={out}']))
-    return out
 
 
 def test_whole_and_windows_are_scored_and_drawn(seg_run, context_demo_tool, capsys):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import load_file
-from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
+from tiny_run import TINY_MODEL, TINY_RUN
 
 from linvit.engine import load_config, train
 from linvit.engine.tasks.segmentation import create_segmentation_model
@@ -26,13 +26,6 @@ pytestmark = pytest.mark.compiler
 def cls_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('cls') / 'run'
     train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'train.epochs=1', f'output_dir={out}']))
-    return out
-
-
-@pytest.fixture(scope='module')
-def seg_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp('seg') / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_SEG, 'train.epochs=1', f'output_dir={out}']))
     return out
 
 
