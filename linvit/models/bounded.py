@@ -268,16 +268,20 @@ def _level_rows(r0: int, r1: int, halo: int, scale: float, rows: int) -> Tuple[i
 
 
 def _head_tile(model: SegmentationModel, maps: Dict[int, torch.Tensor], grid: List[int], r0: int, r1: int,
-               out_rows: Tuple[int, int], out_width: int) -> torch.Tensor:
+               out_rows: Tuple[int, int], out_width: int, map_offset: int = 0) -> torch.Tensor:
     """Logits [B, K, y1 - y0, out_width] of image rows out_rows = (y0, y1), within patch rows r0..r1-1: each pyramid
     level from its backbone map's rows with the level's halo (``HEAD_HALOS``), resampled at its place in the whole
-    map; the head (per pixel: 1x1 convolutions, norms) runs on the finest-level rows the final resampling reads."""
+    map; the head (per pixel: 1x1 convolutions, norms) runs on the finest-level rows the final resampling reads.
+    maps: block -> [B, dim, n, gw] holding patch rows map_offset..map_offset+n-1 (0: the whole map)."""
     gh = grid[0]
     ph, pw = model.backbone.patch_embed.patch_size
     pyramid, offsets = [], []
     for level, (block, scale, halo) in enumerate(zip(model.level_blocks, PYRAMID_SCALES, HEAD_HALOS)):
         a, b = _level_rows(r0, r1, halo, scale, gh)
-        pyramid.append(model.neck.level(level, maps[block][:, :, a:b]))
+        if a < map_offset or b - map_offset > maps[block].shape[-2]:
+            raise RuntimeError(f"patch rows {a}..{b - 1} are not all in the maps' rows {map_offset}.."
+                               f"{map_offset + maps[block].shape[-2] - 1}: the head halo is too small")
+        pyramid.append(model.neck.level(level, maps[block][:, :, a - map_offset:b - map_offset]))
         offsets.append(int(a * scale))
     level_rows = [int(gh * scale) for scale in PYRAMID_SCALES]  # max pooling floors an odd row count
     low, high, _ = _source_coords(level_rows[0], ph * gh, *out_rows)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from two_ranks import WORLD_SIZE, run_two_ranks
+from ranks import WORLD_SIZE, run_two_ranks
 
 from linvit.engine.metrics import ClassificationMeter, topk_correct
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from two_ranks import run_two_ranks
+from ranks import run_two_ranks
 
 from linvit.engine.metrics import SegmentationMeter, confusion_matrix
 
