@@ -32,6 +32,7 @@ from linvit.data import DataError, LayoutError
 from linvit.engine import ConfigError, NonFiniteLossError, RunInterrupted
 from linvit.engine.checkpoint import CheckpointError
 from linvit.engine.commands import evaluate_saved, resume_run, start_run
+from linvit.engine.distributed import cleanup_distributed
 
 #: exit status of an expected failure: the command line or a config is wrong / a file, the data or the run is
 EXIT_CONFIG, EXIT_FAILURE = 2, 1
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
         said = one_line(interrupt) if isinstance(interrupt, RunInterrupted) else 'interrupted'
         print(f"train.py: {said}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:  # the process group (torchrun) ends with the run, whatever the outcome
+        cleanup_distributed()
     if rank0:
         print(summary_line(metrics))
     return 0

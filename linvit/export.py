@@ -469,14 +469,14 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
     ``dynamic_img_size=True`` (same weights), so the file can take any image size."""
     if is_trained_source(source):
         from .engine.loading import load_trained
+        from .engine.run_dir import RunDir
         trained = load_trained(source, dynamic_img_size=dynamic_size)
         metadata = {'task': trained.task, 'class_names': trained.class_names, 'mean': list(trained.mean),
                     'std': list(trained.std), 'model_name': trained.cfg.model.name, 'source': source,
                     'weights': os.path.abspath(trained.weights_path),
                     'weights_sha256': file_sha256(trained.weights_path)}
         run_dir = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
-        return ExportSource(trained.model, img_size or trained.img_size, metadata,
-                            os.path.join(run_dir, 'model.onnx'))
+        return ExportSource(trained.model, img_size or trained.img_size, metadata, RunDir(run_dir).onnx)
     import timm
 
     from .bench.specs import parse_model_spec

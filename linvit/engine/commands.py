@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from .checkpoint import Checkpoint, CheckpointError
 from .config import ConfigError, RunConfig, config_from_yaml, differing_keys, load_config
 from .evaluation import evaluate
+from .run_dir import RunDir
 from .run_files import WeightsMismatchError, find_run_files, saved_config_text
 from .tasks import architecture_keys
 from .trainer import train
@@ -38,11 +39,12 @@ def start_run(config_file: Optional[str], overrides: Sequence[str], overwrite: b
 
 def resume_run(path: str, config_file: Optional[str], overrides: Sequence[str]) -> Dict[str, Any]:
     """Continue the run in ``path`` (a run directory, or a checkpoint file of one) with the overrides."""
+    files = RunDir(path)
     if _keeps_checkpoints_in_stages(path):  # train finds where each stage stopped
         cfg = config_for_weights(config_file, [f'output_dir={os.path.abspath(path)}', *overrides],
-                                 _read_text(os.path.join(path, 'config.yaml')))
+                                 _read_text(files.config))
         return train(cfg, resume=True)
-    checkpoint_path = os.path.join(path, 'last.pt') if os.path.isdir(path) else path
+    checkpoint_path = files.last if os.path.isdir(path) else path
     checkpoint = Checkpoint.load(checkpoint_path)
     if checkpoint.config is None:
         raise CheckpointError(f"{checkpoint_path} is not a linvit training checkpoint: it has no 'config' or 'model' "
@@ -65,14 +67,15 @@ def evaluate_saved(path: str, config_file: Optional[str], overrides: Sequence[st
         raise ConfigError(f"{weights} carries no config: pass --config with the model and data it was trained with")
     cfg = config_for_weights(config_file, [*_UNUSED_WITH_WEIGHTS, *overrides], saved)
     stem = os.path.splitext(os.path.basename(weights))[0]
-    out_dir = out or os.path.join(os.path.dirname(os.path.abspath(weights)), f'eval_{stem}')
-    if os.path.isfile(os.path.join(out_dir, 'metrics.json')):
+    out_dir = out or RunDir(os.path.dirname(os.path.abspath(weights))).evaluation(stem)
+    metrics_path = RunDir(out_dir).metrics_json
+    if os.path.isfile(metrics_path):
         _logger.warning("%s holds an earlier evaluation: its metrics.json is replaced (--out DIR keeps both)", out_dir)
     try:
         metrics = evaluate(cfg, weights, out_dir)
     except WeightsMismatchError as error:
         raise explained_mismatch(error, cfg, saved) from error
-    _logger.info("evaluation written to %s", os.path.join(out_dir, 'metrics.json'))
+    _logger.info("evaluation written to %s", metrics_path)
     return metrics
 
 
@@ -100,8 +103,8 @@ def explained_mismatch(error: WeightsMismatchError, cfg: DictConfig, saved: Opti
 def _keeps_checkpoints_in_stages(path: str) -> bool:
     """A run directory with its config but no last.pt of its own: a run trained in stages keeps its checkpoints in
     its stages' folders (a run of one stage without last.pt is refused by ``train``, naming the missing file)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, 'config.yaml')) and \
-        not os.path.isfile(os.path.join(path, 'last.pt'))
+    files = RunDir(path)
+    return os.path.isdir(path) and os.path.isfile(files.config) and not os.path.isfile(files.last)
 
 
 def _read_text(path: str) -> str:

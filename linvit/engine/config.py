@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ..data import DATASET_BUILDERS, image_size
 from ..precision import PRECISIONS
 from ..registry import Registry
+from .run_dir import RunDir
 
 __all__ = ['RunConfig', 'ModelConfig', 'DataConfig', 'AugConfig', 'SyntheticConfig', 'TrainConfig', 'CONFIG_SECTIONS',
            'config_section', 'config_schema', 'config_choice', 'ConfigError', 'ARCHITECTURE_KEYS', 'differing_keys',
@@ -315,8 +316,6 @@ def _check_available(device: torch.device, word: str) -> None:
                           f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
 
 
-#: the weights files a run folder holds, in the order a user would pick them
-_WEIGHT_FILES = ('model.safetensors', 'best.pt', 'last.pt')
 #: model.kwargs that have their own config key (timm's pretrained=True would download weights)
 _KWARGS_WITH_KEYS = {'pretrained': 'model.pretrained_file=PATH (local weights: .pth / .safetensors)',
                      'pretrained_cfg_overlay': 'model.pretrained_file=PATH',
@@ -333,8 +332,8 @@ def _check_model_keys(cfg: DictConfig) -> None:
                               f"instead")
     path = cfg.model.pretrained_file
     if path and os.path.isdir(path):
-        inside = [name for name in _WEIGHT_FILES if os.path.isfile(os.path.join(path, name))]
-        hint = f"; e.g. model.pretrained_file={os.path.join(path, inside[0])}" if inside else ''
+        inside = [RunDir(path).join(name) for name in RunDir.WEIGHT_FILES if os.path.isfile(RunDir(path).join(name))]
+        hint = f"; e.g. model.pretrained_file={inside[0]}" if inside else ''
         raise ConfigError(f"model.pretrained_file={path!r} is a folder; it takes a weights file (.safetensors, .pth, "
                           f".pt){hint}")
     if cfg.threads is not None and cfg.threads < 1:

@@ -72,6 +72,9 @@ def setup_distributed(device: str = 'auto') -> DistInfo:
 
 
 def cleanup_distributed() -> None:
+    """Destroy this process's process group, if it has one (nothing on one process): what ends a torchrun process
+    after its run, so that it exits without a leaked group (``train.py``'s main calls it, whatever the outcome).
+    ``train`` itself leaves the group alone: a caller may run several trainings in one group."""
     if distributed_running():
         dist.destroy_process_group()
 

@@ -19,6 +19,7 @@ from .distributed import setup_distributed
 from .metrics import Meter
 from .plots import plot_curves
 from .run import Run, autocast_factory, build_run, loader, use_threads
+from .run_dir import RunDir
 from .run_files import load_weights, read_weights, trained_img_size
 from .run_log import write_json
 from .sampler import ShardSampler
@@ -55,10 +56,9 @@ def evaluated_meter(run: Run, model: nn.Module) -> Meter:
 def save_prediction_picture(run: Run, model: nn.Module, step: int) -> str:
     """Draw the task's prediction picture of ``step`` (pictures/val_stepNNNNNN.png) and the curves so far
     (curves.png, from metrics.csv); returns the picture's path. Rank 0 only."""
-    cfg = run.cfg
-    pictures = os.path.join(cfg.output_dir, 'pictures')
-    os.makedirs(pictures, exist_ok=True)
-    png_path = os.path.join(pictures, f'val_step{step:06d}.png')
+    cfg, files = run.cfg, run.files
+    os.makedirs(files.pictures, exist_ok=True)
+    png_path = files.picture('val', step)
     was_training = model.training
     model.eval()
     try:
@@ -66,9 +66,8 @@ def save_prediction_picture(run: Run, model: nn.Module, step: int) -> str:
                                autocast_factory(run))
     finally:
         model.train(was_training)
-    csv_path = os.path.join(cfg.output_dir, 'metrics.csv')
-    if os.path.exists(csv_path):
-        plot_curves(csv_path, os.path.join(cfg.output_dir, 'curves.png'), title=f"{cfg.model.name} on {cfg.data.name}")
+    if os.path.exists(files.metrics_csv):
+        plot_curves(files.metrics_csv, files.curves, title=f"{cfg.model.name} on {cfg.data.name}")
     return png_path
 
 
@@ -110,7 +109,7 @@ def evaluate(cfg: DictConfig, weights_path: str, out_dir: str) -> Dict[str, Any]
     metrics = run.task.final_metrics(evaluated_meter(run, run.model).compute())
     if info.is_main:
         os.makedirs(out_dir, exist_ok=True)
-        write_json(os.path.join(out_dir, 'metrics.json'), metrics)
+        write_json(RunDir(out_dir).metrics_json, metrics)
         if cfg.train.pictures:
             run.model.eval()
             run.task.save_pictures(run.model, run.val_set, run.class_names, os.path.join(out_dir,

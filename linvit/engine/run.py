@@ -30,6 +30,7 @@ from ..timing import cpu_load
 from .checkpoint import Checkpoint, Progress, capture_rng_state, restore_rng_state
 from .config import ConfigError, config_from_yaml, config_to_yaml, differing_keys
 from .distributed import DistInfo
+from .run_dir import RunDir
 from .run_files import load_weights
 from .sampler import ResumableSampler
 from .step import TrainStep
@@ -66,6 +67,7 @@ class Run:
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
     amp_dtype: Optional[torch.dtype]  # autocast dtype of train.precision; None: float32, no autocast
+    files: RunDir  # the run folder cfg.output_dir: where each of its files goes
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def build_run(cfg: DictConfig, info: DistInfo, with_train: bool = True) -> Run:
     model = _build_model(task, len(class_names)).to(info.device)
     amp_dtype = None if cfg.train.precision == 'float32' else PRECISIONS[cfg.train.precision]
     return Run(cfg=cfg, info=info, task=task, model=model, class_names=class_names, train_set=train_set,
-               val_set=val_set, mean=mean, std=std, amp_dtype=amp_dtype)
+               val_set=val_set, mean=mean, std=std, amp_dtype=amp_dtype, files=RunDir(cfg.output_dir))
 
 
 def _build_model(task: Task, num_classes: int) -> nn.Module:

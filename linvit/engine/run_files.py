@@ -1,6 +1,7 @@
 """Run files and weights: which files a run directory, checkpoint or weights file stands for, the weights and
 config they hold, and loading weights into a model strictly (position embeddings resampled to its grid).
 
+The names of a run folder's files are ``RunDir``'s (``linvit.engine.run_dir``, the layout; exported here too).
 These need no model registry or task, so everything that builds models (the tasks, the trainer,
 ``linvit.engine.loading``'s ``load_trained``) can use them without importing each other.
 """
@@ -19,8 +20,9 @@ from timm.layers import resample_abs_pos_embed
 from ..data import image_size
 from .checkpoint import Checkpoint, CheckpointError, load_safetensors
 from .config import ConfigError, config_from_yaml
+from .run_dir import RunDir
 
-__all__ = ['RUN_WEIGHTS', 'RUN_DERIVED', 'RUN_STAGES', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError',
+__all__ = ['RunDir', 'RUN_WEIGHTS', 'RUN_DERIVED', 'RUN_STAGES', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError',
            'run_entries_in', 'run_results_in', 'claim_run_dir', 'remove_unstarted_run', 'RunFiles',
            'find_run_files', 'saved_config_text', 'SavedWeights', 'read_weights', 'load_weights',
            'resample_position_embeddings', 'trained_img_size', 'WeightsMismatchError']
@@ -28,22 +30,22 @@ __all__ = ['RUN_WEIGHTS', 'RUN_DERIVED', 'RUN_STAGES', 'RUN_ENTRIES', 'RUN_RESUL
 _logger = logging.getLogger(__name__)
 
 #: the weights a run directory offers, in order of preference
-RUN_WEIGHTS = ('model.safetensors', 'best.pt', 'last.pt')
-_CHECKPOINTS = ('best.pt', 'last.pt')
+RUN_WEIGHTS = RunDir.WEIGHT_FILES
 #: what other commands write into a run directory from its weights, by default: the ONNX file of
 #: tools/export_onnx.py and the evaluations of train.py --eval-only (eval_<weights name>/). They describe the run's
 #: weights, so they go with them: a run replaced by --overwrite takes them along.
-RUN_DERIVED = ('model.onnx', 'eval_*')
+RUN_DERIVED = (RunDir.ONNX, f'{RunDir.EVALUATION_PREFIX}*')
 #: the folders of a run trained in stages (a linearization), each a run directory of its own
-RUN_STAGES = ('stage1', 'stage2')
+RUN_STAGES = RunDir.STAGES
 #: what train.py writes into a run directory (a staged run adds its stage folders and its state <task>.json), and
 #: what is derived from it: the entries a replaced run takes along. Names or fnmatch patterns.
-RUN_ENTRIES = ('config.yaml', 'train.log', 'metrics.csv', 'metrics.json', 'last.pt', 'best.pt', 'model.safetensors',
-               'curves.png', 'pictures', 'tb', 'linearize.json', *RUN_STAGES, *RUN_DERIVED)
+RUN_ENTRIES = (RunDir.CONFIG, RunDir.LOG, RunDir.METRICS_CSV, RunDir.METRICS_JSON, RunDir.LAST, RunDir.BEST,
+               RunDir.WEIGHTS, RunDir.CURVES, RunDir.PICTURES, RunDir.TENSORBOARD, 'linearize.json', *RUN_STAGES,
+               *RUN_DERIVED)
 #: the entries that make a folder hold a run: something to resume or a result, of its own or in a stage folder (the
 #: rest alone, a staged run's state included, is what a run that stopped before its first checkpoint leaves:
 #: nothing that --resume could continue)
-RUN_RESULTS = ('last.pt', 'best.pt', 'model.safetensors', 'metrics.json', *RUN_DERIVED)
+RUN_RESULTS = (RunDir.LAST, RunDir.BEST, RunDir.WEIGHTS, RunDir.METRICS_JSON, *RUN_DERIVED)
 #: how many differing keys a WeightsMismatchError names before '(and N more)'
 _NAMED_KEYS = 3
 
@@ -132,6 +134,11 @@ def _existing(directory: str, names: Sequence[str]) -> Optional[str]:
     return next((os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))), None)
 
 
+def _beside(path: str) -> RunDir:
+    """The run folder a weights file lies in."""
+    return RunDir(os.path.dirname(os.path.abspath(path)))
+
+
 def _read_text(path: str) -> str:
     with open(path, encoding='utf-8') as f:
         return f.read()
@@ -140,21 +147,21 @@ def _read_text(path: str) -> str:
 def find_run_files(path: str) -> RunFiles:
     """The config, weights and checkpoint that ``path`` (run directory, .pt checkpoint or .safetensors) stands for."""
     if os.path.isdir(path):
-        config = os.path.join(path, 'config.yaml')
+        config = RunDir(path).config
         weights = _existing(path, RUN_WEIGHTS)
         if not os.path.isfile(config) or weights is None:
-            raise FileNotFoundError(f"{path} is not a linvit run directory: it needs config.yaml and one of "
+            raise FileNotFoundError(f"{path} is not a linvit run directory: it needs {RunDir.CONFIG} and one of "
                                     f"{', '.join(RUN_WEIGHTS)}")
-        return RunFiles(_read_text(config), weights, _existing(path, _CHECKPOINTS))
+        return RunFiles(_read_text(config), weights, _existing(path, RunDir.CHECKPOINTS))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (expected a run directory, a .pt checkpoint or a "
                                 f".safetensors file)")
     if path.endswith('.safetensors'):
-        config = os.path.join(os.path.dirname(os.path.abspath(path)), 'config.yaml')
+        config = _beside(path).config
         if not os.path.isfile(config):
-            raise FileNotFoundError(f"{path} carries no config and there is no config.yaml next to it: pass its run "
-                                    f"directory, or a checkpoint (.pt)")
-        return RunFiles(_read_text(config), path, _existing(os.path.dirname(config), _CHECKPOINTS))
+            raise FileNotFoundError(f"{path} carries no config and there is no {RunDir.CONFIG} next to it: pass its "
+                                    f"run directory, or a checkpoint (.pt)")
+        return RunFiles(_read_text(config), path, _existing(os.path.dirname(config), RunDir.CHECKPOINTS))
     checkpoint = Checkpoint.load(path)
     if checkpoint.config is None:
         raise CheckpointError(f"{path} is not a linvit training checkpoint: it has no 'config' entry")
@@ -169,7 +176,7 @@ def saved_config_text(path: str) -> Optional[str]:
     if path.endswith('.safetensors'):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"weights file {path} does not exist")
-        config = os.path.join(os.path.dirname(os.path.abspath(path)), 'config.yaml')
+        config = _beside(path).config
         return _read_text(config) if os.path.isfile(config) else None
     return Checkpoint.load(path).config
 

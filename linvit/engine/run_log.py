@@ -2,9 +2,9 @@
 ``metrics.csv`` and TensorBoard (``RunLog``), ``metrics.json``, and the window of training each train row sums up.
 
     with run_directory(cfg, info) as log_file:     # config.yaml written, train.log receives linvit's and timm's log
-        log = RunLog(cfg.output_dir, CSV_BASE_COLUMNS + ('top1', 'top5'), enabled=info.is_main)
+        log = RunLog(RunDir(cfg.output_dir), CSV_BASE_COLUMNS + ('top1', 'top5'), enabled=info.is_main)
         log.row({'epoch': 0, 'step': 10, 'split': 'train', 'loss': 0.7, ...})     # metrics.csv + TensorBoard
-        log.picture('val/predictions', 'pictures/val_step000010.png', 10)
+        log.picture('val/predictions', RunDir(cfg.output_dir).picture('val', 10), 10)
 """
 import contextlib
 import csv
@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from .checkpoint import atomic_write
 from .config import config_to_yaml
 from .distributed import DistInfo
+from .run_dir import RunDir
 
 __all__ = ['RunLog', 'CSV_BASE_COLUMNS', 'TrainWindow', 'run_directory', 'write_json', 'format_metrics',
            'peak_memory_mib']
@@ -36,15 +37,15 @@ _LOGGERS = ('linvit', 'timm', 'py.warnings')
 class RunLog:
     """metrics.csv, TensorBoard and the log file of one run; does nothing on ranks other than 0."""
 
-    def __init__(self, out_dir: str, columns: Sequence[str], enabled: bool) -> None:
-        self.out_dir = out_dir
+    def __init__(self, files: RunDir, columns: Sequence[str], enabled: bool) -> None:
+        self.files = files
         self.columns = list(columns)
         self.enabled = enabled
-        self.csv_path = os.path.join(out_dir, 'metrics.csv')
+        self.csv_path = files.metrics_csv
         self.writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(os.path.join(out_dir, 'tb'))
+            self.writer = SummaryWriter(files.tensorboard)
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after ``step`` (by a run that crashed after its last checkpoint), before resuming."""
@@ -135,14 +136,15 @@ def run_directory(cfg: DictConfig, info: DistInfo) -> Iterator[None]:
     if not info.is_main:
         yield
         return
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    handler = logging.FileHandler(os.path.join(cfg.output_dir, 'train.log'))
+    files = RunDir(cfg.output_dir)
+    os.makedirs(files.path, exist_ok=True)
+    handler = logging.FileHandler(files.log)
     handler.setFormatter(logging.Formatter('%(asctime)s %(levelname)s %(name)s: %(message)s'))
     logging.captureWarnings(True)
     for name in _LOGGERS:
         logging.getLogger(name).addHandler(handler)
     try:
-        with atomic_write(os.path.join(cfg.output_dir, 'config.yaml'), mode='w') as f:
+        with atomic_write(files.config, mode='w') as f:
             f.write(config_to_yaml(cfg))
         yield
     finally:

@@ -9,9 +9,8 @@ Read from the top: ``train`` asks the task whether it trains in stages (``Task.s
 each stage, or the whole run, through ``_train_run``: set the run up (``linvit.engine.run``), then ``fit``, the
 loop, in sections: the data, the loss and the step, the schedules, logging, evaluation, checkpoints.
 
-The run directory (``cfg.output_dir``, written by rank 0 only): ``config.yaml``, ``train.log``, ``metrics.csv``,
-``metrics.json`` (the final evaluation), ``last.pt`` / ``best.pt`` (atomic), ``model.safetensors`` (the evaluated
-weights), ``tb/`` (TensorBoard events), ``curves.png`` and ``pictures/val_stepNNNNNN.png``.
+The run directory (``cfg.output_dir``, written by rank 0 only) is laid out as ``linvit.engine.run_dir`` says: the
+loop gets it once, as ``Run.files`` (a ``RunDir``), and asks it for each path (``run.files.last``, ...).
 
 Determinism: the seed fixes model init, data order and augmentation (each sample's augmentation is seeded by its
 position in the epoch, see ``sampler``); a checkpoint holds the model, optimizer, scaler, EMA, the step and every
@@ -51,6 +50,7 @@ from .run import (
     seed_everything,
     use_threads,
 )
+from .run_dir import RunDir
 from .run_files import claim_run_dir, remove_unstarted_run, run_entries_in, run_results_in
 from .run_log import CSV_BASE_COLUMNS, RunLog, TrainWindow, format_metrics, run_directory, write_json
 from .tasks import StagedRun, Task, build_task
@@ -93,7 +93,7 @@ def train(cfg: DictConfig, resume: Union[bool, Checkpoint] = False, overwrite: b
         staged = build_task(cfg).staged_run()
         if staged is not None:
             return _train_stages(staged, resume=bool(resume), overwrite=overwrite)
-        checkpoint = Checkpoint.load(os.path.join(cfg.output_dir, 'last.pt')) if resume is True else resume or None
+        checkpoint = Checkpoint.load(RunDir(cfg.output_dir).last) if resume is True else resume or None
         outcome = _train_run(cfg, checkpoint, overwrite)
     except RunInterrupted:
         raise
@@ -129,21 +129,20 @@ def _train_stages(staged: StagedRun, resume: bool, overwrite: bool) -> Dict[str,
     """Train a task's stages one after the other, each a run of its own in its folder (a resumed one continues
     where it stopped; finished ones are kept), then the task's report: metrics.json, its own files, and the last
     stage's weights as the run's model.safetensors. What was measured is kept in <task>.json."""
-    cfg = staged.config
+    cfg, files = staged.config, RunDir(staged.config.output_dir)
     info = setup_distributed(cfg.device)
     if not resume:
         _claim_run_dir(cfg.output_dir, info, overwrite)
     task = build_task(cfg)
-    state_path = os.path.join(cfg.output_dir, f'{task.name}.json')
+    state_path = files.state(task.name)
     with _nothing_left_if_refused(cfg.output_dir, info):
         state = _train_each_stage(staged, task, state_path, info, resume)
     report = task.report(state, info.is_main)
     barrier()
     if info.is_main:
         _write_state(state_path, state, info)
-        shutil.copyfile(os.path.join(staged.stages[-1].config.output_dir, 'model.safetensors'),
-                        os.path.join(cfg.output_dir, 'model.safetensors'))
-        write_json(os.path.join(cfg.output_dir, 'metrics.json'), report)
+        shutil.copyfile(RunDir(staged.stages[-1].config.output_dir).weights, files.weights)
+        write_json(files.metrics_json, report)
         task.write_report(cfg.output_dir, report)
         _logger.info("run directory %s: metrics.json (the report), model.safetensors (the final model), %s (each a "
                      "run directory: checkpoints, curves, pictures, tb/)", cfg.output_dir,
@@ -158,7 +157,7 @@ def _train_each_stage(staged: StagedRun, task: Task, state_path: str, info: Dist
     cfg = staged.config
     if info.is_main:
         os.makedirs(cfg.output_dir, exist_ok=True)
-        with atomic_write(os.path.join(cfg.output_dir, 'config.yaml'), mode='w') as f:
+        with atomic_write(RunDir(cfg.output_dir).config, mode='w') as f:
             f.write(config_to_yaml(cfg))
     state = _read_state(state_path) if resume else {}
     if 'before' not in state:
@@ -183,7 +182,7 @@ def _evaluate_baselines(task: Task, first_stage: DictConfig, info: DistInfo) -> 
 
 def _train_stage(stage_cfg: DictConfig, resume: bool) -> Dict[str, Any]:
     """Train one stage (continuing its last.pt when resuming): its metrics, steps and wall time."""
-    last = os.path.join(stage_cfg.output_dir, 'last.pt')
+    last = RunDir(stage_cfg.output_dir).last
     checkpoint = Checkpoint.load(last) if resume and os.path.isfile(last) else None
     start = time.perf_counter()
     # the stage folders belong to this run (its own folder was claimed when it started): a stage that stopped before
@@ -195,7 +194,8 @@ def _train_stage(stage_cfg: DictConfig, resume: bool) -> Dict[str, Any]:
 
 
 def _finished(run_dir: str) -> bool:
-    return all(os.path.isfile(os.path.join(run_dir, name)) for name in ('metrics.json', 'model.safetensors'))
+    files = RunDir(run_dir)
+    return os.path.isfile(files.metrics_json) and os.path.isfile(files.weights)
 
 
 def _read_state(path: str) -> Dict[str, Any]:
@@ -227,7 +227,7 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
         run = build_run(cfg, info)
         training = build_training(run)
         seed_everything(cfg.seed + 1 + info.rank)  # per-rank dropout / drop-path / mixup streams
-        log = RunLog(cfg.output_dir, CSV_BASE_COLUMNS + tuple(run.task.metric_columns), info.is_main)
+        log = RunLog(run.files, CSV_BASE_COLUMNS + tuple(run.task.metric_columns), info.is_main)
         try:
             progress = Progress() if checkpoint is None else _resume(run, training, log, checkpoint)
             return fit(run, training, log, progress)
@@ -260,7 +260,7 @@ def _finished_metrics(cfg: DictConfig, progress: Progress) -> Optional[Dict[str,
     done and metrics.json was written); None when there is training or a final evaluation left."""
     epochs_done = progress.epoch >= cfg.train.epochs and progress.batch_in_epoch == 0
     budget_done = cfg.train.max_steps is not None and progress.step >= cfg.train.max_steps
-    path = os.path.join(cfg.output_dir, 'metrics.json')
+    path = RunDir(cfg.output_dir).metrics_json
     if not ((epochs_done or budget_done) and os.path.isfile(path)):
         return None
     with open(path, encoding='utf-8') as f:
@@ -290,7 +290,7 @@ def fit(run: Run, training: Training, log: RunLog, progress: Progress) -> RunOut
     train.log_every steps, a checkpoint every train.checkpoint_every steps and after every epoch, an evaluation
     every train.eval_every epochs and at the end. Returns the outcome, with the final evaluation."""
     cfg, info, every = run.cfg, run.info, run.cfg.train
-    watch = _LossWatch(info.device, cfg.output_dir, saved_step=progress.step or None)
+    watch = _LossWatch(info.device, run.files.last, saved_step=progress.step or None)
     evaluated_step, metrics = -1, None
     while progress.step < training.stop_at:
         # ------------------------------------------------------------ data: this epoch, from where it stopped
@@ -362,9 +362,9 @@ class _LossWatch:
     """The first step whose training loss was not finite, kept on the device (no host sync per step) and checked
     at log and checkpoint points (one all-reduce over the processes)."""
 
-    def __init__(self, device: torch.device, out_dir: str, saved_step: Optional[int]) -> None:
+    def __init__(self, device: torch.device, checkpoint_path: str, saved_step: Optional[int]) -> None:
         self.bad_step = torch.full((), -1, dtype=torch.int64, device=device)  # int64 []: -1 while every loss was
-        self.out_dir = out_dir
+        self.checkpoint_path = checkpoint_path  # the run's last.pt
         self.saved_step = saved_step  # the step of this run's last checkpoint, None before the first
 
     def record(self, loss: torch.Tensor, step: int) -> None:
@@ -376,7 +376,7 @@ class _LossWatch:
         bad_step = int(all_reduce_max(self.bad_step).item())
         if bad_step < 0:
             return
-        kept = (f"the last good checkpoint {os.path.join(self.out_dir, 'last.pt')} (step {self.saved_step}) is kept"
+        kept = (f"the last good checkpoint {self.checkpoint_path} (step {self.saved_step}) is kept"
                 if self.saved_step is not None else "no checkpoint was written by this run")
         raise NonFiniteLossError(f"non-finite training loss at step {bad_step}: the run stopped and {kept}. Lower "
                                  f"train.lr, set train.clip_grad, or use train.precision=bfloat16 instead of float16")
@@ -441,7 +441,7 @@ def _evaluate_and_record(run: Run, training: Training, log: RunLog,
 def _draw(run: Run, log: RunLog, model: nn.Module, meter: Any, step: int) -> None:
     """The evaluation's pictures and the curves, also sent to TensorBoard (rank 0)."""
     log.picture('val/predictions', save_prediction_picture(run, model, step), step)
-    summary = os.path.join(run.cfg.output_dir, 'pictures', f'{run.task.evaluation_picture}_step{step:06d}.png')
+    summary = run.files.picture(run.task.evaluation_picture, step)
     if run.task.plot_evaluation(meter, run.class_names, summary):
         log.picture(f'val/{run.task.evaluation_picture}', summary, step)
 
@@ -450,9 +450,9 @@ def _save_checkpoint(run: Run, training: Training, progress: Progress, also_best
     """Checkpoint the run as last.pt (and best.pt) on rank 0; every rank waits for it."""
     if run.info.is_main:
         checkpoint = checkpoint_of(run, training, progress)
-        checkpoint.save(os.path.join(run.cfg.output_dir, 'last.pt'))
+        checkpoint.save(run.files.last)
         if also_best:
-            checkpoint.save(os.path.join(run.cfg.output_dir, 'best.pt'))
+            checkpoint.save(run.files.best)
     barrier()
 
 
@@ -460,8 +460,8 @@ def _finish(run: Run, training: Training, progress: Progress, metrics: Dict[str,
     """metrics.json and model.safetensors of the last evaluation (rank 0); returns the final metrics."""
     final = run.task.final_metrics(metrics)
     if run.info.is_main:
-        write_json(os.path.join(run.cfg.output_dir, 'metrics.json'), final)
-        save_model_safetensors(evaluated_model(run, training), os.path.join(run.cfg.output_dir, 'model.safetensors'))
+        write_json(run.files.metrics_json, final)
+        save_model_safetensors(evaluated_model(run, training), run.files.weights)
         _logger.info("metrics.json and model.safetensors: step %d; best.pt: step %d (%s %.4f)", progress.step,
                      progress.best_step, run.task.main_metric, progress.best)
     return final

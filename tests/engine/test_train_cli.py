@@ -1,10 +1,14 @@
-"""train.py as users run it: config errors, a run, --resume, --eval-only, and torchrun with 2 gloo processes."""
+"""train.py as users run it: config errors, a run, --resume, --eval-only, torchrun with 2 gloo processes, and the
+process group ended with the run."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,3 +86,37 @@ def test_train_py_parses_and_calls_the_engine():
     with open(os.path.join(ROOT, 'train.py')) as f:
         lines = f.read().splitlines()
     assert len(lines) <= 120, f"train.py has {len(lines)} lines: move library logic into linvit.engine"
+
+
+def _train_py():
+    """train.py loaded as a module, to call its main() in this process."""
+    spec = importlib.util.spec_from_file_location('train', os.path.join(ROOT, 'train.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize('outcome, status', [('done', 0), ('config error', 2), ('interrupted', 130)])
+def test_train_py_ends_the_process_group_with_the_run_whatever_the_outcome(tmp_path, monkeypatch, outcome, status):
+    train_py = _train_py()
+    if outcome == 'done':
+        monkeypatch.setattr(train_py, 'start_run', lambda *args, **kwargs: {'top1': 1.0})
+    elif outcome == 'interrupted':
+        monkeypatch.setattr(train_py, 'start_run', _interrupted)
+    argv = ['--config', 'configs/cls_demo.yaml', f'output_dir={tmp_path / "run"}']
+    if outcome == 'config error':
+        argv.append('train.epoch=3')
+    # the group torchrun's processes have (one gloo rank here)
+    dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        monkeypatch.chdir(ROOT)
+        assert train_py.main(argv) == status
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -56,12 +56,13 @@ def read_curve(path: Path, batch: int) -> Curve:
 
 def run_curve(settings: QualitySettings, preset: Preset, spec: RunSpec) -> Curve:
     """The run's curve; the linearization's is stage 1's followed by stage 2's."""
+    from linvit.engine.run_dir import RunDir
     batch = preset.canvases[spec.canvas].batch
-    folder = run_dir(settings, spec)
+    files = RunDir(str(run_dir(settings, spec)))
     if spec.job == 'linearize':
-        return read_curve(folder / 'stage1' / 'metrics.csv', batch).extend(
-            read_curve(folder / 'stage2' / 'metrics.csv', batch))
-    return read_curve(folder / 'metrics.csv', batch)
+        first, second = (Path(files.stage(stage).metrics_csv) for stage in RunDir.STAGES)
+        return read_curve(first, batch).extend(read_curve(second, batch))
+    return read_curve(Path(files.metrics_csv), batch)
 
 
 def describe(spec: RunSpec, preset: Preset, plans: Dict[str, Any]) -> Dict[str, Any]:
@@ -87,6 +88,7 @@ def last_line(log: Path) -> str:
 def run_record(settings: QualitySettings, preset: Preset, spec: RunSpec, plans: Dict[str, Any],
                records: Dict[str, Dict[str, Any]], code: Optional[int], wall_s: float) -> Dict[str, Any]:
     """A finished, failed or cut run's row: top-1 (a fraction), steps, seconds, img/s, peak memory, status."""
+    from linvit.engine.run_dir import RunDir
     record = {**describe(spec, preset, plans), 'wall_s': wall_s}
     folder = run_dir(settings, spec)
     if spec.job == 'eval':
@@ -99,7 +101,7 @@ def run_record(settings: QualitySettings, preset: Preset, spec: RunSpec, plans: 
                       data_wait_frac=curve.data_wait_s / curve.train_s if curve.train_s else None)
     if code is None:
         return {**record, **cut_fields(settings, preset, spec, wall_s)}
-    metrics_path = folder / 'metrics.json'
+    metrics_path = Path(RunDir(str(folder)).metrics_json)
     if code != 0 or not metrics_path.is_file():
         why = last_line(Path(settings.out) / 'logs' / f"{spec.folder}.log")
         return {**record, 'status': f"error: the run exited {code} (logs/{spec.folder}.log: {why})"[:300]}

@@ -57,6 +57,7 @@ from ..checkpoint import atomic_write, load_checkpoint
 from ..config import CHOICES, ConfigError, config_choice, config_from_yaml, config_schema, config_section, load_config
 from ..distributed import setup_distributed
 from ..metrics import Meter
+from ..run_dir import RunDir
 from ..run_files import find_run_files, load_weights, read_weights, saved_config_text
 from .base import TASKS, Stage, StagedRun, Task, register_task
 from .distillation import (
@@ -115,7 +116,7 @@ config_choice('linearize.stage', ('all', 'attention', 'finetune'))
 NO_TEACHER = ("task=linearize needs linearize.teacher: a run directory of train.py or a weights file (.pth / .pt / "
               ".safetensors) of a softmax timm ViT")
 #: the stages' run directories inside the linearization's own
-STAGE_DIRS = {'attention': 'stage1', 'finetune': 'stage2'}
+STAGE_DIRS = dict(zip(('attention', 'finetune'), RunDir.STAGES))
 #: images per call when the report measures speed
 SPEED_BATCH = 4
 #: untimed and timed interleaved rounds of that measurement: 5 timed rounds at batch 4 left the reported img/s
@@ -151,7 +152,7 @@ def _teacher_config_text(teacher: str) -> Optional[str]:
 def teacher_training_steps(teacher: str) -> Optional[int]:
     """The optimizer steps the teacher was trained for, when its run directory records them (the last train row of
     metrics.csv); None otherwise."""
-    path = os.path.join(teacher, 'metrics.csv')
+    path = RunDir(teacher).metrics_csv
     if not (os.path.isdir(teacher) and os.path.isfile(path)):
         return None
     with open(path, newline='') as f:
@@ -258,7 +259,7 @@ class LinearizeTask(Task):
         stages = []
         if cfg.linearize.attention_epochs > 0:
             stages.append(Stage(STAGE_DIRS['attention'], _stage_config(cfg, 'attention', student_weights)))
-            student_weights = os.path.join(cfg.output_dir, STAGE_DIRS['attention'], 'model.safetensors')
+            student_weights = RunDir(cfg.output_dir).stage(STAGE_DIRS['attention']).weights
         stages.append(Stage(STAGE_DIRS['finetune'], _stage_config(cfg, 'finetune', student_weights)))
         return StagedRun(config=cfg, stages=tuple(stages))
 
@@ -311,7 +312,7 @@ class LinearizeTask(Task):
             if '_img_per_s@' in key:
                 rows.append({'split': f"speed_{key.replace('_img_per_s@', '@')}", 'img_per_s': value})
         fields = ['split', 'step', *self.metric_columns, 'loss', 'img_per_s']
-        with atomic_write(os.path.join(out_dir, 'metrics.csv'), mode='w') as f:
+        with atomic_write(RunDir(out_dir).metrics_csv, mode='w') as f:
             writer = csv.DictWriter(f, fieldnames=fields, extrasaction='ignore')
             writer.writeheader()
             writer.writerows({k: ('' if v is None else v) for k, v in row.items()} for row in rows)
