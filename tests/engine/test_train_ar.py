@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from two_ranks import run_two_ranks
+from ranks import run_two_ranks
 
 from linvit.engine import train
 from linvit.engine.config import ConfigError, load_config
