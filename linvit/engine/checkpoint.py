@@ -225,6 +225,9 @@ class Checkpoint:
     ema: Optional[Dict[str, torch.Tensor]] = None  # the EMA copy's state_dict (train.ema)
     rng: Optional[Dict[str, Any]] = None  # capture_rng_state()
     world_size: int = 1  # processes that trained it (another count changes the data order)
+    # a sharded run's (parallel.fsdp): the folder beside this file that holds its model and optimizer shards
+    # (torch.distributed.checkpoint, any world size); ``model`` then holds the consolidated weights, ``optimizer`` None
+    sharded: Optional[str] = None
     version: int = CHECKPOINT_VERSION
 
     def evaluated_weights(self) -> Dict[str, torch.Tensor]:
@@ -233,7 +236,8 @@ class Checkpoint:
 
     def to_dict(self) -> Dict[str, Any]:
         """The on-disk layout: {'version', 'config', 'class_names', 'model', 'ema', 'optimizer', 'scheduler',
-        'scaler', 'progress': {'step', 'epoch', 'batch_in_epoch', 'best', 'best_step'}, 'rng', 'world_size'}."""
+        'scaler', 'progress': {'step', 'epoch', 'batch_in_epoch', 'best', 'best_step'}, 'rng', 'world_size',
+        'sharded'}."""
         p = self.progress
         return {'version': self.version, 'config': self.config,
                 'class_names': list(self.class_names) if self.class_names is not None else None,
@@ -241,7 +245,7 @@ class Checkpoint:
                 'scaler': self.scaler,
                 'progress': {'step': p.step, 'epoch': p.epoch, 'batch_in_epoch': p.batch_in_epoch, 'best': p.best,
                              'best_step': p.best_step},
-                'rng': self.rng, 'world_size': self.world_size}
+                'rng': self.rng, 'world_size': self.world_size, 'sharded': self.sharded}
 
     @classmethod
     def from_dict(cls, state: Dict[str, Any]) -> 'Checkpoint':
@@ -250,7 +254,7 @@ class Checkpoint:
                    class_names=[str(n) for n in names] if names is not None else None,
                    progress=Progress(**state.get('progress', {})), optimizer=state.get('optimizer'),
                    scheduler=state.get('scheduler'), scaler=state.get('scaler'), ema=state.get('ema'),
-                   rng=state.get('rng'), world_size=int(state.get('world_size', 1)),
+                   rng=state.get('rng'), world_size=int(state.get('world_size', 1)), sharded=state.get('sharded'),
                    version=int(state.get('version', CHECKPOINT_VERSION)))
 
     def save(self, path: PathLike) -> None:

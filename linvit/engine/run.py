@@ -21,7 +21,6 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..precision import PRECISIONS
@@ -30,6 +29,7 @@ from ..timing import cpu_load
 from .checkpoint import Checkpoint, Progress, capture_rng_state, restore_rng_state
 from .config import ConfigError, config_from_yaml, config_to_yaml, differing_keys
 from .distributed import DistInfo
+from .parallel import Layout, context_loss, full_weights, load_sharded, parallel_module, plan_layout
 from .run_dir import RunDir
 from .run_files import load_weights
 from .sampler import ResumableSampler
@@ -81,8 +81,9 @@ class Training:
     scheduler: Scheduler
     scaler: Optional[torch.amp.GradScaler]  # float16 only
     ema: Optional[ModelEmaV3]
-    step: TrainStep  # around the model (DistributedDataParallel around it when distributed)
+    step: TrainStep  # around the model as parallel_module wraps it (context split, checkpointing, DDP / FSDP2)
     mixer: Optional[BatchMixer]  # the task's batch mixing (e.g. Mixup); None: off
+    layout: Layout  # the processes: mesh, context group, how gradients are synchronised (cfg.parallel)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -194,12 +195,13 @@ def build_training(run: Run) -> Training:
     train, info = run.cfg.train, run.info
     if train.accum_steps < 1:
         raise ValueError(f"train.accum_steps must be >= 1, got {train.accum_steps}")
-    wrapped = run.model
-    if info.distributed:
-        wrapped = DistributedDataParallel(run.model, device_ids=[info.device.index] if info.device.type == 'cuda'
-                                          else None)
+    layout = plan_layout(run.cfg, info, run.model, run.task.logits_rank)
+    wrapped = parallel_module(run.model, layout, run.amp_dtype, info.device)
+    if info.is_main and info.distributed:
+        _logger.info("processes: %s", layout.describe())
+    # a context group draws the same batches: the data order follows the data index, not the rank
     sampler = ResumableSampler(len(run.train_set), run.cfg.data.batch_size, seed=run.cfg.seed, shuffle=True,
-                               rank=info.rank, world_size=info.world_size)
+                               rank=layout.data_rank, world_size=layout.data)
     steps_per_epoch = sampler.batches_per_epoch // train.accum_steps
     if steps_per_epoch < 1:
         raise ConfigError(f"an epoch of the {len(run.train_set)} training samples has {sampler.batches_per_epoch} "
@@ -212,7 +214,8 @@ def build_training(run: Run) -> Training:
                                        min_lr=train.min_lr, step_on_epochs=False, updates_per_epoch=steps_per_epoch)
     scaler = torch.amp.GradScaler(info.device.type) if run.amp_dtype == torch.float16 else None
     ema = ModelEmaV3(run.model, decay=train.ema_decay) if train.ema else None
-    step = TrainStep(wrapped, run.task.train_loss(), optimizer, compile=train.compile, amp_dtype=run.amp_dtype,
+    loss = context_loss(run.task.train_loss(), wrapped, layout, run.task.logits_rank, run.cfg.data.ignore_index)
+    step = TrainStep(wrapped, loss, optimizer, compile=train.compile, amp_dtype=run.amp_dtype,
                      grad_scaler=scaler, accum_steps=train.accum_steps, clip_grad=train.clip_grad)
     total_steps = train.epochs * steps_per_epoch
     stop_at = min(total_steps, train.max_steps) if train.max_steps else total_steps
@@ -220,7 +223,7 @@ def build_training(run: Run) -> Training:
         _warn_small_data(run, steps_per_epoch, total_steps)
     return Training(sampler=sampler, steps_per_epoch=steps_per_epoch, total_steps=total_steps, stop_at=stop_at,
                     optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, step=step,
-                    mixer=run.task.batch_mixer(len(run.class_names)))
+                    mixer=run.task.batch_mixer(len(run.class_names)), layout=layout)
 
 
 def _warn_small_data(run: Run, steps_per_epoch: int, total_steps: int) -> None:
@@ -244,31 +247,53 @@ def learning_rate(optimizer: torch.optim.Optimizer) -> float:
 
 
 def evaluated_model(run: Run, training: Training) -> nn.Module:
-    """The weights that are evaluated and exported: the EMA copy when train.ema is on, else the model."""
-    return training.ema.module if training.ema is not None else run.model
+    """The weights that are evaluated and exported: the EMA copy when train.ema is on, else the model; a sharded
+    model (parallel.fsdp) as a whole copy on every rank (every rank calls this: the shards are gathered)."""
+    if training.ema is not None:
+        return training.ema.module
+    if not training.layout.fsdp:
+        return run.model
+    device = run.info.device
+    with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []):  # initialising draws nothing from
+        whole = _build_model(run.task, len(run.class_names)).to(device)  # the training streams (dropout, drop path)
+    whole.load_state_dict(full_weights(run.model))
+    return whole
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
-def checkpoint_of(run: Run, training: Training, progress: Progress) -> Checkpoint:
-    """Everything that continues this run exactly from ``progress``: weights, optimizer, scaler, EMA, RNGs."""
+def checkpoint_of(run: Run, training: Training, progress: Progress, shards: Optional[str] = None) -> Checkpoint:
+    """Everything that continues this run exactly from ``progress``: weights, optimizer, scaler, EMA, RNGs. A
+    sharded run's (parallel.fsdp) holds the consolidated weights and names the folder of its model and optimizer
+    shards (``shards``, relative to the run folder, written by ``save_sharded``; every rank calls this then, as it
+    gathers the weights)."""
+    sharded = training.layout.fsdp
     return Checkpoint(
-        config=config_to_yaml(run.cfg), class_names=list(run.class_names), model=run.model.state_dict(),
-        progress=Progress(**vars(progress)), optimizer=training.optimizer.state_dict(),
+        config=config_to_yaml(run.cfg), class_names=list(run.class_names),
+        model=full_weights(run.model) if sharded else run.model.state_dict(),
+        progress=Progress(**vars(progress)), optimizer=None if sharded else training.optimizer.state_dict(),
         scheduler=training.scheduler.state_dict(),
         scaler=training.scaler.state_dict() if training.scaler is not None else None,
         ema=training.ema.module.state_dict() if training.ema is not None else None,
-        rng=capture_rng_state(), world_size=run.info.world_size)
+        rng=capture_rng_state(), world_size=run.info.world_size, sharded=shards if sharded else None)
 
 
 def restore(run: Run, training: Training, checkpoint: Checkpoint) -> Progress:
-    """Load a 'last' checkpoint's weights, optimizer, scaler, EMA and RNG states; returns where it was."""
-    load_weights(run.model, checkpoint.model, 'the resumed checkpoint', resample_pos_embed=False)
+    """Load a 'last' checkpoint's weights, optimizer, scaler, EMA and RNG states; returns where it was. A sharded
+    checkpoint's model and optimizer come from its shards, at this run's world size, sharded or not."""
+    if checkpoint.sharded:
+        load_sharded(run.files.join(checkpoint.sharded), run.model, training.optimizer)
+    elif training.layout.fsdp:
+        raise ConfigError("this checkpoint was not written by a sharded run (parallel.fsdp=false): resume it with "
+                          "parallel.fsdp=false")
+    else:
+        load_weights(run.model, checkpoint.model, 'the resumed checkpoint', resample_pos_embed=False)
     if training.ema is not None:
         if checkpoint.ema is None:
             raise ValueError("the checkpoint has no EMA weights but train.ema=true; resume with train.ema=false")
         training.ema.module.load_state_dict(checkpoint.ema)
-    training.optimizer.load_state_dict(checkpoint.optimizer)
+    if not checkpoint.sharded:
+        training.optimizer.load_state_dict(checkpoint.optimizer)
     if training.scaler is not None and checkpoint.scaler is not None:
         training.scaler.load_state_dict(checkpoint.scaler)
     if checkpoint.world_size != run.info.world_size:

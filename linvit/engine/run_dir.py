@@ -12,6 +12,7 @@ A run directory (written by rank 0 only; ``linvit.engine.trainer`` fills it, ``r
     metrics.csv          a train row every train.log_every steps, a val row at each evaluation
     metrics.json         the final evaluation (a staged run: the task's report)
     last.pt, best.pt     training checkpoints (atomic): the latest, the best evaluation's
+    last.dcp/            a sharded run's (parallel.fsdp) model and optimizer shards beside last.pt
     model.safetensors    the evaluated weights (the EMA weights when train.ema is on)
     tb/                  TensorBoard events
     curves.png           the training curves, from metrics.csv
@@ -39,6 +40,8 @@ class RunDir:
     METRICS_CSV: ClassVar[str] = 'metrics.csv'
     METRICS_JSON: ClassVar[str] = 'metrics.json'
     LAST: ClassVar[str] = 'last.pt'
+    #: a sharded run's (parallel.fsdp) model and optimizer shards of last.pt (torch.distributed.checkpoint)
+    LAST_SHARDS: ClassVar[str] = 'last.dcp'
     BEST: ClassVar[str] = 'best.pt'
     WEIGHTS: ClassVar[str] = 'model.safetensors'
     TENSORBOARD: ClassVar[str] = 'tb'
@@ -82,6 +85,12 @@ class RunDir:
     def last(self) -> str:
         """last.pt: the latest checkpoint, what --resume continues."""
         return self.join(self.LAST)
+
+    @property
+    def last_shards(self) -> str:
+        """last.dcp/: a sharded run's model and optimizer state of last.pt, one file per rank (any world size
+        loads it)."""
+        return self.join(self.LAST_SHARDS)
 
     @property
     def best(self) -> str:

@@ -39,9 +39,9 @@ RUN_DERIVED = (RunDir.ONNX, f'{RunDir.EVALUATION_PREFIX}*')
 RUN_STAGES = RunDir.STAGES
 #: what train.py writes into a run directory (a staged run adds its stage folders and its state <task>.json), and
 #: what is derived from it: the entries a replaced run takes along. Names or fnmatch patterns.
-RUN_ENTRIES = (RunDir.CONFIG, RunDir.LOG, RunDir.METRICS_CSV, RunDir.METRICS_JSON, RunDir.LAST, RunDir.BEST,
-               RunDir.WEIGHTS, RunDir.CURVES, RunDir.PICTURES, RunDir.TENSORBOARD, 'linearize.json', *RUN_STAGES,
-               *RUN_DERIVED)
+RUN_ENTRIES = (RunDir.CONFIG, RunDir.LOG, RunDir.METRICS_CSV, RunDir.METRICS_JSON, RunDir.LAST, RunDir.LAST_SHARDS,
+               RunDir.BEST, RunDir.WEIGHTS, RunDir.CURVES, RunDir.PICTURES, RunDir.TENSORBOARD, 'linearize.json',
+               *RUN_STAGES, *RUN_DERIVED)
 #: the entries that make a folder hold a run: something to resume or a result, of its own or in a stage folder (the
 #: rest alone, a staged run's state included, is what a run that stopped before its first checkpoint leaves:
 #: nothing that --resume could continue)

@@ -37,6 +37,7 @@ from .checkpoint import Checkpoint, Progress, atomic_write, save_model_safetenso
 from .config import ConfigError, check_runs_here, config_to_yaml
 from .distributed import DistInfo, all_reduce_max, all_reduce_mean, barrier, setup_distributed
 from .evaluation import evaluated_meter, save_prediction_picture
+from .parallel import save_sharded
 from .run import (
     Run,
     Training,
@@ -226,7 +227,9 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
     with _nothing_left_if_refused(cfg.output_dir, info), run_directory(cfg, info):
         run = build_run(cfg, info)
         training = build_training(run)
-        seed_everything(cfg.seed + 1 + info.rank)  # per-rank dropout / drop-path / mixup streams
+        # per-rank dropout / drop-path / mixup streams; a context group's ranks share one (drop path masks a sample
+        # on every rank that holds a part of it)
+        seed_everything(cfg.seed + 1 + training.layout.data_rank)
         log = RunLog(run.files, CSV_BASE_COLUMNS + tuple(run.task.metric_columns), info.is_main)
         try:
             progress = Progress() if checkpoint is None else _resume(run, training, log, checkpoint)
@@ -447,21 +450,40 @@ def _draw(run: Run, log: RunLog, model: nn.Module, meter: Any, step: int) -> Non
 
 
 def _save_checkpoint(run: Run, training: Training, progress: Progress, also_best: bool = False) -> None:
-    """Checkpoint the run as last.pt (and best.pt) on rank 0; every rank waits for it."""
+    """Checkpoint the run as last.pt (and best.pt) on rank 0; every rank waits for it.
+
+    A sharded run's ranks first write their model and optimizer shards into a folder of this step
+    (last.dcp/stepNNNNNN), which last.pt then names; the older step folders go once last.pt is written, so a crash
+    at any moment leaves a last.pt whose shards are whole."""
+    shards = None
+    if training.layout.fsdp:
+        shards = os.path.join(RunDir.LAST_SHARDS, f'step{progress.step:06d}')
+        if not os.path.isfile(os.path.join(run.files.join(shards), '.metadata')):  # this step's are written already
+            save_sharded(run.files.join(shards), run.model, training.optimizer)
+    checkpoint = checkpoint_of(run, training, progress, shards) if run.info.is_main or shards else None
     if run.info.is_main:
-        checkpoint = checkpoint_of(run, training, progress)
         checkpoint.save(run.files.last)
         if also_best:
             checkpoint.save(run.files.best)
+        if shards:
+            _remove_older_shards(run.files.last_shards, os.path.basename(shards))
     barrier()
+
+
+def _remove_older_shards(folder: str, keep: str) -> None:
+    """Delete the step folders in ``folder`` (last.dcp/) other than ``keep``: last.pt no longer names them."""
+    for name in os.listdir(folder):
+        if name != keep:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def _finish(run: Run, training: Training, progress: Progress, metrics: Dict[str, Any]) -> Dict[str, Any]:
     """metrics.json and model.safetensors of the last evaluation (rank 0); returns the final metrics."""
     final = run.task.final_metrics(metrics)
+    model = evaluated_model(run, training)  # every rank: a sharded model is gathered
     if run.info.is_main:
         write_json(run.files.metrics_json, final)
-        save_model_safetensors(evaluated_model(run, training), run.files.weights)
+        save_model_safetensors(model, run.files.weights)
         _logger.info("metrics.json and model.safetensors: step %d; best.pt: step %d (%s %.4f)", progress.step,
                      progress.best_step, run.task.main_metric, progress.best)
     return final

@@ -427,7 +427,7 @@ def test_the_file_is_the_plain_dict_layout_train_py_has_always_written(tmp_path)
     _training_checkpoint(ema=False).save(tmp_path / 'new.pt')
     state = load_checkpoint(tmp_path / 'new.pt')
     assert sorted(state) == ['class_names', 'config', 'ema', 'model', 'optimizer', 'progress', 'rng', 'scaler',
-                             'scheduler', 'version', 'world_size']
+                             'scheduler', 'sharded', 'version', 'world_size']
     assert state['progress'] == {'step': 7, 'epoch': 1, 'batch_in_epoch': 4, 'best': 0.5, 'best_step': 6}
     weights = {'weight': torch.ones(2, 3)}
     save_checkpoint(tmp_path / 'old.pt', {'config': 'seed: 1\n', 'model': weights, 'class_names': [0, 1],
