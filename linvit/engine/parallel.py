@@ -170,7 +170,10 @@ def parallel_module(model: nn.Module, layout: Layout, amp_dtype: Optional[torch.
             if amp_dtype == torch.bfloat16 else MixedPrecisionPolicy()
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
-        return fully_shard(module, mesh=mesh, mp_policy=policy)
+        # a ContextParallel reaches each block twice (its ContextBlock and the model's own list): the root leaves
+        # the blocks' parameters to their groups
+        shared = {p for block in blocks for p in block.parameters()} if layout.context > 1 else None
+        return fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=shared)
     if layout.world > 1:
         from torch.nn.parallel import DistributedDataParallel
         # its own group: the gradient all-reduces then never interleave with the context groups' collectives

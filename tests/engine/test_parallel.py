@@ -53,12 +53,15 @@ def _assert_same_training(got, want):
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-    """The runs the tests compare: one process, context 2 (checkpointing every block), DDP and FSDP2 on 2 processes."""
+    """The runs the tests compare: one process, context 2 (checkpointing every block), DDP and FSDP2 on 2 processes,
+    and both dimensions on 4: context 2 x data 2 with HSDP and checkpointing."""
     tmp = tmp_path_factory.mktemp('parallel')
     return {'alone': _train(tmp, 'alone'),
             'context': _train(tmp, 'context', 'parallel.context=2', 'parallel.checkpoint_every=1', processes=2),
             'ddp': _train(tmp, 'ddp', processes=2),
-            'fsdp': _train(tmp, 'fsdp', 'parallel.fsdp=true', processes=2)}
+            'fsdp': _train(tmp, 'fsdp', 'parallel.fsdp=true', processes=2),
+            'hsdp': _train(tmp, 'hsdp', 'parallel.context=2', 'parallel.fsdp=true', 'parallel.checkpoint_every=2',
+                           processes=4)}
 
 
 def test_a_run_split_over_two_context_ranks_trains_as_one_process(runs):
@@ -76,6 +79,11 @@ def test_fsdp2_trains_as_ddp_and_saves_whole_weights_and_its_shards(runs):
     weights = load_file(runs['fsdp'] / 'model.safetensors')  # consolidated: what one process loads
     assert sorted(weights) == sorted(last.model)
     assert all(torch.equal(last.model[name], weights[name]) for name in weights)
+
+
+def test_context_and_data_dimensions_together_train_as_ddp_over_the_data(runs):
+    _assert_same_training(runs['hsdp'], runs['ddp'])  # context 2 x data 2 (HSDP) vs data 2: the same batches
+    assert 'mesh context=2 x data=2 over 4 process(es) (HSDP' in (runs['hsdp'] / 'train.log').read_text()
 
 
 def _restored(rank, run_dir, world_size):
