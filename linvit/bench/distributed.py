@@ -396,21 +396,16 @@ def _attention_geometry(model: nn.Module, img_size: int) -> Dict[str, int]:
                 tokens=grid + backbone.num_prefix_tokens)
 
 
-def _blocks(module: nn.Module) -> nn.ModuleList:
-    """The modules FSDP wraps one by one: the ContextBlocks, else the backbone's blocks."""
-    if isinstance(module, ContextParallel):
-        return module.blocks
-    return module.backbone.blocks if isinstance(module, SegmentationModel) else module.blocks
-
-
 def _sync(module: nn.Module, config: DistConfig, device: torch.device, counter: CommCounter) -> nn.Module:
     """``module`` wrapped as ``config.sync`` says: DDP (its bucket all-reduces labelled 'grads') or FSDP2."""
-    if config.sync == 'fsdp':
-        from torch.distributed.fsdp import fully_shard
+    if config.sync == 'fsdp':  # as train.py's parallel.fsdp=true wraps it
+        from torch.distributed.device_mesh import init_device_mesh
 
-        for block in _blocks(module):
-            fully_shard(block)
-        return fully_shard(module)
+        from ..engine.parallel import Layout, parallel_module
+        mesh = init_device_mesh(device.type, (1, config.world), mesh_dim_names=('context', 'data'))
+        layout = Layout(world=config.world, context=1, data=config.world, data_rank=dist.get_rank(),
+                        shards=RowShards(None), mesh=mesh, fsdp=True, checkpoint_every=0)
+        return parallel_module(module, layout, None, device)
     if config.sync == 'ddp' and config.world > 1:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel

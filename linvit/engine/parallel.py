@@ -169,11 +169,12 @@ def parallel_module(model: nn.Module, layout: Layout, amp_dtype: Optional[torch.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if amp_dtype == torch.bfloat16 else MixedPrecisionPolicy()
         for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy, shard_placement_fn=_placement(layout.data))
         # a ContextParallel reaches each block twice (its ContextBlock and the model's own list): the root leaves
         # the blocks' parameters to their groups
         shared = {p for block in blocks for p in block.parameters()} if layout.context > 1 else None
-        return fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=shared)
+        return fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=shared,
+                           shard_placement_fn=_placement(layout.data))
     if layout.world > 1:
         from torch.nn.parallel import DistributedDataParallel
         # its own group: the gradient all-reduces then never interleave with the context groups' collectives
@@ -181,6 +182,18 @@ def parallel_module(model: nn.Module, layout: Layout, amp_dtype: Optional[torch.
         return DistributedDataParallel(module, device_ids=[device.index] if device.type == 'cuda' else None,
                                        process_group=group)
     return module
+
+
+def _placement(parts: int) -> Callable:
+    """FSDP2's choice of the dimension each parameter is sharded on, over ``parts`` ranks: the longest one they
+    divide (dimension 0, padded, when none is). The position embedding [1, N, dim] and the class token have one row,
+    which dimension 0 cannot split: one rank would hold them whole, which at 2048 px is a quarter of linvit-S."""
+    from torch.distributed.tensor import Shard
+
+    def placement(parameter: nn.Parameter):
+        even = [d for d in range(parameter.dim()) if parameter.shape[d] % parts == 0]
+        return Shard(max(even, key=lambda d: parameter.shape[d]) if even else 0)
+    return placement
 
 
 def context_loss(loss_fn: Callable, module: nn.Module, layout: Layout, logits_rank: int,

@@ -10,6 +10,7 @@ from .bounded import (
     bounded_unsupported_reason,
     iter_bounded_segment,
 )
+from .context import ContextParallel, RowShards
 from .convert import convert_to_linear, linear_attention_from_softmax
 from .linvit import (
     BLOCK_TYPES,
@@ -26,4 +27,5 @@ __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionB
            'block_types', 'resolve_softmax_blocks', 'checkpoint_filter_fn', 'convert_to_linear',
            'linear_attention_from_softmax', 'SegmentationModel', 'SimpleFeaturePyramid', 'MLPHead', 'SEG_HEADS',
            'bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason',
-           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason']
+           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'ContextParallel',
+           'RowShards']
