@@ -210,3 +210,9 @@ def test_one_process_runs_the_model_itself():
                     checkpoint_every=0)
     assert parallel_module(model, layout, None, torch.device('cpu')) is model
     assert not dist.is_initialized()
+
+
+@pytest.mark.compiler
+def test_activation_checkpointing_composes_with_the_compiled_step(runs, tmp_path):
+    compiled = _train(tmp_path, 'compiled', 'train.compile=true', 'parallel.checkpoint_every=1', 'train.max_steps=2')
+    assert _losses(compiled) == pytest.approx(_losses(runs['alone'])[:2], rel=1e-5)
