@@ -139,7 +139,7 @@ class ConfigError(ValueError):
     """A configuration file or override that does not fit the schema; the message names the key and the fix."""
 
 
-#: config sections the tasks own: section name -> its dataclass, in registration order (``config_section``)
+#: config sections beyond RunConfig (the tasks', the engine's parallel): name -> dataclass, in registration order
 CONFIG_SECTIONS: Registry[type] = Registry('config section')
 
 
