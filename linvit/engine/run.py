@@ -296,13 +296,21 @@ def restore(run: Run, training: Training, checkpoint: Checkpoint) -> Progress:
         training.optimizer.load_state_dict(checkpoint.optimizer)
     if training.scaler is not None and checkpoint.scaler is not None:
         training.scaler.load_state_dict(checkpoint.scaler)
-    if checkpoint.world_size != run.info.world_size:
-        _logger.warning("resuming a run of %d process(es) on %d: the data order differs from here on",
-                        checkpoint.world_size, run.info.world_size)
+    saved_data = checkpoint.world_size // _saved_context(checkpoint.config)
+    if saved_data != training.layout.data and run.info.is_main:
+        _logger.warning("resuming a run of %d data-parallel process(es) on %d: the data order differs from here on",
+                        saved_data, training.layout.data)
     restore_rng_state(checkpoint.rng)
     progress = Progress(**vars(checkpoint.progress))
     _schedule_from_config(run, training, checkpoint.config, progress.step)
     return progress
+
+
+def _saved_context(saved_config: Optional[str]) -> int:
+    """parallel.context of a checkpoint's config (1 for configs from before it): the processes that shared an image,
+    which drew the same batches."""
+    values = config_from_yaml(saved_config) if saved_config else {}
+    return int((values.get('parallel') or {}).get('context', 1))
 
 
 def _schedule_from_config(run: Run, training: Training, saved_config: str, step: int) -> None:

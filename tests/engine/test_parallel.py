@@ -86,12 +86,12 @@ def test_context_and_data_dimensions_together_train_as_ddp_over_the_data(runs):
     assert 'mesh context=2 x data=2 over 4 process(es) (HSDP' in (runs['hsdp'] / 'train.log').read_text()
 
 
-def _restored(rank, run_dir, world_size):
+def _restored(rank, run_dir, world_size, *overrides):
     """(whole weights, whole optimizer state) of the run in ``run_dir`` restored from its last.pt on this rank of
     ``world_size`` processes, sharded as its config says."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     checkpoint = Checkpoint.load(run_dir / 'last.pt')
-    cfg = load_config(run_dir / 'config.yaml', [f'output_dir={run_dir}'])
+    cfg = load_config(run_dir / 'config.yaml', [f'output_dir={run_dir}', *overrides])
     run = build_run(cfg, setup_distributed('cpu'))
     training = build_training(run)
     restore(run, training, checkpoint)
@@ -123,11 +123,11 @@ def test_a_sharded_checkpoint_of_two_processes_resumes_at_one_and_four(runs, tmp
             assert torch.equal(state['exp_avg_sq'], one[key]['exp_avg_sq'])
 
 
-def _restored_alone(run_dir, monkeypatch):
+def _restored_alone(run_dir, monkeypatch, *overrides):
     monkeypatch.chdir(ROOT)
     for name in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
         monkeypatch.delenv(name, raising=False)
-    return _restored(0, run_dir, 1)[1]
+    return _restored(0, run_dir, 1, *overrides)[1]
 
 
 # ---------------------------------------------------------------------------------------------------- layouts
@@ -216,3 +216,12 @@ def test_one_process_runs_the_model_itself():
 def test_activation_checkpointing_composes_with_the_compiled_step(runs, tmp_path):
     compiled = _train(tmp_path, 'compiled', 'train.compile=true', 'parallel.checkpoint_every=1', 'train.max_steps=2')
     assert _losses(compiled) == pytest.approx(_losses(runs['alone'])[:2], rel=1e-5)
+
+
+def test_resuming_warns_only_when_the_data_order_changes(runs, monkeypatch, caplog):
+    # the context run: 2 processes, one data replica, whose batches one process draws the same
+    caplog.set_level('WARNING', logger='linvit.train')
+    _restored_alone(runs['context'], monkeypatch, 'parallel.context=1')
+    assert 'data order differs' not in caplog.text
+    _restored_alone(runs['ddp'], monkeypatch)  # 2 data replicas on 1
+    assert 'resuming a run of 2 data-parallel process(es) on 1: the data order differs' in caplog.text
