@@ -46,6 +46,8 @@ class FamilySpec:
     state: whether its mixing has the state form (``attention_state`` / ``attend_state``: the keys summed into a
         state that adds up over parts of the tokens, then applied to the queries), which bounded-memory inference
         (``linvit.models.bounded``) needs.
+    rotary: whether its mixing takes rotary position embeddings (``forward(x, rope=...)``, as timm's RoPE models
+        pass them: DINOv3, EVA02, PE), which converting those models needs (``linvit.ops.rotary``).
     token_grid: whether its mixing reads the patch grid; the layer then keeps ``num_prefix_tokens`` and
         ``grid_size`` (its fallback without ``feat_size``), which linvit models and ``convert_to_linear`` fill in.
     """
@@ -56,6 +58,7 @@ class FamilySpec:
     tensors: Tuple[str, ...] = ()
     token_grid: bool = False
     state: bool = False
+    rotary: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():

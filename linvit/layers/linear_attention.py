@@ -23,6 +23,7 @@ from ..ops import (
     projected_linear_attention_from_features,
     projected_linear_attention_from_inputs,
 )
+from ..ops.rotary import rotary_linear_attention, rotation_from_timm
 from .family import FamilySpec, register_family
 from .feature_map import LearnableFeatureMap  # noqa: F401  (registers the learnable maps: 'hedgehog')
 from .local_mix import LocalMix
@@ -40,6 +41,12 @@ def check_traced_causality(is_causal: bool, traced_causal: bool) -> None:
     if is_causal and not traced_causal:
         raise ValueError("this fx graph was traced non-causal (is_causal is fixed at tracing); trace the model with "
                          "causal=True for causal attention")
+
+
+def check_no_rope(rope: Optional[torch.Tensor]) -> None:
+    """Causal linear attention has no rotary form: ValueError for a rope (an fx leaf: checked at run time)."""
+    if rope is not None:
+        raise ValueError("causal linear attention takes no rotary embeddings (rope); the rotary form is non-causal")
 
 
 def check_causal_mask(attn_mask: Optional[torch.Tensor]) -> None:
@@ -107,6 +114,7 @@ def attn_mask_to_key_mask(attn_mask: Optional[torch.Tensor], batch: int, n_token
 torch.fx.wrap('check_tokens')
 torch.fx.wrap('check_traced_causality')
 torch.fx.wrap('check_causal_mask')
+torch.fx.wrap('check_no_rope')
 torch.fx.wrap('to_compute_dtype')
 torch.fx.wrap('attn_mask_to_key_mask')
 torch.fx.wrap('linear_attention_from_features')
@@ -140,9 +148,13 @@ class LinearAttention(nn.Module):
         attn_backend: who computes the non-causal core (``linvit.ops.ATTN_BACKENDS``): 'auto' (the Triton
             kernels of ``linvit.ops.linear_attn.op`` on CUDA tensors they serve, the PyTorch path elsewhere),
             'triton' (the kernels always; an error says why when they cannot serve a call) or 'torch'.
+        rotate_half: the feature-pair layout of rotary embeddings passed to ``forward(x, rope=...)`` (timm's
+            ``rotate_half``: False interleaved, True halves).
 
     forward: x [B, N, dim] -> [B, N, dim_out]; attn_mask is an optional key-padding mask (see
-    ``attn_mask_to_key_mask``); feat_size (H, W) is the patch grid for the local branch.
+    ``attn_mask_to_key_mask``); feat_size (H, W) is the patch grid for the local branch; rope is timm's rotary
+    embedding of the patch tokens [..., N - num_prefix_tokens, 2 D] ([sin | cos], as timm's RoPE models pass it):
+    the queries and keys then attend at their positions (``linvit.ops.rotary``; families with ``FamilySpec.rotary``).
     step: x_t [B, dim] and the state after the previous tokens -> ([B, dim_out], state): the recurrent form.
 
     The other attention families (``linvit.layers.families``) subclass it, replace ``mix`` and declare themselves
@@ -150,7 +162,7 @@ class LinearAttention(nn.Module):
     """
 
     #: plain linear attention: a feature map, a causal form, no tensors beyond timm's Attention
-    family = FamilySpec('linear', feature_map=True, causal=True, state=True)
+    family = FamilySpec('linear', feature_map=True, causal=True, state=True, rotary=True)
     grid_size: Optional[Tuple[int, int]]
 
     def __init__(
@@ -176,6 +188,7 @@ class LinearAttention(nn.Module):
             causal: bool = False,
             causal_chunk_size: int = 64,
             attn_backend: str = 'auto',
+            rotate_half: bool = False,
             device=None,
             dtype=None,
     ) -> None:
@@ -238,6 +251,7 @@ class LinearAttention(nn.Module):
         # without feat_size; linvit models and convert_to_linear set both
         self.num_prefix_tokens = num_prefix_tokens
         self.grid_size = None if grid_size is None else (int(grid_size[0]), int(grid_size[1]))
+        self.rotate_half = rotate_half
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
@@ -475,23 +489,47 @@ class LinearAttention(nn.Module):
             attn_mask: Optional[torch.Tensor] = None,
             is_causal: bool = False,
             feat_size: Optional[List[int]] = None,
+            rope: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         check_tokens(x, self.dim)
         B, N, _ = x.shape
         if causal_call(is_causal, self.causal):
             self._check_causal_call(attn_mask)
-            return self._finish(self.mix_causal(self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)), x)
+            check_no_rope(rope)
+            return self._finish(self.mix_causal(self.project_qkv(x)), x)
         key_mask = attn_mask_to_key_mask(attn_mask, B, N)
-        if not torch.jit.is_scripting() and self._projects_values_in_core(x, key_mask):
+        if rope is None and not torch.jit.is_scripting() and self._projects_values_in_core(x, key_mask):
             return self.proj_drop(self._project_values_in_core(x))
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
-        if not torch.jit.is_scripting() and self._projects_in_core(qkv, key_mask):
+        qkv = self.project_qkv(x)
+        if rope is None and not torch.jit.is_scripting() and self._projects_in_core(qkv, key_mask):
             return self.proj_drop(self._mix_and_project(qkv, key_mask))
-        out = self.mix(qkv, key_mask, x, feat_size)
+        if rope is None:
+            out = self.mix(qkv, key_mask, x, feat_size)
+        else:
+            out = self.mix_rotary(qkv, key_mask, rope)
         v = qkv[:, :, 2].transpose(1, 2)
         if self.local_mix is not None:
             out = self.local_mix.add_to(out, v, feat_size)
         return self._finish(out, x)
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, dim] -> the queries, keys and values [B, N, 3, H, D] (before the q / k norms)."""
+        B, N, _ = x.shape
+        return self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+
+    @torch.jit.unused
+    def mix_rotary(self, qkv: torch.Tensor, key_mask: Optional[torch.Tensor], rope: torch.Tensor) -> torch.Tensor:
+        """Token mixing at rotary positions: qkv [B, N, 3, H, D] and timm's embedding rope [..., N - P, 2 D] of the
+        patch tokens (P = num_prefix_tokens, not turned) -> [B, N, H * D] (``linvit.ops.rotary``)."""
+        if not type(self).family.rotary:
+            raise ValueError(f"attn_family={type(self).family.name!r} takes no rotary position embeddings (rope): "
+                             f"plain linear attention (attn_family='linear') does")
+        B, N = qkv.shape[0], qkv.shape[1]
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        rotation = rotation_from_timm(rope, self.num_prefix_tokens, self.rotate_half)
+        out = rotary_linear_attention(self.q_norm(q), self.k_norm(k), v, rotation, self._state_map(), self.eps,
+                                      key_mask)
+        return out.transpose(1, 2).reshape(B, N, self.attn_dim)
 
     # ---- the state form: attention in two halves (FamilySpec.state), for inputs read a part at a time
 
@@ -563,11 +601,10 @@ class LinearAttention(nn.Module):
             raise ValueError(f"LinearAttention.step expects one token per sample [B, {self.dim}], got "
                              f"{list(x_t.shape)}")
         self._check_causal_call(None)
-        B = x_t.shape[0]
-        q, k, v = self.qkv(x_t).reshape(B, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = self.project_qkv(x_t.unsqueeze(1))[:, 0].unbind(1)
         out, state = causal_linear_attention_step(self.q_norm(q), self.k_norm(k), v, state, self.feature_map,
                                                   eps=self.eps)
-        return self._finish(out.reshape(B, self.attn_dim), x_t), state
+        return self._finish(out.reshape(x_t.shape[0], self.attn_dim), x_t), state
 
 
 _CAUSAL_LOCAL_MIX = ("causal attention needs local_mix=False: the local branch convolves over neighbouring patches, "
@@ -585,7 +622,7 @@ _CAUSAL_TRITON = ("attn_backend='triton': the Triton kernels compute non-causal 
                   "chunked scan of linvit.ops.causal (use attn_backend='auto')")
 #: LinearAttention's own options, which every family takes besides its declared ones (``attn_options``)
 LINEAR_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size', 'causal',
-                  'causal_chunk_size', 'attn_backend')
+                  'causal_chunk_size', 'attn_backend', 'rotate_half')
 
 register_family(LinearAttention)
 

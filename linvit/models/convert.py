@@ -1,10 +1,14 @@
-"""Turn a timm softmax model built on ``timm.layers.Attention`` into linear attention, in place.
+"""Turn a timm softmax model into linear attention, in place.
 
 Works on every model whose token mixing is timm's ``Attention`` (``VisionTransformer`` and its subclasses:
-vit_*, deit_*, deit3_*, with class / register / distillation tokens, qk_norm, layer scale, gating). Each
-``Attention`` becomes a ``LinearAttention`` that holds the very same submodules (qkv, q_norm, k_norm, norm, gate,
-proj), so every pretrained tensor is kept bit for bit and the state_dict keys do not change; only the optional
-local-mix branch adds tensors (``<path>.local_mix.conv.weight/bias``, zero-initialised).
+vit_*, deit_*, deit3_*, with class / register / distillation tokens, qk_norm, layer scale, gating) or the RoPE
+attention of timm's Eva family (``EvaAttention``, ``AttentionRope``: EVA02, DINOv3, Perception Encoder, the RoPE
+ViTs). Each becomes a ``LinearAttention`` (an ``EvaLinearAttention`` for the Eva layouts) that holds the very same
+submodules (qkv or q/k/v projections and biases, q_norm, k_norm, norm, gate, proj), so every pretrained tensor is
+kept bit for bit and the state_dict keys do not change; only the optional local-mix branch adds tensors
+(``<path>.local_mix.conv.weight/bias``, zero-initialised). The rotary embeddings the Eva models pass turn the
+mapped queries and keys (``linvit.ops.rotary``). BEiT's and SAM's attention are refused with the reason
+(``REFUSED_ATTENTION``).
 
 Limitation: the host model's forward does not pass the patch grid to its blocks, so a converted model's local-mix
 branch finds the grid from the model's construction grid (``patch_embed.grid_size``) or a square token count.
@@ -15,14 +19,19 @@ import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
-from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr
+from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr, AttentionRope
+from timm.models.beit import Attention as BeitAttention
+from timm.models.eva import EvaAttention
+from timm.models.vision_transformer_sam import Attention as SamAttention
 
 from ..layers import LinearAttention, LocalMix, attention_layer
+from ..layers.eva_attention import EvaLinearAttention
 from ..layers.family import family_class, resolve_family
 from ..ops import feature_map_spec
 from .linvit import resolve_softmax_blocks
 
-__all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites']
+__all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites', 'CONVERTIBLE_ATTENTION',
+           'REFUSED_ATTENTION']
 
 _logger = logging.getLogger(__name__)
 
@@ -30,6 +39,16 @@ _logger = logging.getLogger(__name__)
 _KEPT_AS_IS = (LinearAttention, AttentionPoolLatent, AttentionPoolPrr)
 # LinearAttention has timm Attention's submodules under the same names; these are moved over, not copied
 _SHARED_SUBMODULES = ('qkv', 'q_norm', 'k_norm', 'norm', 'gate', 'proj', 'proj_drop')
+#: the softmax attention classes conversion turns into linear attention (exact types: a subclass may compute more)
+CONVERTIBLE_ATTENTION = (Attention, EvaAttention, AttentionRope)
+#: attention that has no well-defined linear form, with the reason conversion gives
+REFUSED_ATTENTION = {
+    BeitAttention: "BEiT adds a learned relative position bias to every query-key logit, an N x N term that linear "
+                   "attention cannot factor; train a linvit_* or convert a ViT without it",
+    SamAttention: "SAM's ViT attends inside 14 x 14 windows with decomposed relative position terms in most blocks; "
+                  "windowed attention is already linear in the image size, and the relative terms have no linear "
+                  "form",
+}
 
 
 def _qualified_name(module: nn.Module) -> str:
@@ -53,11 +72,15 @@ def attention_sites(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """
     sites = []
     for path, module in model.named_modules():
-        if type(module) is Attention or isinstance(module, LinearAttention):
+        if type(module) in CONVERTIBLE_ATTENTION or isinstance(module, LinearAttention):
             sites.append((path, module))
+        elif type(module) in REFUSED_ATTENTION:
+            raise ValueError(f"convert_to_linear cannot convert {path or '<model>'} ({_qualified_name(module)}): "
+                             f"{REFUSED_ATTENTION[type(module)]}")
         elif _is_other_attention(path, module):
             raise ValueError(f"convert_to_linear cannot convert {path or '<model>'} ({_qualified_name(module)}): "
-                             f"only timm.layers.Attention, as in timm's VisionTransformer blocks, is supported")
+                             f"supported are timm.layers.Attention (VisionTransformer) and the Eva family's "
+                             f"EvaAttention / AttentionRope")
     return sites
 
 
@@ -79,6 +102,9 @@ def linear_attention_from_softmax(
     the tensors the family declares (``FamilySpec.tensors``: the gated family's gates, Performer's random
     features), freshly initialised.
     """
+    if type(attn) in (EvaAttention, AttentionRope):
+        return _eva_linear_attention(attn, feature_map, local_mix, local_mix_kernel, grid_size, attn_family,
+                                     attn_options)
     if type(attn) is not Attention:
         raise ValueError(f"expected timm.layers.Attention, got {_qualified_name(attn)}")
     if attn.attn_drop.p > 0:
@@ -112,6 +138,40 @@ def linear_attention_from_softmax(
         setattr(linear, name, getattr(attn, name))
     if local_mix:
         linear.local_mix = LocalMix(linear.attn_dim, local_mix_kernel, num_prefix_tokens, grid_size,
+                                    device=weight.device, dtype=weight.dtype)
+    return linear.train(attn.training)
+
+
+def _eva_linear_attention(attn: nn.Module, feature_map: Optional[str], local_mix: bool, local_mix_kernel: int,
+                          grid_size: Optional[Tuple[int, int]], attn_family: str,
+                          attn_options: Optional[Dict[str, Any]]) -> EvaLinearAttention:
+    """An EvaLinearAttention holding ``attn``'s tensors (timm's EvaAttention or AttentionRope), with its prefix-token
+    count and rotary layout (``rotate_half``)."""
+    if attn_family != 'linear':
+        raise ValueError(f"attn_family={attn_family!r}: {type(attn).__name__} (rotary position embeddings) converts to "
+                         f"attn_family='linear', the family with a rotary form")
+    if attn.attn_drop.p > 0:
+        raise ValueError(f"attention dropout p={attn.attn_drop.p}: linear attention forms no attention matrix to "
+                         f"drop out; create the model with attn_drop_rate=0")
+    weight = attn.proj.weight
+    map_name = feature_map or 'elu1'
+    placement = dict(device=weight.device, dtype=weight.dtype) if feature_map_spec(map_name).learnable \
+        else dict(device='meta')
+    linear = EvaLinearAttention(
+        (attn.qkv if attn.qkv is not None else attn.q_proj).in_features,
+        num_heads=attn.num_heads,
+        attn_head_dim=attn.head_dim,
+        dim_out=attn.proj.out_features,
+        proj_drop=attn.proj_drop.p,
+        feature_map=map_name,
+        num_prefix_tokens=attn.num_prefix_tokens,
+        grid_size=grid_size,
+        rotate_half=bool(getattr(attn, 'rotate_half', False)),
+        **placement,
+        **dict(attn_options or {}),
+    ).adopt(attn)
+    if local_mix:
+        linear.local_mix = LocalMix(linear.attn_dim, local_mix_kernel, attn.num_prefix_tokens, grid_size,
                                     device=weight.device, dtype=weight.dtype)
     return linear.train(attn.training)
 

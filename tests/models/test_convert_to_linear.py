@@ -133,8 +133,12 @@ def test_a_failed_conversion_leaves_every_block_as_it_was():
 def test_an_attention_given_as_the_model_is_pointed_to_the_single_layer_function():
     with pytest.raises(ValueError, match=r'the model itself is an Attention, use linear_attention_from_softmax'):
         convert_to_linear(Attention(32, num_heads=4))
-    with pytest.raises(ValueError, match=r'cannot convert <model> \(timm.layers.attention.AttentionRope\): only'):
+    with pytest.raises(ValueError, match=r'the model itself is an Attention, use linear_attention_from_softmax'):
         convert_to_linear(AttentionRope(32, num_heads=4))
+    from timm.models.swin_transformer import WindowAttention
+    with pytest.raises(ValueError, match=r'cannot convert <model> \(timm.models.swin_transformer.WindowAttention\): '
+                                         r'supported are timm.layers.Attention'):
+        convert_to_linear(WindowAttention(32, num_heads=4, window_size=2))
 
 
 def test_gated_attention_shares_the_gate():
@@ -174,18 +178,11 @@ def test_local_mix_on_a_host_without_grid_passing_is_limited_to_known_grids():
         model(_images(1, 96, 160))
 
 
-class _RopeBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn = AttentionRope(32, num_heads=4)
-
-
 @pytest.mark.parametrize('build, path, cls', [
     (lambda: _create('vit_tiny_patch16_224', depth=2, attn_layer='diff'), 'blocks.0.attn', 'DiffAttention'),
     (lambda: _create('swin_tiny_patch4_window7_224', depths=(1, 1, 1, 1)), 'layers.0.blocks.0.attn',
      'WindowAttention'),
-    (lambda: _create('eva02_tiny_patch14_224', depth=2), 'blocks.0.attn', 'EvaAttention'),
-    (lambda: nn.Sequential(_RopeBlock()), '0.attn', 'AttentionRope'),
+    (lambda: _create('beit_base_patch16_224', depth=1, img_size=64), 'blocks.0.attn', 'beit.Attention'),
 ])
 def test_other_attention_is_rejected_by_path_and_class(build, path, cls):
     model = build()

@@ -86,12 +86,14 @@ def add_states(a: AttentionState, b: AttentionState) -> AttentionState:
     return AttentionState(a.sums + b.sums, a.count + b.count)
 
 
-def state_from_features(phi_k: torch.Tensor, v: torch.Tensor,
-                        key_mask: Optional[torch.Tensor] = None) -> AttentionState:
+def state_from_features(phi_k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] = None,
+                        value_features: Optional[torch.Tensor] = None) -> AttentionState:
     """The key half of the core, in the inputs' dtype (float32 or float64) with autocast left to the caller.
 
     phi_k: [B, H, N, F] (non-negative), v: [B, H, N, Dv], key_mask: [B, N] or [B, H, N] -> AttentionState with
     sums [B, H, Dv + 1, F] and count [B, H]. Masked keys contribute nothing, even when their values are not finite.
+    value_features: [B, H, N, F] features that the value rows sum instead of phi_k (the rotated ones of
+    ``linvit.ops.rotary``); the normaliser row always sums phi_k.
     """
     b, h, n = phi_k.shape[0], phi_k.shape[1], phi_k.shape[2]
     if key_mask is None:
@@ -100,23 +102,32 @@ def state_from_features(phi_k: torch.Tensor, v: torch.Tensor,
         w = _key_weights(key_mask, phi_k.dtype)  # [B, H|1, N]
         keep = (w > 0).unsqueeze(-1)
         phi_k = torch.where(keep, phi_k * w.unsqueeze(-1), 0.0)
+        if value_features is not None:
+            value_features = torch.where(keep, value_features * w.unsqueeze(-1), 0.0)
         v = torch.where(keep, v, 0.0)
         count = w.sum(dim=-1).expand(b, h)
-    sums = torch.cat([v.transpose(-2, -1) @ phi_k, phi_k.sum(dim=-2).unsqueeze(-2)], dim=-2)
+    summed = phi_k if value_features is None else value_features
+    sums = torch.cat([v.transpose(-2, -1) @ summed, phi_k.sum(dim=-2).unsqueeze(-2)], dim=-2)
     return AttentionState(sums, count)
 
 
-def apply_to_features(phi_q: torch.Tensor, state: AttentionState, eps: float) -> torch.Tensor:
+def apply_to_features(phi_q: torch.Tensor, state: AttentionState, eps: float,
+                      value_features: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The query half of the core: phi_q [B, H, Nq, F] and a state of [B, H, Dv + 1, F] sums -> [B, H, Nq, Dv],
     num / (den + eps * count) with [num | den] = phi(q) sums^T. With every key masked (count 0) num and den are 0,
-    and a tiny count keeps 0 / (0 + eps * count) at 0.
+    and a tiny count keeps 0 / (0 + eps * count) at 0. value_features [B, H, Nq, F]: the features the numerator
+    takes instead of phi_q (the rotated ones of ``linvit.ops.rotary``); the normaliser always takes phi_q.
 
     The state's transpose is a view (its rows stay contiguous): the query-side matmul with an odd Dv + 1 columns
     measured 20% faster at 16k tokens (MKL) in this layout than with a contiguous [F, Dv + 1] matrix.
     """
     dv = state.sums.shape[-2] - 1
-    out1 = phi_q @ state.sums.transpose(-2, -1)
     count = state.count.clamp_min(1e-30)[..., None, None]
+    if value_features is not None:
+        num = value_features @ state.sums[..., :dv, :].transpose(-2, -1)
+        den = phi_q @ state.sums[..., dv:, :].transpose(-2, -1)
+        return num / (den + eps * count)
+    out1 = phi_q @ state.sums.transpose(-2, -1)
     return out1[..., :dv] / (out1[..., dv:] + eps * count)
 
 
