@@ -29,7 +29,7 @@ __all__ = ['start_run', 'resume_run', 'evaluate_saved', 'config_for_weights', 'e
 _logger = logging.getLogger('linvit.train')
 
 #: what the weights replace when they are loaded (not read again, so it may have moved since training)
-_UNUSED_WITH_WEIGHTS = ('model.pretrained_file=null',)
+_UNUSED_WITH_WEIGHTS = ('model.pretrained_file=null', 'model.pretrained=false')
 
 
 def start_run(config_file: Optional[str], overrides: Sequence[str], overwrite: bool = False) -> Dict[str, Any]:

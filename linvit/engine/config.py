@@ -25,6 +25,7 @@ import torch
 import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from timm.models._hub import load_model_config_from_path  # timm's reader of a local-dir: folder (1.0.31)
 
 from ..data import DATASET_BUILDERS, image_size
 from ..precision import PRECISIONS
@@ -51,6 +52,9 @@ class ModelConfig:
     name: str = 'linvit_tiny_patch16_224'  # any timm classifier; linvit_* after `import linvit`
     kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model keywords (feature_map, depth, ...)
     pretrained_file: Optional[str] = None  # local weights (.pth / .safetensors), loaded with pretrained=True
+    # timm's pretrained weights of model.name: a tag (vit_base_patch16_224.augreg2_in21k_ft_in1k), hf-hub:org/name
+    # (downloaded once into the Hugging Face cache) or local-dir:/folder (config.json + model.safetensors)
+    pretrained: bool = False
     drop_path_rate: float = 0.0
     grad_checkpointing: bool = False
     floor: bool = False  # benchmarks: replace attention by the no-mixing floor (linvit.fast.make_floor)
@@ -276,14 +280,59 @@ def _similar_model_names(name: str) -> List[str]:
 
 
 def _check_model_name(cfg: DictConfig) -> None:
-    """ConfigError unless model.name is in timm's registry (linvit_* are there once linvit is imported)."""
+    """ConfigError unless model.name is in timm's registry (linvit_* are there once linvit is imported), with or
+    without a pretrained tag, or names a source timm reads: ``local-dir:FOLDER`` (its config.json names a registered
+    architecture) or ``hf-hub:org/name`` (checked when the model is built: that needs the hub or its cache)."""
     name = cfg.model.name
-    if timm.is_model(name.split('.')[0]):
+    try:
+        source, model_id = timm.models.parse_model_name(name)
+    except ValueError as error:
+        raise ConfigError(f"model.name={name!r}: {error}") from None
+    if source == 'local-dir':
+        _check_local_dir(name, model_id)
+    if source is not None or timm.is_model(timm.models.split_model_name_tag(name)[0]):
         return
     close = _similar_model_names(name)
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ''
     raise ConfigError(f"model.name={name!r} is not a timm model; {hint}(timm.list_models('linvit_*') lists linvit's, "
-                      f"timm.list_models() all)")
+                      f"timm.list_models() all; hf-hub:org/name and local-dir:FOLDER name saved timm models)")
+
+
+def _check_local_dir(name: str, folder: str) -> None:
+    """ConfigError unless ``folder`` holds timm's config.json naming a registered architecture (what
+    ``timm.models.push_to_hf_hub`` uploads and ``save_for_hf`` writes)."""
+    path = os.path.join(folder, 'config.json')
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.name={name!r}: {path} does not exist; a local-dir: folder holds timm's config.json "
+                          f"and weights (timm.models.save_for_hf(model, folder, safe_serialization=True) writes them)")
+    try:
+        _, architecture, _ = load_model_config_from_path(folder)
+    except (ValueError, KeyError, TypeError) as error:  # a JSON error is a ValueError
+        raise ConfigError(f"model.name={name!r}: {path} is not timm's model config ({error!r})") from None
+    if not timm.is_model(architecture):
+        raise ConfigError(f"model.name={name!r}: {path} names architecture {architecture!r}, which timm does not "
+                          f"know (linvit_* are registered by `import linvit`)")
+
+
+def _check_pretrained(cfg: DictConfig) -> None:
+    """ConfigError for model.pretrained=true beside model.pretrained_file, and for a registry name that timm has no
+    weights for (linvit publishes none: they come from a file or a local-dir: folder)."""
+    model = cfg.model
+    if not model.pretrained:
+        return
+    if model.pretrained_file:
+        raise ConfigError(f"model.pretrained=true and model.pretrained_file={model.pretrained_file!r} both name "
+                          f"weights: set one (pretrained: timm's weights of model.name; pretrained_file: a local file)")
+    if timm.models.parse_model_name(model.name)[0] is not None:
+        return  # hf-hub: / local-dir: name their weights
+    try:
+        pretrained_cfg = timm.models.get_pretrained_cfg(model.name)
+    except RuntimeError as error:  # an unknown tag
+        raise ConfigError(f"model.name={model.name!r}: {error} (timm.list_pretrained() lists the tags)") from None
+    if not any(getattr(pretrained_cfg, key, None) for key in ('url', 'hf_hub_id', 'file', 'state_dict')):
+        raise ConfigError(f"model.pretrained=true but no pretrained weights exist for model.name={model.name!r}: "
+                          f"use model.pretrained_file=PATH (local weights), a local-dir:FOLDER or hf-hub:org/name "
+                          f"model.name, or model.pretrained=false")
 
 
 def check_runs_here(cfg: DictConfig) -> None:
@@ -316,8 +365,10 @@ def _check_available(device: torch.device, word: str) -> None:
                           f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
 
 
-#: model.kwargs that have their own config key (timm's pretrained=True would download weights)
-_KWARGS_WITH_KEYS = {'pretrained': 'model.pretrained_file=PATH (local weights: .pth / .safetensors)',
+#: model.kwargs that have their own config key (the pretrained weights: one key each for timm's and a local file's)
+_KWARGS_WITH_KEYS = {'pretrained': "model.pretrained=true (timm's weights of model.name: a pretrained tag, "
+                                   "hf-hub:org/name or local-dir:FOLDER) or model.pretrained_file=PATH (local weights: "
+                                   ".pth / .safetensors)",
                      'pretrained_cfg_overlay': 'model.pretrained_file=PATH',
                      'num_classes': 'the data (its class folders, classes.txt or data.num_classes)',
                      'img_size': 'data.img_size', 'drop_path_rate': 'model.drop_path_rate'}
@@ -449,6 +500,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     _check_choices(cfg)
     _check_model_name(cfg)
     _check_model_keys(cfg)
+    _check_pretrained(cfg)
     _check_img_size(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

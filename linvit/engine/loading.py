@@ -10,8 +10,9 @@
 Which weights: a run directory gives ``model.safetensors`` (what the run evaluated last: the EMA weights when
 train.ema was on), else ``best.pt``, else ``last.pt``; a checkpoint gives its EMA weights when it has them, else its
 model weights. Class names come from the run's checkpoint (``best.pt`` / ``last.pt``); a run without one gets
-'0', '1', ... with a warning. The model is rebuilt from the run's saved config (``model.pretrained_file`` is not
-read again: the trained weights replace it) and loaded with strict key matching. A model built for another image
+'0', '1', ... with a warning. The model is rebuilt from the run's saved config (``model.pretrained_file`` and
+``model.pretrained`` are not read again: the trained weights replace them; an ``hf-hub:`` model.name still reads its
+config.json, from the Hugging Face cache offline) and loaded with strict key matching. A model built for another image
 size gets the position embeddings resampled to its grid, as timm's ``checkpoint_filter_fn`` does for pretrained
 weights (``timm.layers.resample_abs_pos_embed``, bicubic, from the grid of the saved config's data.img_size, square
 or not); any other difference is a WeightsMismatchError whose
@@ -95,7 +96,7 @@ def load_trained(path: str, dynamic_img_size: bool = False, overrides: Sequence[
     overrides: config overrides (``key=value``) applied on top of the run's saved config.
     """
     files = find_run_files(path)
-    extra = ['model.pretrained_file=null']
+    extra = ['model.pretrained_file=null', 'model.pretrained=false']
     if dynamic_img_size:
         extra.append('model.kwargs.dynamic_img_size=true')
     try:

@@ -122,10 +122,10 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
     except ConfigError:
         raise
     except RuntimeError as error:
-        if not (model_cfg.pretrained_file and 'loading state_dict' in str(error)):
+        weights = _pretrained_weights(model_cfg)
+        if not (weights and 'loading state_dict' in str(error)):
             raise
-        raise ConfigError(f"model.pretrained_file={model_cfg.pretrained_file!r} does not fit model.name="
-                          f"{model_cfg.name!r} with this config's model.kwargs: "
+        raise ConfigError(f"{weights} does not fit model.name={model_cfg.name!r} with this config's model.kwargs: "
                           f"{_first_load_errors(str(error))}") from error
     except ValueError as error:
         raise ConfigError(f"cannot build model.name={model_cfg.name!r} from the config: {error}") from error
@@ -138,6 +138,13 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
                           f"{'; ' + close if close else ''} ({error})") from error
     task.check_input_size(model)
     return model
+
+
+def _pretrained_weights(model_cfg: DictConfig) -> str:
+    """The config key that loads pretrained weights into the model, as the user set it ('' when none does)."""
+    if model_cfg.pretrained_file:
+        return f"model.pretrained_file={model_cfg.pretrained_file!r}"
+    return "model.pretrained=true (the weights of model.name)" if model_cfg.pretrained else ''
 
 
 def _first_load_errors(message: str, count: int = 3) -> str:

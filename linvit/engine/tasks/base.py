@@ -9,16 +9,22 @@ config keys its weights are built with (``architecture_keys``), the weight whose
 A task is one module of this package that subclasses ``Task`` and decorates it with ``@register_task``; the
 package's ``__init__`` imports every such module, so ``TASKS`` is complete as soon as ``linvit.engine`` is imported.
 """
+import contextlib
+import functools
 import inspect
+import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import timm
 import torch
 import torch.nn as nn
+from huggingface_hub import constants as hf_constants
+from huggingface_hub.errors import EntryNotFoundError
 from omegaconf import DictConfig, OmegaConf
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models._hub import load_model_config_from_hf, load_model_config_from_path  # timm 1.0.31's readers
 from torch.utils.data import Dataset
 
 from ...data import image_size, size_text
@@ -29,7 +35,9 @@ from ..metrics import Meter
 
 __all__ = ['Task', 'Stage', 'StagedRun', 'TASKS', 'register_task', 'list_tasks', 'input_multiple',
            'nearest_multiples', 'build_task', 'architecture_keys', 'task_of_logits', 'create_model_from_config',
-           'normalization_of', 'model_keywords']
+           'normalization_of', 'model_keywords', 'ModelSource', 'model_source']
+
+_logger = logging.getLogger('linvit.train')
 
 
 @dataclass(frozen=True)
@@ -231,21 +239,60 @@ def task_of_logits(rank: int) -> Optional[str]:
     return next((name for name, task in TASKS.items() if rank and task.logits_rank == rank), None)
 
 
-def normalization_of(model_name: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
-    """(mean, std) the model was (or would be) pretrained with, from timm's pretrained config of ``model_name``."""
-    if not timm.is_model(model_name.split('.')[0]):
+@dataclass(frozen=True)
+class ModelSource:
+    """What timm reads for a model name before building it: the registered architecture, the pretrained config of
+    its weights (timm's ``pretrained_cfg`` as a dict: mean, std, input_size, num_classes, classifier, ...) and the
+    saved model arguments of an ``hf-hub:`` / ``local-dir:`` model (its config.json's ``model_args``)."""
+    architecture: str  # 'vit_base_patch16_224' for 'vit_base_patch16_224.augreg2_in21k_ft_in1k' or a hub name
+    pretrained_cfg: Dict[str, Any]
+    model_args: Dict[str, Any]
+    from_hub: bool  # an hf-hub: or local-dir: name (its config.json is read, from the hub's cache or the folder)
+
+
+def model_source(model_name: str) -> ModelSource:
+    """The ``ModelSource`` of ``model_name`` as ``timm.create_model`` reads it: a registry name with or without a
+    pretrained tag, ``hf-hub:org/name`` (config.json from the hub or its cache) or ``local-dir:FOLDER`` (its
+    config.json). ValueError for a name timm does not know; ConfigError (one line) when a hub config cannot be had."""
+    source, model_id = timm.models.parse_model_name(model_name)
+    if source == 'hf-hub':
+        return _hub_source(model_name, model_id)
+    if source == 'local-dir':
+        with weights_errors(model_name):
+            return _saved_source(*load_model_config_from_path(model_id))
+    architecture = timm.models.split_model_name_tag(model_name)[0]
+    if not timm.is_model(architecture):
         raise ValueError(f"model.name={model_name!r} is not a timm model (after `import linvit`); see "
                          f"timm.list_models() or timm.list_models('linvit_*')")
-    cfg = timm.models.get_pretrained_cfg(model_name)
-    mean = getattr(cfg, 'mean', None) or IMAGENET_DEFAULT_MEAN
-    std = getattr(cfg, 'std', None) or IMAGENET_DEFAULT_STD
+    pretrained_cfg = timm.models.get_pretrained_cfg(model_name)
+    return ModelSource(architecture, pretrained_cfg.to_dict() if pretrained_cfg else {}, {}, False)
+
+
+@functools.lru_cache(maxsize=16)
+def _hub_source(model_name: str, repo_id: str) -> ModelSource:
+    """An hf-hub: name's source, read once per process: every caller (normalization, keywords, the model) asks for
+    it, and each read online asks the hub again. (A local-dir: folder is read each time: it may be rewritten.)"""
+    with weights_errors(model_name):
+        return _saved_source(*load_model_config_from_hf(repo_id))
+
+
+def _saved_source(pretrained_cfg: Dict[str, Any], architecture: str, model_args: Dict[str, Any]) -> ModelSource:
+    return ModelSource(architecture, dict(pretrained_cfg), dict(model_args or {}), True)
+
+
+def normalization_of(model_name: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    """(mean, std) the model was (or would be) pretrained with, from timm's pretrained config of ``model_name`` (an
+    ``hf-hub:`` / ``local-dir:`` model's config.json holds it)."""
+    cfg = model_source(model_name).pretrained_cfg
+    mean = cfg.get('mean') or IMAGENET_DEFAULT_MEAN
+    std = cfg.get('std') or IMAGENET_DEFAULT_STD
     return tuple(float(m) for m in mean), tuple(float(s) for s in std)
 
 
 def model_keywords(model_name: str) -> Set[str]:
     """The keyword arguments the classes of the model's timm module take (``depth``, ``img_size``, ...): what
     ``model.kwargs`` can name, read from their signatures."""
-    entrypoint = timm.models.model_entrypoint(model_name.split('.')[0])
+    entrypoint = timm.models.model_entrypoint(model_source(model_name).architecture)
     # timm's entrypoints take **kwargs and forward them to the model class named in their module; look there
     module = inspect.getmodule(entrypoint)
     return {name for obj in vars(module).values() if isinstance(obj, type) and issubclass(obj, nn.Module)
@@ -258,11 +305,58 @@ def _accepts_img_size(model_name: str) -> bool:
     return 'img_size' in model_keywords(model_name)
 
 
+#: what timm's and linvit's loaders raise when a name has no weights at all (not a missing download)
+_NO_WEIGHTS = ('No pretrained weights exist', 'no pretrained weights are published', 'No suitable checkpoints found')
+
+
+@contextlib.contextmanager
+def weights_errors(model_name: str) -> Iterator[None]:
+    """Turn what timm and huggingface_hub raise when pretrained weights (or an hf-hub config) cannot be had --
+    offline without a cache, no network, an unknown repository, a name without weights -- into one-line
+    ConfigErrors that name the model, HF_HUB_OFFLINE and the local alternatives; anything else passes through."""
+    try:
+        yield
+    except (OSError, EntryNotFoundError) as error:
+        raise ConfigError(_unavailable_message(model_name, error)) from error
+    except RuntimeError as error:
+        if not any(words in str(error) for words in _NO_WEIGHTS):
+            raise
+        raise ConfigError(f"model.pretrained=true but no pretrained weights exist for model.name={model_name!r} "
+                          f"({_first_line(error)}): use model.pretrained_file=PATH (local weights), a "
+                          f"local-dir:FOLDER or hf-hub:org/name model.name, or model.pretrained=false") from error
+
+
+def _unavailable_message(model_name: str, error: BaseException) -> str:
+    """One line: which weights could not be had, why, and what to do (online once, or local weights)."""
+    if hf_constants.is_offline_mode():
+        why = (f"HF_HUB_OFFLINE=1 and they are not in the Hugging Face cache ({hf_constants.HF_HUB_CACHE}"
+               f"): download them once with HF_HUB_OFFLINE unset")
+    else:
+        why = "downloading failed: connect once to fill the cache (then HF_HUB_OFFLINE=1 works offline)"
+    return (f"model.name={model_name!r}: its pretrained weights cannot be loaded ({type(error).__name__}: "
+            f"{_first_line(error)}); {why}, or use local weights: model.pretrained_file=PATH or "
+            f"model.name=local-dir:FOLDER")
+
+
+def _first_line(error: BaseException, limit: int = 160) -> str:
+    """The first line of an error's message, shortened: the libraries' messages run over many lines."""
+    line = next((text.strip() for text in str(error).splitlines() if text.strip()), '')
+    return line if len(line) <= limit else line[:limit - 3] + '...'
+
+
+def _log_pretrained_size(model_name: str, img_size: Union[int, Sequence[int]]) -> None:
+    """INFO when the weights were pretrained at another input size than data.img_size (which is what the model is
+    built for: timm resamples the position embedding), so that the user sees the checkpoint's own size."""
+    input_size = model_source(model_name).pretrained_cfg.get('input_size')
+    if input_size and tuple(input_size[1:]) != image_size(img_size):
+        _logger.info("%s was pretrained at %s px; the model is built for data.img_size=%s (the position embedding is "
+                     "resampled)", model_name, size_text(tuple(input_size[1:])), size_text(image_size(img_size)))
+
+
 def _head_classes(path: str, model_name: str) -> Optional[int]:
     """Rows of the classifier weight stored in a weights file (None when it has none): read from the header of a
     .safetensors file, or a memory-mapped weights-only load of a torch file."""
-    head = timm.models.get_pretrained_cfg(model_name)
-    head = getattr(head, 'classifier', None) or 'head'
+    head = model_source(model_name).pretrained_cfg.get('classifier') or 'head'
     key = f"{head}.weight"
     if path.endswith('.safetensors'):
         from safetensors import safe_open
@@ -285,6 +379,8 @@ def pretrained_overlay(path: str, model_name: str, num_classes: int) -> Dict[str
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model.pretrained_file {path!r} does not exist")
     overlay: Dict[str, Any] = dict(file=path, custom_load=False)
+    if model_source(model_name).from_hub:
+        overlay['source'] = None  # timm loads an hf-hub: / local-dir: source before a file: the file is what's asked
     if _head_classes(path, model_name) == num_classes:
         overlay['num_classes'] = num_classes
     return overlay
@@ -298,6 +394,9 @@ def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: 
     an (H, W) tuple), so position embeddings are sized for it: an (H, W) model has an H/p x W/p patch grid.
     ``model.pretrained_file`` loads local weights (timm's pretrained=True with a file overlay, see
     ``pretrained_overlay``: the classifier is kept when its class count is this task's, else re-initialised).
+    ``model.pretrained`` loads timm's weights of model.name (a pretrained tag, ``hf-hub:`` or ``local-dir:``; timm
+    re-initialises the classifier when its class count differs); a weights source that cannot be had is a one-line
+    ConfigError (``weights_errors``).
     """
     kwargs: Dict[str, Any] = OmegaConf.to_container(model_cfg.kwargs) if isinstance(model_cfg.kwargs, DictConfig) \
         else dict(model_cfg.kwargs)
@@ -312,7 +411,13 @@ def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: 
     if model_cfg.pretrained_file:
         kwargs.update(pretrained=True, pretrained_cfg_overlay=pretrained_overlay(model_cfg.pretrained_file,
                                                                                  model_cfg.name, num_classes))
-    model = timm.create_model(model_cfg.name, **kwargs)
+    if model_cfg.pretrained:
+        kwargs['pretrained'] = True
+        _log_pretrained_size(model_cfg.name, img_size)
+    # weights from timm's sources (and an hf-hub: name's config, even without weights) may need the hub
+    reads_hub = model_cfg.pretrained or model_source(model_cfg.name).from_hub
+    with weights_errors(model_cfg.name) if reads_hub else contextlib.nullcontext():
+        model = timm.create_model(model_cfg.name, **kwargs)
     if model_cfg.floor:
         # the performance floor: same projections and MLPs, no token mixing (for train-speed ratios, not accuracy)
         make_floor(model)

@@ -59,7 +59,7 @@ from ..distributed import setup_distributed
 from ..metrics import Meter
 from ..run_dir import RunDir
 from ..run_files import find_run_files, load_weights, read_weights, saved_config_text
-from .base import TASKS, Stage, StagedRun, Task, register_task
+from .base import TASKS, Stage, StagedRun, Task, model_source, register_task
 from .distillation import (
     AttentionTransfer,
     DistillationLoss,
@@ -76,7 +76,7 @@ from .distillation import (
 from .segmentation import SegmentationTask
 
 __all__ = ['LinearizeTask', 'LinearizeConfig', 'STAGE_DIRS', 'NO_TEACHER', 'teacher_weights_path', 'resolve_teacher',
-           'teacher_training_steps', 'SPEED_BATCH']
+           'pretrained_teacher', 'teacher_name', 'teacher_training_steps', 'SPEED_BATCH']
 
 _logger = logging.getLogger('linvit.linearize')
 
@@ -86,7 +86,9 @@ class LinearizeConfig:
     """The ``linearize`` section of every run config. ``task: linearize``: turn a trained softmax ViT (the teacher)
     into linear attention (the student) in two stages (trained by ``linvit.engine.train``). model.* and seg.*
     describe the teacher's architecture; a teacher run directory supplies them (and its task and training size)."""
-    teacher: Optional[str] = None  # a run directory of this toolkit, or a weights file (.pth / .pt / .safetensors)
+    # a run directory of this toolkit, or a weights file (.pth / .pt / .safetensors); null with model.pretrained=true:
+    # model.name with its pretrained weights (a timm tag, hf-hub: or local-dir:, whose head has the data's classes)
+    teacher: Optional[str] = None
     task: str = 'classification'  # the teacher's task (a weights file); a run directory says its own
     teacher_img_size: Optional[int] = None  # a weights file's training size (default data.img_size)
     convert: Dict[str, Any] = field(default_factory=lambda: {'feature_map': 'hedgehog'})  # convert_to_linear keywords
@@ -114,7 +116,8 @@ config_choice('linearize.stage', ('all', 'attention', 'finetune'))
 
 #: the error of a linearization without a teacher
 NO_TEACHER = ("task=linearize needs linearize.teacher: a run directory of train.py or a weights file (.pth / .pt / "
-              ".safetensors) of a softmax timm ViT")
+              ".safetensors) of a softmax timm ViT; or model.pretrained=true for model.name with its pretrained "
+              "weights (a timm tag, hf-hub:org/name or local-dir:FOLDER)")
 #: the stages' run directories inside the linearization's own
 STAGE_DIRS = dict(zip(('attention', 'finetune'), RunDir.STAGES))
 #: images per call when the report measures speed
@@ -125,6 +128,17 @@ SPEED_WARMUP, SPEED_REPEATS = 3, 15
 
 
 # ---------------------------------------------------------------------------------------------------- the teacher
+
+def pretrained_teacher(cfg: DictConfig) -> bool:
+    """Whether the teacher is model.name with its pretrained weights (linearize.teacher null, model.pretrained=true):
+    timm loads them, from its registry's source, the Hugging Face hub (or cache) or a local-dir: folder."""
+    return not cfg.linearize.teacher and bool(cfg.model.pretrained)
+
+
+def teacher_name(cfg: DictConfig) -> str:
+    """The teacher as messages name it: linearize.teacher's path, or model.name with its pretrained weights."""
+    return cfg.linearize.teacher or f"model.name={cfg.model.name} (model.pretrained=true)"
+
 
 def teacher_weights_path(teacher: str) -> str:
     """The weights file of ``linearize.teacher``: a run directory's evaluated weights (model.safetensors, best.pt or
@@ -149,9 +163,11 @@ def _teacher_config_text(teacher: str) -> Optional[str]:
     return state.get('config') if isinstance(state.get('config'), str) else None
 
 
-def teacher_training_steps(teacher: str) -> Optional[int]:
+def teacher_training_steps(teacher: Optional[str]) -> Optional[int]:
     """The optimizer steps the teacher was trained for, when its run directory records them (the last train row of
-    metrics.csv); None otherwise."""
+    metrics.csv); None otherwise (a weights file, or pretrained weights: teacher None)."""
+    if not teacher:
+        return None
     path = RunDir(teacher).metrics_csv
     if not (os.path.isdir(teacher) and os.path.isfile(path)):
         return None
@@ -164,8 +180,12 @@ def resolve_teacher(cfg: DictConfig) -> DictConfig:
     """``cfg`` with the teacher's architecture filled in from its saved config, when it has one: model.* (without
     pretrained_file), its task's architecture keys (segmentation's head), linearize.task and
     linearize.teacher_img_size (its data.img_size, unless set). A bare weights file keeps the config's model.* and
-    linearize.task."""
+    linearize.task. A pretrained teacher (``pretrained_teacher``) keeps the config as it is: model.* is its
+    architecture."""
     lin = cfg.linearize
+    if pretrained_teacher(cfg):
+        _check_pretrained_teacher(cfg)
+        return cfg
     if not lin.teacher:
         raise ConfigError(NO_TEACHER)
     text = _teacher_config_text(lin.teacher)
@@ -182,13 +202,21 @@ def resolve_teacher(cfg: DictConfig) -> DictConfig:
                           f"data.img_size={max(height, width)}")
     values = OmegaConf.to_container(cfg)
     # the teacher's model replaces the config's whole model section (its kwargs are the architecture)
-    values['model'] = {**OmegaConf.to_container(saved.model), 'pretrained_file': None}
+    values['model'] = {**OmegaConf.to_container(saved.model), 'pretrained_file': None, 'pretrained': False}
     for key in TASKS.get(saved.task).architecture_keys:
         _copy_key(values, saved, key)
     values['linearize'].update(task=saved.task, teacher_img_size=lin.teacher_img_size or saved.data.img_size)
     resolved = OmegaConf.merge(config_schema(), values)
     OmegaConf.set_readonly(resolved, OmegaConf.is_readonly(cfg))
     return resolved
+
+
+def _check_pretrained_teacher(cfg: DictConfig) -> None:
+    """ConfigError for a pretrained teacher that cannot teach this task: pretrained weights are a classifier's (a
+    segmentation teacher is a run of this toolkit)."""
+    if cfg.linearize.task != 'classification':
+        raise ConfigError(f"linearize.task={cfg.linearize.task}: a teacher from model.pretrained=true is a classifier; "
+                          f"a segmentation teacher is a run directory (linearize.teacher=runs/...)")
 
 
 def _copy_key(values: Dict[str, Any], source: DictConfig, key: str) -> None:
@@ -238,7 +266,8 @@ class LinearizeTask(Task):
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
         lin = cfg.linearize
-        if not lin.teacher:
+        if not lin.teacher and not cfg.model.pretrained and lin.stage != 'all':
+            # stage 'all' needs its teacher only to train (staged_run says so): a finished run rebuilds without it
             raise ConfigError(NO_TEACHER)
         self.base = TASKS[lin.task](cfg)
         self.main_metric = self.base.main_metric
@@ -360,9 +389,11 @@ class LinearizeTask(Task):
             return None  # segmentation backbones are built with dynamic_img_size
         return self.cfg.linearize.teacher_img_size or self.cfg.data.img_size
 
-    def base_model(self, num_classes: int, img_size: int) -> nn.Module:
-        """The underlying task's model (the teacher's architecture) for ``img_size`` px images, without weights."""
-        with_size = OmegaConf.merge(self.cfg, {'data': {'img_size': img_size}, 'model': {'pretrained_file': None}})
+    def base_model(self, num_classes: int, img_size: int, pretrained: bool = False) -> nn.Module:
+        """The underlying task's model (the teacher's architecture) for ``img_size`` px images, without weights;
+        ``pretrained``: with model.name's pretrained weights (a pretrained teacher's)."""
+        model = {'pretrained_file': None, 'pretrained': pretrained}
+        with_size = OmegaConf.merge(self.cfg, {'data': {'img_size': img_size}, 'model': model})
         builder = type(self.base)(with_size)
         model = builder.build_model(num_classes)
         # what building taught the task (segmentation: its class count, which its meter needs) holds for this size too
@@ -370,24 +401,42 @@ class LinearizeTask(Task):
         return model
 
     def build_teacher(self, num_classes: int) -> nn.Module:
-        """The frozen teacher in eval mode, its weights loaded from ``linearize.teacher``."""
+        """The frozen teacher in eval mode, its weights loaded from ``linearize.teacher`` (or model.name's pretrained
+        weights: ``pretrained_teacher``)."""
         lin = self.cfg.linearize
-        teacher = self.base_model(num_classes, lin.teacher_img_size or self.cfg.data.img_size)
-        load_weights(teacher, self._teacher_weights(), f"teacher {teacher_weights_path(lin.teacher)}")
+        size = lin.teacher_img_size or self.cfg.data.img_size
+        if pretrained_teacher(self.cfg):
+            self._check_teacher_classes(num_classes)
+            teacher = self.base_model(num_classes, size, pretrained=True)
+        else:
+            teacher = self.base_model(num_classes, size)
+            load_weights(teacher, self._teacher_weights(), f"teacher {teacher_weights_path(lin.teacher)}")
         if any(isinstance(module, LinearAttention) for module in teacher.modules()):
-            raise ConfigError(f"linearize.teacher {lin.teacher} already uses linear attention; the teacher must be a "
-                              f"softmax ViT")
+            raise ConfigError(f"linearize.teacher {teacher_name(self.cfg)} already uses linear attention; the teacher "
+                              f"must be a softmax ViT")
         for parameter in teacher.parameters():
             parameter.requires_grad_(False)
         return teacher.eval()
+
+    def _check_teacher_classes(self, num_classes: int) -> None:
+        """ConfigError when pretrained weights' classifier has another class count than the data: timm would give the
+        teacher a new random head, and distillation would teach noise."""
+        pretrained = model_source(self.cfg.model.name).pretrained_cfg.get('num_classes')
+        if pretrained != num_classes:
+            raise ConfigError(f"the teacher {teacher_name(self.cfg)} was pretrained with {pretrained} classes and the "
+                              f"data has {num_classes}: a teacher must be trained on these classes (fine-tune it with "
+                              f"train.py first, then linearize.teacher=<its run directory>)")
 
     def build_student(self, num_classes: int, img_size: Optional[int] = None, with_weights: bool = True) -> nn.Module:
         """The teacher's architecture at ``img_size`` (default data.img_size) with the teacher's weights (position
         embeddings resampled), converted with ``linearize.convert``; with ``linearize.student_weights`` (stage 2
         after stage 1) those weights instead; ``with_weights=False``: the converted architecture only."""
         lin = self.cfg.linearize
-        student = self.base_model(num_classes, img_size or self.cfg.data.img_size)
-        if with_weights and lin.student_weights is None:
+        from_teacher = with_weights and lin.student_weights is None
+        # a pretrained teacher's weights load as the teacher's did (timm resamples them to this size)
+        hub = from_teacher and pretrained_teacher(self.cfg)
+        student = self.base_model(num_classes, img_size or self.cfg.data.img_size, pretrained=hub)
+        if from_teacher and not hub:
             load_weights(student, self._teacher_weights(), f"teacher {lin.teacher} (into the student)")
         options = OmegaConf.to_container(lin.convert) if isinstance(lin.convert, DictConfig) else dict(lin.convert)
         try:

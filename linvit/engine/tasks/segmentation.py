@@ -100,7 +100,8 @@ def create_segmentation_model(model_cfg: DictConfig, seg_cfg: DictConfig, num_cl
                               img_size: int) -> SegmentationModel:
     """A SegmentationModel from the run config: ``model.*`` makes the backbone (any timm ViT, linvit_* included,
     created at ``img_size`` with ``dynamic_img_size=True`` and no classifier; ``model.pretrained_file`` loads
-    classification weights into it), ``seg.*`` chooses the pyramid's blocks and width and the head."""
+    classification weights into it, ``model.pretrained`` timm's weights of model.name), ``seg.*`` chooses the
+    pyramid's blocks and width and the head."""
     not_a_vit = (f"model.name={model_cfg.name!r} is not a plain ViT (patch_embed, blocks, forward_intermediates, "
                  f"dynamic_img_size); segmentation takes linvit_* or timm's vit_* backbones")
     try:
