@@ -20,6 +20,7 @@ A run directory (written by rank 0 only; ``linvit.engine.trainer`` fills it, ``r
     <task>.json          a staged run's state (what its baselines and stages measured), beside
     stage1/, stage2/     its stages, each a run directory of its own
     model.onnx, eval_*/  derived from the weights by tools/export_onnx.py and train.py --eval-only
+    hub/                 the run as a timm / Hugging Face model folder (tools/export_hub.py)
 
 It imports nothing of linvit, so every engine module (the config's checks included) can name these files.
 """
@@ -48,6 +49,8 @@ class RunDir:
     CURVES: ClassVar[str] = 'curves.png'
     PICTURES: ClassVar[str] = 'pictures'
     ONNX: ClassVar[str] = 'model.onnx'
+    #: the timm / Hugging Face model folder of the run's weights (tools/export_hub.py's default)
+    HUB: ClassVar[str] = 'hub'
     #: the start of an evaluation folder's name (eval_<weights stem>/)
     EVALUATION_PREFIX: ClassVar[str] = 'eval_'
     #: the folders of a run trained in stages (a linearization), in order
@@ -121,6 +124,11 @@ class RunDir:
     def onnx(self) -> str:
         """model.onnx: the ONNX export of the run's weights (tools/export_onnx.py's default)."""
         return self.join(self.ONNX)
+
+    @property
+    def hub(self) -> str:
+        """hub/: the run as a timm / Hugging Face model folder (tools/export_hub.py's default)."""
+        return self.join(self.HUB)
 
     def picture(self, name: str, step: int) -> str:
         """pictures/<name>_stepNNNNNN.png: the picture ``name`` of the evaluation at ``step``."""

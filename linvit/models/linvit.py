@@ -491,7 +491,8 @@ def _check_pretrained_source(variant: str, kwargs: Dict[str, Any]) -> None:
             f"pretrained=True, pretrained_cfg_overlay=dict(file='weights.pth') (a linvit or timm softmax-ViT "
             f"checkpoint, .pth or .safetensors; position embeddings are resampled), or checkpoint_path='weights.pth' "
             f"(a linvit checkpoint of this exact model, loaded with or without pretrained=True)")
-    _check_file_exists(getattr(cfg, 'file', None), 'pretrained_cfg_overlay file')
+    if getattr(cfg, 'source', None) != 'local-dir':  # timm.create_model('local-dir:PATH'): a folder, timm reads it
+        _check_file_exists(getattr(cfg, 'file', None), 'pretrained_cfg_overlay file')
 
 
 def _check_file_exists(path: Optional[str], what: str) -> None:

@@ -55,10 +55,12 @@ def test_the_run_files_lists_are_made_of_run_dir_names():
     assert files.evaluation('best') == os.path.join('runs', 'lin', 'eval_best')
     assert RUN_WEIGHTS == (RunDir.WEIGHTS, RunDir.BEST, RunDir.LAST) and RUN_STAGES == RunDir.STAGES
     for path in (files.config, files.log, files.metrics_csv, files.metrics_json, files.last, files.best, files.weights,
-                 files.tensorboard, files.curves, files.pictures, files.state('linearize'), files.onnx,
+                 files.tensorboard, files.curves, files.pictures, files.state('linearize'), files.onnx, files.hub,
                  files.evaluation('last'), *(files.stage(stage).path for stage in RunDir.STAGES)):
         name = os.path.basename(path)
         assert any(fnmatch.fnmatch(name, pattern) for pattern in RUN_ENTRIES), name
-    results = (files.last, files.best, files.weights, files.metrics_json, files.onnx, files.evaluation('best'))
+    results = (files.last, files.best, files.weights, files.metrics_json, files.onnx, files.hub,
+               files.evaluation('best'))
     assert all(any(fnmatch.fnmatch(os.path.basename(path), p) for p in RUN_RESULTS) for path in results)
     assert any(fnmatch.fnmatch(os.path.basename(files.evaluation('best')), p) for p in RUN_DERIVED)
+    assert files.hub == os.path.join('runs', 'lin', 'hub') and RunDir.HUB in RUN_DERIVED
