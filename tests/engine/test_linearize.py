@@ -349,3 +349,50 @@ def test_attention_weights_of_both_layers_match_their_n_by_n_matrices():
     relative = (student - teacher).pow(2).mean() / teacher.pow(2).mean()
     got = attention_transfer_loss(0.5)((student, w_lin[:, None]), (teacher, weights[:, None]))
     assert got.item() == pytest.approx((relative + 0.5 * ce).item(), rel=1e-5)
+
+
+ROPE_TEACHER = ['model.name=vit_small_patch16_dinov3', 'model.kwargs.depth=2', 'model.kwargs.embed_dim=48',
+                'model.kwargs.num_heads=3', 'model.kwargs.patch_size=8']
+
+
+def test_a_rope_teacher_is_linearized_with_its_rotary_embeddings(tmp_path):
+    """A DINOv3-layout teacher (rotary embeddings, registers, layer scale) linearizes end to end; stage 1 hands each
+    student layer the rope its model passes it: AttentionTransfer's outputs on the student's own layer inputs equal
+    what the layers gave inside the student's forward (without the ropes they differ)."""
+    from linvit.engine.tasks.distillation import AttentionTransfer, rotary_embeddings, transfer_pairs
+
+    teacher_dir = tmp_path / 'teacher'
+    train(load_config(None, [*ROPE_TEACHER, *TINY_RUN, 'train.epochs=1', f'output_dir={teacher_dir}']))
+    report = train(lin_config(str(teacher_dir), tmp_path / 'lin'))
+    for key in ('teacher_top1', 'converted_top1', 'stage1_top1', 'top1'):
+        assert 0 <= report[key] <= 100, key
+    stage1 = LinearizeTask(resolve_teacher(lin_config(str(teacher_dir), tmp_path / 'stage',
+                                                      'linearize.stage=attention')))
+    transfer = stage1.build_model(4)
+    assert all(rope is not None and rope.shape[-2] == 4 * 4 for rope in (transfer.rope0, transfer.rope1))
+    kwargs = dict(img_size=32, depth=2, embed_dim=48, num_heads=3, patch_size=8, num_classes=4)
+    teacher = timm.create_model('vit_small_patch16_dinov3', **kwargs).eval()
+    teacher.load_state_dict(load_file(teacher_dir / 'model.safetensors'))
+    student = linvit.convert_to_linear(timm.create_model('vit_small_patch16_dinov3', **kwargs), feature_map='hedgehog')
+    student.load_state_dict(load_file(tmp_path / 'lin' / 'model.safetensors'))
+    student.eval()
+    paths = transfer_pairs(teacher, student)
+    assert paths == ['blocks.0.attn', 'blocks.1.attn']
+    images = torch.randn(3, 3, 32, 32)
+    inputs, outputs = [], []
+
+    def keep(module, args, output):
+        inputs.append(args[0])
+        outputs.append(output)
+
+    hooks = [student.get_submodule(path).register_forward_hook(keep) for path in paths]
+    with torch.no_grad():
+        student(images)
+        for hook in hooks:
+            hook.remove()
+        ropes = rotary_embeddings(teacher, paths, lambda: teacher(images[:1]))
+        assert all(rope is not None for rope in ropes)
+        got, _ = AttentionTransfer(student, paths, ropes=ropes)(torch.stack(inputs, dim=1))
+        without, _ = AttentionTransfer(student, paths)(torch.stack(inputs, dim=1))
+    torch.testing.assert_close(got, torch.stack(outputs, dim=1), rtol=1e-5, atol=1e-6)
+    assert (without - torch.stack(outputs, dim=1)).abs().max() > 1e-3

@@ -18,9 +18,9 @@ from ...layers import LinearAttention
 from ...models.convert import attention_sites
 from ..config import ConfigError
 
-__all__ = ['student_of', 'vit_of', 'transfer_pairs', 'query_positions', 'softmax_attention_weights',
-           'linear_attention_weights', 'AttentionTransfer', 'attention_transfer_loss', 'DistillationLoss',
-           'ResizedInput', 'HiddenStates', 'row_mask_hook']
+__all__ = ['student_of', 'vit_of', 'transfer_pairs', 'rotary_embeddings', 'query_positions',
+           'softmax_attention_weights', 'linear_attention_weights', 'AttentionTransfer', 'attention_transfer_loss',
+           'DistillationLoss', 'ResizedInput', 'HiddenStates', 'row_mask_hook']
 
 
 def student_of(model: nn.Module) -> nn.Module:
@@ -40,6 +40,28 @@ def transfer_pairs(teacher: nn.Module, student: nn.Module) -> List[str]:
     return [path for path, module in attention_sites(student)
             if isinstance(module, LinearAttention) and path in teacher_sites
             and not isinstance(teacher_sites[path], LinearAttention)]
+
+
+def rotary_embeddings(model: nn.Module, paths: Sequence[str], run: Callable[[], Any]) -> List[Optional[torch.Tensor]]:
+    """The rotary embedding (``rope``) each attention layer at ``paths`` receives while ``run()`` runs ``model``
+    once (None for a layer that gets none): what timm's RoPE models (the Eva family) pass their attention for the
+    size ``run`` feeds. Eval-mode embeddings depend only on the patch grid, so one run gives them for every batch."""
+    seen: Dict[int, Optional[torch.Tensor]] = {}
+
+    def keeper(index: int) -> Callable:
+        def keep(module: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> None:
+            seen[index] = kwargs.get('rope')
+        return keep
+
+    handles = [model.get_submodule(path).register_forward_pre_hook(keeper(i), with_kwargs=True)
+               for i, path in enumerate(paths)]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [seen.get(i) for i in range(len(paths))]
 
 
 def query_positions(n_tokens: int, count: int, device: torch.device) -> torch.Tensor:
@@ -78,20 +100,35 @@ class AttentionTransfer(nn.Module):
     """The stage-1 model: the student's attention layers at ``paths``, each applied to the teacher's input of that
     layer. forward(inputs [B, L, N, C]) -> (outputs [B, L, N, C], weights [B, L, H, Q, N] or None).
 
+    ropes: per layer, the rotary embedding the teacher's layer received (``rotary_embeddings``; None where it got
+    none), passed to the student's layer as the model would pass it. They are buffers outside the state dict.
+
     Its state dict is the student's (checkpoints and model.safetensors hold the student's keys, as any run's)."""
 
-    def __init__(self, student: nn.Module, paths: Sequence[str], queries: int = 0) -> None:
+    def __init__(self, student: nn.Module, paths: Sequence[str], queries: int = 0,
+                 ropes: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
         super().__init__()
         self.student = student
         self.paths = list(paths)
         self.queries = queries
+        ropes = list(ropes) if ropes is not None else [None] * len(self.paths)
+        if queries and any(rope is not None for rope in ropes):
+            raise ConfigError("linearize.attention_weights_loss > 0 compares attention weights, which rotary linear "
+                              "attention (a RoPE teacher) forms with rotated features that need not be positive; "
+                              "set linearize.attention_weights_loss=0")
+        for index, rope in enumerate(ropes):
+            self.register_buffer(f"rope{index}", rope, persistent=False)
 
     def layers(self) -> List[nn.Module]:
         return [self.student.get_submodule(path) for path in self.paths]
 
+    def _layer_output(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rope = getattr(self, f"rope{index}")
+        return layer(x) if rope is None else layer(x, rope=rope)
+
     def forward(self, inputs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         layers = self.layers()
-        outputs = torch.stack([layer(inputs[:, i]) for i, layer in enumerate(layers)], dim=1)
+        outputs = torch.stack([self._layer_output(i, layer, inputs[:, i]) for i, layer in enumerate(layers)], dim=1)
         if not self.queries:
             return outputs, None
         positions = query_positions(inputs.shape[2], self.queries, inputs.device)

@@ -67,6 +67,7 @@ from .distillation import (
     ResizedInput,
     attention_transfer_loss,
     query_positions,
+    rotary_embeddings,
     row_mask_hook,
     softmax_attention_weights,
     student_of,
@@ -471,7 +472,16 @@ class LinearizeTask(Task):
                               "kept softmax attention)")
         self._freeze_for_attention_transfer(student)
         queries = self.cfg.linearize.attention_queries if self.cfg.linearize.attention_weights_loss > 0 else 0
-        return AttentionTransfer(student, self.paths, queries)
+        return AttentionTransfer(student, self.paths, queries, self._teacher_ropes())
+
+    def _teacher_ropes(self) -> List[Optional[torch.Tensor]]:
+        """The rotary embeddings the teacher's layers at ``self.paths`` receive on a training batch's images (None
+        each for a model without RoPE), read from one forward of a blank image of data.img_size."""
+        height, width = image_size(self.cfg.data.img_size)
+        parameter = next(self.teacher.parameters())
+        blank = torch.zeros(1, 3, height, width, device=parameter.device, dtype=parameter.dtype)
+        resized = ResizedInput(self.teacher, self.teacher_size())
+        return rotary_embeddings(self.teacher, self.paths, lambda: resized(blank))
 
     def _freeze_for_attention_transfer(self, student: nn.Module) -> None:
         """Stage 1 trains what the conversion added (``linear_only_parameter_names``: learnable maps, local mixing,
@@ -491,6 +501,9 @@ class LinearizeTask(Task):
 
     @staticmethod
     def _train_qk_rows(attn: LinearAttention) -> None:
+        if getattr(attn, 'qkv', None) is None:
+            raise ConfigError(f"linearize.train_qk trains the q and k rows of a fused qkv projection; "
+                              f"{type(attn).__name__} projects q, k and v separately: set linearize.train_qk=false")
         rows = attn.qkv.out_features
         keep = torch.ones(rows, device=attn.qkv.weight.device)
         keep[2 * rows // 3:] = 0  # the v projection: its outputs feed the teacher-identical values
