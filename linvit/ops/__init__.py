@@ -2,8 +2,8 @@
 
 One package per op, laid out by form (as fla's ``fla/ops/<op>/``): ``linear_attn`` (non-causal linear attention:
 its float64 reference, PyTorch path, autograd Function, Triton kernels and registered ops), ``causal`` (the causal
-forms and the bidirectional scans); beside them the feature maps (``FEATURE_MAPS``), the other families' math
-(``families``) and what every core shares (``common``).
+forms and the bidirectional scans), ``rotary`` (linear attention with rotary position embeddings); beside them the
+feature maps (``FEATURE_MAPS``), the other families' math (``families``) and what every core shares (``common``).
 """
 from .causal import (
     CausalState,
@@ -50,6 +50,14 @@ from .linear_attn import (
     quadratic_linear_attention,
     triton_interpreting,
 )
+from .rotary import (
+    Rotation,
+    quadratic_rotary_linear_attention,
+    rotary_apply,
+    rotary_linear_attention,
+    rotary_state,
+    rotation_from_timm,
+)
 
 __all__ = [
     'FEATURE_MAPS', 'FeatureMapSpec', 'elu1', 'relu', 'relu2', 'focused', 'hedgehog', 'feature_map_spec',
@@ -62,4 +70,6 @@ __all__ = [
     'ATTN_BACKENDS', 'check_attn_backend', 'kernel_unsupported_reason', 'kernels_serve', 'triton_interpreting',
     'causal_linear_attention', 'causal_linear_attention_step', 'CausalState', 'ChunkedCausalScan',
     'bidirectional_linear_attention', 'retention_decays', 'grid_scan_orders',
+    'rotary_linear_attention', 'rotary_state', 'rotary_apply', 'Rotation', 'rotation_from_timm',
+    'quadratic_rotary_linear_attention',
 ]
