@@ -55,6 +55,10 @@ class ModelConfig:
     # timm's pretrained weights of model.name: a tag (vit_base_patch16_224.augreg2_in21k_ft_in1k), hf-hub:org/name
     # (downloaded once into the Hugging Face cache) or local-dir:/folder (config.json + model.safetensors)
     pretrained: bool = False
+    # convert_to_linear keywords (feature_map, attn_family, local_mix, softmax_blocks, ...): a timm softmax ViT (vit_*,
+    # deit*, DINOv2, DINOv3, EVA02, PE, ...) turned into linear attention after its weights load ({}: the defaults);
+    # null keeps the model as built
+    convert: Optional[Dict[str, Any]] = None
     drop_path_rate: float = 0.0
     grad_checkpointing: bool = False
     floor: bool = False  # benchmarks: replace attention by the no-mixing floor (linvit.fast.make_floor)

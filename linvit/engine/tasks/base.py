@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 
 from ...data import image_size, size_text
 from ...layers import make_floor
+from ...models import convert_to_linear
 from ...registry import Registry
 from ..config import ARCHITECTURE_KEYS, ConfigError, config_choice
 from ..metrics import Meter
@@ -386,6 +387,15 @@ def pretrained_overlay(path: str, model_name: str, num_classes: int) -> Dict[str
     return overlay
 
 
+def convert_backbone(model: nn.Module, options: Any) -> None:
+    """``convert_to_linear(model, **options)`` (model.convert), its errors as one-line ConfigErrors."""
+    options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else dict(options)
+    try:
+        convert_to_linear(model, **options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"model.convert={options}: {error}") from None
+
+
 def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: Union[int, Sequence[int]],
                              extra_kwargs: Optional[Dict[str, Any]] = None) -> nn.Module:
     """``timm.create_model(model.name, num_classes, img_size, drop_path_rate, **model.kwargs)``.
@@ -418,6 +428,8 @@ def create_model_from_config(model_cfg: DictConfig, num_classes: int, img_size: 
     reads_hub = model_cfg.pretrained or model_source(model_cfg.name).from_hub
     with weights_errors(model_cfg.name) if reads_hub else contextlib.nullcontext():
         model = timm.create_model(model_cfg.name, **kwargs)
+    if model_cfg.convert is not None:
+        convert_backbone(model, model_cfg.convert)
     if model_cfg.floor:
         # the performance floor: same projections and MLPs, no token mixing (for train-speed ratios, not accuracy)
         make_floor(model)

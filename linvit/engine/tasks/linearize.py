@@ -413,8 +413,10 @@ class LinearizeTask(Task):
             teacher = self.base_model(num_classes, size)
             load_weights(teacher, self._teacher_weights(), f"teacher {teacher_weights_path(lin.teacher)}")
         if any(isinstance(module, LinearAttention) for module in teacher.modules()):
-            raise ConfigError(f"linearize.teacher {teacher_name(self.cfg)} already uses linear attention; the teacher "
-                              f"must be a softmax ViT")
+            converted = " (model.convert converts it: leave model.convert null, linearize.convert converts the " \
+                "student)" if self.cfg.model.convert is not None else ''
+            raise ConfigError(f"linearize.teacher {teacher_name(self.cfg)} already uses linear attention{converted}; "
+                              f"the teacher must be a softmax ViT")
         for parameter in teacher.parameters():
             parameter.requires_grad_(False)
         return teacher.eval()
