@@ -23,4 +23,5 @@ which the engine and the export share.
     data       input-pipeline throughput, per-image against cached, against the model's step (tools/bench_data.py)
     op_overhead, kernel_report  the attention op's host overhead and its GPU kernels (tools/bench_op_overhead.py,
                tools/kernel_report.py)
+    coverage   which timm ViTs convert_to_linear converts, runs, compiles and exports (tools/vit_coverage.py)
 """

@@ -22,6 +22,7 @@ import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr, AttentionRope
 from timm.models.beit import Attention as BeitAttention
 from timm.models.eva import EvaAttention
+from timm.models.vision_transformer import DiffParallelScalingBlock, ParallelScalingBlock
 from timm.models.vision_transformer_sam import Attention as SamAttention
 
 from ..layers import LinearAttention, LocalMix, attention_layer
@@ -41,8 +42,12 @@ _KEPT_AS_IS = (LinearAttention, AttentionPoolLatent, AttentionPoolPrr)
 _SHARED_SUBMODULES = ('qkv', 'q_norm', 'k_norm', 'norm', 'gate', 'proj', 'proj_drop')
 #: the softmax attention classes conversion turns into linear attention (exact types: a subclass may compute more)
 CONVERTIBLE_ATTENTION = (Attention, EvaAttention, AttentionRope)
-#: attention that has no well-defined linear form, with the reason conversion gives
+_FUSED_BLOCK = ("this block computes attention and its MLP from one fused projection (in_proj) and holds no attention "
+                "module to replace; convert a ViT whose blocks hold their own attention")
+#: attention that conversion refuses (no well-defined linear form, or no attention module to replace), with the reason
 REFUSED_ATTENTION = {
+    ParallelScalingBlock: _FUSED_BLOCK,
+    DiffParallelScalingBlock: _FUSED_BLOCK,
     BeitAttention: "BEiT adds a learned relative position bias to every query-key logit, an N x N term that linear "
                    "attention cannot factor; train a linvit_* or convert a ViT without it",
     SamAttention: "SAM's ViT attends inside 14 x 14 windows with decomposed relative position terms in most blocks; "
@@ -67,8 +72,8 @@ def _is_other_attention(path: str, module: nn.Module) -> bool:
 def attention_sites(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(path, module) of every timm ``Attention`` and ``LinearAttention`` in ``model``, in module order.
 
-    Raises ValueError naming the first other attention module (e.g. AttentionRope, DiffAttention, Swin's
-    WindowAttention, EVA's EvaAttention): converting only some of a model's attention would hide softmax cost.
+    Raises ValueError naming the first other attention module (e.g. DiffAttention, Swin's WindowAttention, BEiT's
+    Attention, a ParallelScalingBlock) and why: converting only some of a model's attention would hide softmax cost.
     """
     sites = []
     for path, module in model.named_modules():

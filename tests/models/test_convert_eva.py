@@ -1,5 +1,5 @@
 """convert_to_linear on timm's Eva family (EvaAttention, AttentionRope: EVA02, DINOv3, Perception Encoder, the RoPE
-ViTs, Sapiens2) and its refusals (BEiT, SAM).
+ViTs, Sapiens2) and its refusals (BEiT, SAM, parallel blocks).
 
 The reference is timm's own model: its attention modules run as timm wrote them (their projections, biases, q/k
 norms, grouped key/value heads, rotary embeddings, output norm and gate), with only the softmax core replaced by the
@@ -118,9 +118,10 @@ def test_other_families_refuse_rotary_attention_in_one_line():
 
 
 @pytest.mark.parametrize('name, why', [('beit_base_patch16_224', 'relative position bias'),
-                                       ('samvit_base_patch16', 'windows')])
-def test_beit_and_sam_are_refused_with_the_reason(name, why):
-    kwargs = {'img_size': 64} if name.startswith('beit') else {'img_size': 64, 'window_size': 2}
+                                       ('samvit_base_patch16', 'windows'),
+                                       ('vit_pwee_patch16_reg1_gap_256', 'one fused projection')])
+def test_beit_sam_and_parallel_blocks_are_refused_with_the_reason(name, why):
+    kwargs = {'img_size': 64, 'window_size': 2} if name.startswith('sam') else {'img_size': 64}
     model = timm.create_model(name, depth=1, **kwargs)
     with pytest.raises(ValueError, match=why) as error:
         convert_to_linear(model)

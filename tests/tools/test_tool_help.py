@@ -13,7 +13,9 @@ def parsers(bench, prof, forward, export_tool, predict_tool, causal_bench):
             'kernel_report': load_tool('kernel_report').build_parser(),
             'bench_op_overhead': load_tool('bench_op_overhead').build_parser(),
             'quality_check': load_tool('quality_check').build_parser(),
-            'bench_data': load_tool('bench_data').build_parser()}
+            'bench_data': load_tool('bench_data').build_parser(),
+            'vit_coverage': load_tool('vit_coverage').build_parser(),
+            'export_hub': load_tool('export_hub').build_parser()}
 
 
 def _options(parser):
