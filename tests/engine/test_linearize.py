@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tiny_run import TINY_RUN, TINY_SEG
 
 import linvit
-from linvit.engine import Checkpoint, load_config, train
+from linvit.engine import Checkpoint, ConfigError, load_config, train
 from linvit.engine.loading import load_trained
 from linvit.engine.tasks.distillation import DistillationLoss
 from linvit.engine.tasks.linearize import STAGE_DIRS, LinearizeTask, resolve_teacher
@@ -396,3 +396,69 @@ def test_a_rope_teacher_is_linearized_with_its_rotary_embeddings(tmp_path):
         without, _ = AttentionTransfer(student, paths)(torch.stack(inputs, dim=1))
     torch.testing.assert_close(got, torch.stack(outputs, dim=1), rtol=1e-5, atol=1e-6)
     assert (without - torch.stack(outputs, dim=1)).abs().max() > 1e-3
+
+
+def test_distillation_loss_adds_the_relative_error_of_the_tokens():
+    torch.manual_seed(0)
+    student, teacher, labels = torch.randn(5, 4), torch.randn(5, 4), torch.randint(0, 4, (5,))
+    tokens, teacher_tokens = torch.randn(5, 7, 6), torch.randn(5, 7, 6)
+    plain = DistillationLoss(torch.nn.CrossEntropyLoss(), weight=0.3, temperature=2.0)(student, (labels, teacher))
+    aligned = DistillationLoss(torch.nn.CrossEntropyLoss(), weight=0.3, temperature=2.0, feature_weight=0.7)
+    got = aligned((student, tokens), (labels, teacher, teacher_tokens))
+    relative = ((tokens.double() - teacher_tokens.double()) ** 2).sum() / (teacher_tokens.double() ** 2).sum()
+    assert got.item() == pytest.approx(plain.item() + 0.7 * relative.item(), rel=1e-6)
+
+
+def test_stage2_with_feature_weight_aligns_the_last_blocks_patch_tokens(teacher_dir, tmp_path):
+    """linearize.feature_weight: stage 2's loss on a batch is the distillation loss plus the weight times the
+    relative error of the student's last block tokens to the teacher's, both read here through timm's own
+    forward_intermediates (patch tokens) and its class token."""
+    from linvit.engine.tasks.distillation import student_of
+
+    cfg = resolve_teacher(lin_config(teacher_dir, tmp_path / 'lin', 'linearize.stage=finetune',
+                                     'linearize.feature_weight=2.0'))
+    task = LinearizeTask(cfg)
+    model = task.build_model(4)
+    assert set(model.state_dict()) == set(student_of(model).state_dict())
+    torch.manual_seed(0)
+    with torch.no_grad():  # a student whose tokens differ from the teacher's (a tiny teacher's attention barely counts)
+        student_of(model).blocks[1].mlp.fc2.weight.add_(torch.randn_like(student_of(model).blocks[1].mlp.fc2.weight))
+    images, labels = torch.randn(3, 3, 32, 32), torch.randint(0, 4, (3,))
+    images, targets = task.batch_mixer(4)(images, labels)
+    with torch.no_grad():
+        loss = task.train_loss()(model(images), targets)
+
+    def last_tokens(vit):  # [B, 1 + 16, C]: the class token of the last block's output, then its patch tokens
+        patches, prefix = vit.forward_intermediates(images, indices=[1], output_fmt='NLC', intermediates_only=True,
+                                                    return_prefix_tokens=True)[0]
+        return torch.cat([prefix, patches], dim=1).double()
+
+    teacher, student = task.teacher.eval(), student_of(model).eval()
+    with torch.no_grad():
+        ours, theirs = last_tokens(student), last_tokens(teacher)
+        plain = DistillationLoss(task.base.train_loss(), cfg.linearize.distill_weight,
+                                 cfg.linearize.temperature)(student(images), (labels, teacher(images)))
+    relative = ((ours - theirs) ** 2).sum() / (theirs ** 2).sum()
+    assert relative > 0.05  # the term is far from zero
+    assert loss.item() == pytest.approx(plain.item() + 2.0 * relative.item(), rel=1e-5)
+
+
+def test_feature_weight_with_a_resized_teacher_is_a_clear_error(teacher_dir, tmp_path):
+    cfg = resolve_teacher(lin_config(teacher_dir, tmp_path / 'lin', 'linearize.stage=finetune', 'data.img_size=48',
+                                     'linearize.feature_weight=1.0'))
+    with pytest.raises(ConfigError, match=r"feature_weight.*resized to its 32 px.*data.img_size=32"):
+        LinearizeTask(cfg).build_model(4)
+
+
+def test_a_rope_segmentation_teacher_is_linearized_with_aligned_patch_features(tmp_path):
+    """The segmentation linearization of configs/linearize_seg_rope.yaml at tiny size: a DINOv3-layout backbone
+    teacher, stage 2 with the patch-feature term; the student's weights load into the converted timm layout."""
+    teacher = tmp_path / 'teacher'
+    train(load_config(None, [*ROPE_TEACHER, *TINY_SEG, 'train.epochs=1', f'output_dir={teacher}']))
+    cfg = load_config(None, [*TINY_SEG, 'task=linearize', f'linearize.teacher={teacher}', 'linearize.speed=false',
+                             'linearize.feature_weight=1.0', 'train.epochs=1', f'output_dir={tmp_path / "lin"}'])
+    report = train(cfg)
+    for key in ('teacher_miou', 'converted_miou', 'stage1_miou', 'miou'):
+        assert 0 <= report[key] <= 1, key
+    student = load_file(tmp_path / 'lin' / 'model.safetensors')
+    assert any(key.startswith('backbone.blocks.1.attn.feature_map') for key in student)

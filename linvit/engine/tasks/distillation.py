@@ -1,12 +1,15 @@
 """The teacher-student pieces a linearization trains with (``linvit.engine.tasks.linearize``): its stage-1 model and
 loss (attention transfer: every linear attention layer learns to map the teacher's input of that layer to the
 teacher's output), its stage-2 loss (distillation), the attention weights both kinds of layer give, and the hooks
-that collect the teacher's hidden states.
+that collect the teacher's hidden states; with a feature weight, its stage-2 model (``FeatureAlignment``: the
+student's output and its last block's tokens, which the loss aligns with the teacher's).
 
     pairs = transfer_pairs(teacher, student)                    # paths of the layers stage 1 trains
     model = AttentionTransfer(student, pairs)                   # inputs [B, L, N, C] -> (outputs [B, L, N, C], None)
     loss = attention_transfer_loss(0.0)(model(inputs), (teacher_outputs, None))
     loss = DistillationLoss(task_loss, weight=0.5, temperature=2.0)(student_logits, (labels, teacher_logits))
+    model = FeatureAlignment(student, last_block(student))     # images -> (logits, tokens [B, N, C])
+    loss = DistillationLoss(task_loss, 0.5, 2.0, feature_weight=1.0)(model(images), (labels, logits, tokens))
 """
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -18,14 +21,15 @@ from ...layers import LinearAttention
 from ...models.convert import attention_sites
 from ..config import ConfigError
 
-__all__ = ['student_of', 'vit_of', 'transfer_pairs', 'rotary_embeddings', 'query_positions',
-           'softmax_attention_weights', 'linear_attention_weights', 'AttentionTransfer', 'attention_transfer_loss',
-           'DistillationLoss', 'ResizedInput', 'HiddenStates', 'row_mask_hook']
+__all__ = ['student_of', 'vit_of', 'transfer_pairs', 'last_block', 'rotary_embeddings', 'query_positions',
+           'softmax_attention_weights', 'linear_attention_weights', 'StudentWrapper', 'AttentionTransfer',
+           'FeatureAlignment', 'relative_squared_error', 'attention_transfer_loss', 'DistillationLoss', 'ResizedInput',
+           'HiddenStates', 'row_mask_hook']
 
 
 def student_of(model: nn.Module) -> nn.Module:
-    """The student inside a stage-1 wrapper (``AttentionTransfer``), or the model itself."""
-    return model.student if isinstance(model, AttentionTransfer) else model
+    """The student inside a stage's wrapper (``AttentionTransfer``, ``FeatureAlignment``), or the model itself."""
+    return model.student if isinstance(model, StudentWrapper) else model
 
 
 def vit_of(model: nn.Module) -> nn.Module:
@@ -40,6 +44,15 @@ def transfer_pairs(teacher: nn.Module, student: nn.Module) -> List[str]:
     return [path for path, module in attention_sites(student)
             if isinstance(module, LinearAttention) and path in teacher_sites
             and not isinstance(teacher_sites[path], LinearAttention)]
+
+
+def last_block(model: nn.Module) -> str:
+    """The path of the block that holds ``model``'s last attention layer ('blocks.11', 'backbone.blocks.11'): its
+    output tokens are the features a dense head reads."""
+    sites = attention_sites(model)
+    if not sites:
+        raise ConfigError(f"{type(model).__name__} has no attention layer whose block's features could be aligned")
+    return sites[-1][0].rpartition('.')[0]
 
 
 def rotary_embeddings(model: nn.Module, paths: Sequence[str], run: Callable[[], Any]) -> List[Optional[torch.Tensor]]:
@@ -96,19 +109,31 @@ def linear_attention_weights(attn: LinearAttention, x: torch.Tensor, queries: to
     return sims / (sims.sum(dim=-1, keepdim=True) + attn.eps * k.shape[-2])
 
 
-class AttentionTransfer(nn.Module):
+class StudentWrapper(nn.Module):
+    """A stage's model around the student whose state dict is the student's (checkpoints and model.safetensors hold
+    the student's keys, as any run's)."""
+
+    def __init__(self, student: nn.Module) -> None:
+        super().__init__()
+        self.student = student
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        return self.student.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.student.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class AttentionTransfer(StudentWrapper):
     """The stage-1 model: the student's attention layers at ``paths``, each applied to the teacher's input of that
     layer. forward(inputs [B, L, N, C]) -> (outputs [B, L, N, C], weights [B, L, H, Q, N] or None).
 
     ropes: per layer, the rotary embedding the teacher's layer received (``rotary_embeddings``; None where it got
-    none), passed to the student's layer as the model would pass it. They are buffers outside the state dict.
-
-    Its state dict is the student's (checkpoints and model.safetensors hold the student's keys, as any run's)."""
+    none), passed to the student's layer as the model would pass it. They are buffers outside the state dict."""
 
     def __init__(self, student: nn.Module, paths: Sequence[str], queries: int = 0,
                  ropes: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
-        super().__init__()
-        self.student = student
+        super().__init__(student)
         self.paths = list(paths)
         self.queries = queries
         ropes = list(ropes) if ropes is not None else [None] * len(self.paths)
@@ -136,11 +161,30 @@ class AttentionTransfer(nn.Module):
                                for i, layer in enumerate(layers)], dim=1)
         return outputs, weights
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        return self.student.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.student.load_state_dict(state_dict, strict=strict, assign=assign)
+class FeatureAlignment(StudentWrapper):
+    """The stage-2 model when the loss aligns features: forward(images) -> (the student's output, the output tokens
+    [B, N, C] of its block at ``path``, kept by a forward hook during that forward)."""
+
+    def __init__(self, student: nn.Module, path: str) -> None:
+        super().__init__(student)
+        self.path = path
+        self._tokens: Dict[str, torch.Tensor] = {}
+        student.get_submodule(path).register_forward_hook(self._keep)
+
+    def _keep(self, module: nn.Module, args: Tuple, output: torch.Tensor) -> None:
+        self._tokens['out'] = output
+
+    def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        output = self.student(images)
+        return output, self._tokens.pop('out')
+
+
+def relative_squared_error(student: torch.Tensor, teacher: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """mean((student - teacher)^2) / mean(teacher^2) over ``dims``, in float32 (scale-free: a layer or feature of any
+    magnitude counts alike)."""
+    error = (student.float() - teacher.float()).pow(2).mean(dim=tuple(dims))
+    return error / teacher.float().pow(2).mean(dim=tuple(dims)).clamp_min(1e-12)
 
 
 def attention_transfer_loss(weights_loss: float) -> Callable[[Any, Any], torch.Tensor]:
@@ -152,9 +196,7 @@ def attention_transfer_loss(weights_loss: float) -> Callable[[Any, Any], torch.T
                 targets: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
         student, student_weights = outputs
         teacher, teacher_weights = targets
-        error = (student.float() - teacher.float()).pow(2).mean(dim=(0, 2, 3))
-        scale = teacher.float().pow(2).mean(dim=(0, 2, 3)).clamp_min(1e-12)
-        loss = (error / scale).mean()
+        loss = relative_squared_error(student, teacher, dims=(0, 2, 3)).mean()
         if weights_loss > 0 and student_weights is not None:
             ce = -(teacher_weights * student_weights.clamp_min(1e-12).log()).sum(dim=-1).mean()
             loss = loss + weights_loss * ce
@@ -164,24 +206,37 @@ def attention_transfer_loss(weights_loss: float) -> Callable[[Any, Any], torch.T
 
 
 class DistillationLoss(nn.Module):
-    """Stage 2: (1 - w) task_loss(student, labels) + w T^2 KL(softmax(teacher / T) || softmax(student / T)).
+    """Stage 2: (1 - w) task_loss(student, labels) + w T^2 KL(softmax(teacher / T) || softmax(student / T)), plus
+    ``feature_weight`` x the relative squared error of the student's tokens to the teacher's when it is > 0.
 
     Classification: logits [B, K]; segmentation: [B, K, H, W], the KL per pixel averaged over the labelled ones
-    (targets != ignore_index). targets = (the task's targets, the teacher's logits)."""
+    (targets != ignore_index). outputs = the student's logits, or (logits, tokens [B, N, C]) with a feature weight
+    (``FeatureAlignment``); targets = (the task's targets, the teacher's logits[, the teacher's tokens])."""
 
-    def __init__(self, task_loss: Callable, weight: float, temperature: float, ignore_index: Optional[int] = None):
+    def __init__(self, task_loss: Callable, weight: float, temperature: float, ignore_index: Optional[int] = None,
+                 feature_weight: float = 0.0):
         super().__init__()
         if not 0 <= weight <= 1:
             raise ConfigError(f"linearize.distill_weight must be in [0, 1], got {weight}")
         if temperature <= 0:
             raise ConfigError(f"linearize.temperature must be > 0, got {temperature}")
+        if feature_weight < 0:
+            raise ConfigError(f"linearize.feature_weight must be >= 0, got {feature_weight}")
         self.task_loss = task_loss
         self.weight = weight
         self.temperature = temperature
         self.ignore_index = ignore_index
+        self.feature_weight = feature_weight
 
-    def forward(self, outputs: torch.Tensor, targets: Tuple[Any, torch.Tensor]) -> torch.Tensor:
+    def forward(self, outputs: Any, targets: Tuple) -> torch.Tensor:
+        if self.feature_weight > 0:
+            (outputs, tokens), (labels, teacher, teacher_tokens) = outputs, targets
+            features = relative_squared_error(tokens, teacher_tokens, dims=(0, 1, 2))
+            return self._distilled(outputs, labels, teacher) + self.feature_weight * features
         labels, teacher = targets
+        return self._distilled(outputs, labels, teacher)
+
+    def _distilled(self, outputs: torch.Tensor, labels: Any, teacher: torch.Tensor) -> torch.Tensor:
         t = self.temperature
         log_student = F.log_softmax(outputs.float() / t, dim=1)
         log_teacher = F.log_softmax(teacher.float() / t, dim=1)

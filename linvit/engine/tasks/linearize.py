@@ -20,6 +20,8 @@ The task trains in stages (``staged_run``: the engine runs each stage through it
 - ``finetune`` (stage 2, ``stage2/``): every tensor of the student trains on the task's own loss plus distillation
   from the teacher (logits at temperature T; per-pixel class distributions for segmentation), with the whole engine
   (AMP, EMA, resume, torchrun, compiled step, pictures). The teacher's outputs are computed in the batch mixer too.
+  ``linearize.feature_weight`` adds the alignment of the last block's output tokens with the teacher's (patch
+  features, what a dense head reads: ``distillation.FeatureAlignment``).
 
 Evaluation and pictures are the underlying task's (``linearize.task``, classification or segmentation), on the
 student. The teacher sees the student's images at its own training size when its model has a fixed size
@@ -63,9 +65,11 @@ from .base import TASKS, Stage, StagedRun, Task, model_source, register_task
 from .distillation import (
     AttentionTransfer,
     DistillationLoss,
+    FeatureAlignment,
     HiddenStates,
     ResizedInput,
     attention_transfer_loss,
+    last_block,
     query_positions,
     rotary_embeddings,
     row_mask_hook,
@@ -103,6 +107,9 @@ class LinearizeConfig:
     # stage 2, fine-tune: every tensor, the task loss plus distillation from the teacher (train.* as any run)
     distill_weight: float = 0.5  # loss = (1 - w) task loss + w T^2 KL(teacher / T || student / T)
     temperature: float = 2.0
+    # + feature_weight x the relative squared error of the last block's output tokens to the teacher's (patch
+    # features: what a dense head reads; the teacher must see the student's images at their size)
+    feature_weight: float = 0.0
     speed: bool = True  # measure student and teacher img/s at the training size and at 4x the tokens for the report
     # start the student from these weights (a linearized run's model.safetensors) instead of the teacher's: continue
     # a linearization at another data.img_size (with attention_epochs=0); the engine sets it for stage 2
@@ -467,7 +474,7 @@ class LinearizeTask(Task):
         student = self.build_student(num_classes)
         self._teacher_state = None  # both models hold their copies now
         if self.cfg.linearize.stage != 'attention':
-            return student
+            return self._aligned_features(student)
         self.paths = transfer_pairs(self.teacher, student)
         if not self.paths:
             raise ConfigError("linearize: the student has no linear attention layer to train in stage 1 (every block "
@@ -475,6 +482,18 @@ class LinearizeTask(Task):
         self._freeze_for_attention_transfer(student)
         queries = self.cfg.linearize.attention_queries if self.cfg.linearize.attention_weights_loss > 0 else 0
         return AttentionTransfer(student, self.paths, queries, self._teacher_ropes())
+
+    def _aligned_features(self, student: nn.Module) -> nn.Module:
+        """Stage 2's model: the student, or with linearize.feature_weight > 0 the student that also gives its last
+        block's tokens (``FeatureAlignment``), which the teacher's must match token for token."""
+        if self.cfg.linearize.feature_weight <= 0:
+            return student
+        size, img_size = self.teacher_size(), image_size(self.cfg.data.img_size)
+        if size is not None and (size, size) != img_size:
+            raise ConfigError(f"linearize.feature_weight aligns the student's tokens with the teacher's, but the "
+                              f"teacher sees these {img_size[0]}x{img_size[1]} px images resized to its {size} px: set "
+                              f"linearize.feature_weight=0 or data.img_size={size}")
+        return FeatureAlignment(student, last_block(student))
 
     def _teacher_ropes(self) -> List[Optional[torch.Tensor]]:
         """The rotary embeddings the teacher's layers at ``self.paths`` receive on a training batch's images (None
@@ -520,7 +539,8 @@ class LinearizeTask(Task):
         if lin.stage == 'attention':
             return attention_transfer_loss(lin.attention_weights_loss)
         ignore = self.cfg.data.ignore_index if lin.task == 'segmentation' else None
-        return DistillationLoss(self.base.train_loss(), lin.distill_weight, lin.temperature, ignore)
+        return DistillationLoss(self.base.train_loss(), lin.distill_weight, lin.temperature, ignore,
+                                lin.feature_weight)
 
     def _autocast(self, device: torch.device) -> Any:
         precision = self.cfg.train.precision
@@ -560,9 +580,11 @@ class LinearizeTask(Task):
         return mix
 
     def _distillation_targets(self, base_mixer: Optional[Callable]) -> Callable:
-        """(images, targets) -> (images, (targets, the teacher's logits on those images)), after the task's own
-        mixing (Mixup: the teacher sees the mixed images)."""
+        """(images, targets) -> (images, (targets, the teacher's logits on those images[, its last block's tokens
+        with linearize.feature_weight > 0])), after the task's own mixing (Mixup: the teacher sees the mixed images)."""
         resized = ResizedInput(self.teacher, self.teacher_size())
+        hidden = HiddenStates(self.teacher, [last_block(self.teacher)]) if self.cfg.linearize.feature_weight > 0 \
+            else None
 
         @torch.no_grad()
         def mix(images: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, Tuple]:
@@ -573,7 +595,10 @@ class LinearizeTask(Task):
                 teacher = resized(images).float()
             if teacher.dim() == 4 and teacher.shape[-2:] != images.shape[-2:]:
                 teacher = F.interpolate(teacher, size=images.shape[-2:], mode='bilinear', align_corners=False)
-            return images, (targets, teacher)
+            if hidden is None:
+                return images, (targets, teacher)
+            _, tokens = hidden.take()
+            return images, (targets, teacher, tokens[:, 0].float())
 
         return mix
 
