@@ -14,9 +14,10 @@ normalisation and validation resize) and ``model.safetensors`` (the weights the 
 (``metrics.json``) and a summary of its training config, the whole resolved config included.
 
 Which runs: those whose model is a timm model predicting one label per image (classification). A linearization's
-model is a converted timm ViT (``vit_*`` with linear attention), which no timm name rebuilds; it is exported as the
-equal ``linvit_*`` model (same weights, same keys: ``model_args`` carry the ViT's shape and the conversion's
-options), and refused in one line when no ``linvit_*`` model reproduces it. A segmentation run's model (a
+model is a converted timm model (``vit_*`` with linear attention), which its own timm name does not rebuild; it is
+exported as the equal ``linvit_*`` model where one reproduces it (same weights, same keys: ``model_args`` carry the
+ViT's shape and the conversion's options), else as ``converted_to_linear`` (``linvit.models.convert``: ``model_args``
+name the timm model and the conversion's options; DINOv3, EVA02, PE). A segmentation run's model (a
 ``SegmentationModel``: backbone, pyramid and head) is not a timm model and is refused in one line that points to
 ONNX export. Every folder is loaded back through ``timm.create_model('local-dir:...')`` and compared with the run's
 model on random images before it replaces anything: a folder that does not rebuild the run is never written.
@@ -51,8 +52,6 @@ HUB_FILES = (CONFIG_JSON, WEIGHTS, MODEL_CARD)
 LINEAR_HOST = 'linvit_base_patch16_224'
 #: the round trip's tolerance: the same weights through the same modules, so any real difference is far above it
 _ROUND_TRIP_TOLERANCE = 1e-5
-#: how much of torch's strict-load message a refusal quotes
-_NAMED_CHARS = 160
 #: images of the round-trip check
 _CHECK_BATCH = 2
 #: how the validation images are resized (linvit.data's Resize(H, W): bilinear, aspect not kept, no crop), in timm's
@@ -135,13 +134,12 @@ _VIT_SHAPE: Dict[str, Callable[[nn.Module], Any]] = {
 }
 
 
-def _vit_shape(model: nn.Module, run_dir: str) -> Dict[str, Any]:
+def _vit_shape(model: nn.Module) -> Optional[Dict[str, Any]]:
+    """The VisionTransformer keywords of ``model``, or None for a model that is no timm VisionTransformer."""
     try:
         shape = {key: read(model) for key, read in _VIT_SHAPE.items()}
-    except (AttributeError, IndexError, TypeError) as error:
-        raise HubExportError(f"{run_dir}: the linearized {type(model).__name__} is not a timm VisionTransformer "
-                             f"({error}), so no linvit_* model rebuilds it; share the run directory, or export it to "
-                             f"ONNX: python tools/export_onnx.py {run_dir}") from error
+    except (AttributeError, IndexError, TypeError):
+        return None
     return {key: value for key, value in shape.items() if value is not None}
 
 
@@ -153,29 +151,48 @@ def _host_name(model_name: str) -> str:
 
 
 def _conversion_options(cfg: DictConfig) -> Dict[str, Any]:
-    """The run's ``convert_to_linear`` keywords, which are LinearVisionTransformer's: its config's
-    linearize.convert (local_mix off unless it says so: the conversion's default, not linvit_*'s)."""
-    section = cfg.get('linearize')
+    """The run's ``convert_to_linear`` keywords, which are LinearVisionTransformer's too: a linearization's
+    linearize.convert, another run's model.convert (local_mix off unless it says so: the conversion's default, not
+    linvit_*'s)."""
+    section = cfg.get('linearize') if cfg.get('task') == 'linearize' else cfg.get('model')
     convert = section.get('convert') if section is not None else None
     return {'local_mix': False, **dict(_plain(convert) or {})}
 
 
-def _linvit_twin(trained: TrainedModel, run_dir: str) -> Tuple[nn.Module, Dict[str, Any]]:
-    """The linvit_* model equal to a converted ViT: created by timm from model_args, the converted weights loaded
-    strictly. HubExportError when its tensors differ (a conversion linvit_* cannot express)."""
-    model = trained.model
-    args = {**getattr(model, '_model_args', {}), **_vit_shape(model, run_dir), **_conversion_options(trained.cfg)}
-    host = _host_name(trained.cfg.model.name)
-    twin = timm.create_model(host, **args)
+def _rebuilt(name: str, args: Dict[str, Any], model: nn.Module) -> Optional[nn.Module]:
+    """``timm.create_model(name, **args)`` with ``model``'s weights loaded strictly, or None when its tensors
+    differ (the keywords do not describe ``model``)."""
+    rebuilt = timm.create_model(name, **args)
     try:
-        twin.load_state_dict(model.state_dict(), strict=True)
-    except RuntimeError as error:
-        lines = str(error).splitlines()  # 'Error(s) in loading state_dict for ...:', then one line per kind
-        first = (lines[1] if len(lines) > 1 else lines[0]).strip()[:_NAMED_CHARS]
-        raise HubExportError(f"{run_dir}: the linearized {trained.cfg.model.name} has no linvit_* equivalent that "
-                             f"timm.create_model rebuilds ({host} with its shape differs: {first}); share the run "
-                             f"directory, or export it to ONNX: python tools/export_onnx.py {run_dir}") from error
-    return twin.eval(), args
+        rebuilt.load_state_dict(model.state_dict(), strict=True)
+    except RuntimeError:
+        return None
+    return rebuilt.eval()
+
+
+def _linvit_twin(trained: TrainedModel) -> Optional[Tuple[nn.Module, Dict[str, Any]]]:
+    """The linvit_* model equal to a converted ViT, created by timm from model_args, with its model_args; None for
+    a conversion linvit_* cannot express (another architecture, or tensors that differ)."""
+    model = trained.model
+    shape = _vit_shape(model)
+    if shape is None:
+        return None
+    args = {**getattr(model, '_model_args', {}), **shape, **_conversion_options(trained.cfg)}
+    twin = _rebuilt(_host_name(trained.cfg.model.name), args, model)
+    return (twin, args) if twin is not None else None
+
+
+def _converted_to_linear(trained: TrainedModel, run_dir: str) -> Tuple[nn.Module, Dict[str, Any]]:
+    """The run's model as ``converted_to_linear`` (its timm model with the run's keywords, converted with the run's
+    options), with its model_args. HubExportError when that does not rebuild its tensors."""
+    args = {**_config_model_args(trained), 'img_size': list(trained.img_size), 'base': trained.cfg.model.name,
+            'convert': _conversion_options(trained.cfg)}  # img_size: its pretrained config does not fix the size
+    rebuilt = _rebuilt('converted_to_linear', args, trained.model)
+    if rebuilt is None:
+        raise HubExportError(f"{run_dir}: timm.create_model('converted_to_linear', base={trained.cfg.model.name!r}, "
+                             f"...) does not rebuild the tensors of this run's converted model; share the run "
+                             f"directory, or export it to ONNX: python tools/export_onnx.py {run_dir}")
+    return rebuilt, args
 
 
 def _config_model_args(trained: TrainedModel) -> Dict[str, Any]:
@@ -187,7 +204,7 @@ def _config_model_args(trained: TrainedModel) -> Dict[str, Any]:
 def _timm_model(trained: TrainedModel, run_dir: str) -> Tuple[nn.Module, Dict[str, Any], Optional[str]]:
     """(the model to save, its model_args, the converted ViT's name or None)."""
     if _is_converted(trained.model):
-        twin, args = _linvit_twin(trained, run_dir)
+        twin, args = _linvit_twin(trained) or _converted_to_linear(trained, run_dir)
         return twin, args, trained.cfg.model.name
     return trained.model, _config_model_args(trained), None
 

@@ -10,6 +10,12 @@ kept bit for bit and the state_dict keys do not change; only the optional local-
 mapped queries and keys (``linvit.ops.rotary``). BEiT's and SAM's attention are refused with the reason
 (``REFUSED_ATTENTION``).
 
+A converted model is also a registered timm model, ``converted_to_linear``: ``timm.create_model(
+'converted_to_linear', base='vit_small_patch16_dinov3', convert={'feature_map': 'hedgehog'}, num_classes=10)``
+builds ``base`` with the other keywords and converts it, and ``pretrained=True`` then loads that model's own weights
+(a ``local-dir:`` / ``hf-hub:`` folder whose config.json names the architecture: how linvit.engine.hub publishes a
+linearization that no ``linvit_*`` model rebuilds).
+
 Limitation: the host model's forward does not pass the patch grid to its blocks, so a converted model's local-mix
 branch finds the grid from the model's construction grid (``patch_embed.grid_size``) or a square token count.
 Non-square inputs of another size (``dynamic_img_size=True``) then raise a ValueError; for those, load the
@@ -18,8 +24,10 @@ converted (or the original) weights into the ``linvit_*`` model of the same widt
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import timm
 import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent, AttentionPoolPrr, AttentionRope
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.beit import Attention as BeitAttention
 from timm.models.eva import EvaAttention
 from timm.models.vision_transformer import DiffParallelScalingBlock, ParallelScalingBlock
@@ -31,8 +39,8 @@ from ..layers.family import family_class, resolve_family
 from ..ops import feature_map_spec
 from .linvit import resolve_softmax_blocks
 
-__all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites', 'CONVERTIBLE_ATTENTION',
-           'REFUSED_ATTENTION']
+__all__ = ['convert_to_linear', 'linear_attention_from_softmax', 'attention_sites', 'converted_to_linear',
+           'CONVERTIBLE_ATTENTION', 'REFUSED_ATTENTION']
 
 _logger = logging.getLogger(__name__)
 
@@ -263,3 +271,30 @@ def convert_to_linear(
     for path, linear in replacements:
         model.set_submodule(path, linear)
     return model
+
+
+# ---------------------------------------------------------------------------------------------------- as a timm model
+
+default_cfgs = generate_default_cfgs({
+    # no weights of its own: pretrained=True loads a folder's (local-dir: / hf-hub:), whose config replaces this one
+    'converted_to_linear': {'num_classes': 1000, 'input_size': (3, 224, 224), 'license': None},
+})
+
+
+def _convert_base(base: str, convert: Dict[str, Any]) -> Any:
+    """The model class build_model_with_cfg calls: keywords -> timm's ``base`` with them, converted."""
+    def build(**kwargs: Any) -> nn.Module:
+        return convert_to_linear(timm.create_model(base, **kwargs), **convert)
+    return build
+
+
+@register_model
+def converted_to_linear(pretrained: bool = False, base: Optional[str] = None,
+                        convert: Optional[Dict[str, Any]] = None, **kwargs: Any) -> nn.Module:
+    """timm's softmax model ``base`` built with ``kwargs`` (num_classes, img_size, ...) and converted by
+    ``convert_to_linear(model, **convert)``; ``pretrained``: then load the weights of the converted model from the
+    pretrained config (a ``local-dir:`` or ``hf-hub:`` folder, or ``pretrained_cfg_overlay=dict(file=...)``)."""
+    if not base or not timm.is_model(base):
+        raise ValueError(f"converted_to_linear needs base=<the timm model it converts>, got base={base!r}")
+    return build_model_with_cfg(_convert_base(base, dict(convert or {})), 'converted_to_linear', pretrained,
+                                **kwargs)

@@ -187,13 +187,45 @@ def test_a_linearized_run_exports_as_the_equal_linvit_model(lin_run, tmp_path):
     assert 'linearized from the softmax ViT `vit_tiny_patch16_224`' in (tmp_path / 'lin_hub' / 'README.md').read_text()
 
 
-def test_a_conversion_no_linvit_model_rebuilds_is_refused_in_one_line(lin_run, tmp_path, monkeypatch):
-    # a ViT shape linvit_* cannot take: its tensors differ (3 blocks for 2), and the strict load refuses them
+def _converted_by_hand(name, run, num_classes, **kwargs):
+    """timm's ``name`` with the tiny kwargs, converted with a hedgehog map, the run's weights loaded strictly."""
+    model = linvit.convert_to_linear(timm.create_model(name, num_classes=num_classes, **TINY_KWARGS, **kwargs),
+                                     feature_map='hedgehog')
+    model.load_state_dict(load_file(run / RunDir.WEIGHTS))
+    return model.eval()
+
+
+def test_a_conversion_no_linvit_model_rebuilds_exports_as_converted_to_linear(lin_run, tmp_path, monkeypatch):
+    # a ViT shape linvit_* cannot take: its tensors differ (3 blocks for 2), so the linvit_* twin is not used
     monkeypatch.setattr(hub_module, '_VIT_SHAPE', {**hub_module._VIT_SHAPE, 'depth': lambda model: 3})
-    with pytest.raises(HubExportError, match='has no linvit_\\* equivalent that timm.create_model rebuilds') as error:
-        export_hub_folder(str(lin_run), str(tmp_path / 'refused'))
-    assert '\n' not in str(error.value) and 'export_onnx.py' in str(error.value)
-    assert not (tmp_path / 'refused').exists()
+    export = export_hub_folder(str(lin_run), str(tmp_path / 'generic'))
+    config = json.loads((tmp_path / 'generic' / 'config.json').read_text())
+    assert config['architecture'] == 'converted_to_linear' and export.converted_from == 'vit_tiny_patch16_224'
+    assert config['model_args']['base'] == 'vit_tiny_patch16_224'
+    assert config['model_args']['convert'] == {'local_mix': False, 'feature_map': 'hedgehog'}
+    loaded = timm.create_model(f'local-dir:{tmp_path / "generic"}', pretrained=True).eval()
+    expected = _converted_by_hand('vit_tiny_patch16_224', lin_run, len(_class_names(lin_run / 'stage2')))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_images()), expected(_images()), rtol=0, atol=0)
+
+
+def test_a_linearized_rope_run_exports_and_loads_with_its_outputs(tmp_path):
+    """A DINOv3-layout teacher (rotary embeddings, registers, layer scale) linearized: no linvit_* model has its
+    layout, so the folder names converted_to_linear; timm loads it with the outputs of the run's model rebuilt by
+    hand (timm's model converted, the run's weights)."""
+    rope = ['model.name=vit_small_patch16_dinov3', 'model.kwargs.depth=2', 'model.kwargs.embed_dim=48',
+            'model.kwargs.num_heads=3', 'model.kwargs.patch_size=8']
+    train(load_config(None, [*rope, *TINY_RUN, 'train.epochs=1', f'output_dir={tmp_path / "teacher"}']))
+    train(load_config(None, [*TINY_RUN, 'task=linearize', f'linearize.teacher={tmp_path / "teacher"}',
+                             f'output_dir={tmp_path / "lin"}', 'linearize.speed=false', 'train.epochs=1']))
+    export = export_hub_folder(str(tmp_path / 'lin'))
+    assert export.architecture == 'converted_to_linear' and export.converted_from == 'vit_small_patch16_dinov3'
+    loaded = timm.create_model(f'local-dir:{tmp_path / "lin" / RunDir.HUB}', pretrained=True).eval()
+    assert type(loaded.blocks[0].attn).__name__ == 'EvaLinearAttention'
+    expected = _converted_by_hand('vit_small_patch16_dinov3', tmp_path / 'lin',
+                                  len(_class_names(tmp_path / 'lin' / 'stage2')))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_images()), expected(_images()), rtol=0, atol=0)
 
 
 def test_a_folder_whose_model_differs_from_the_run_is_never_written(lin_run, tmp_path, monkeypatch):

@@ -288,3 +288,25 @@ def test_a_token_layout_without_dynamic_sizes_converts_without_a_warning(caplog)
     with caplog.at_level(logging.WARNING, logger='linvit.models.convert'):
         model = convert_to_linear(Tokens(), local_mix=True)
     assert model.attn.local_mix.grid_size == (2, 3) and messages_of(caplog, 'linvit.models.convert') == []
+
+
+def test_converted_to_linear_is_a_timm_model_that_loads_its_own_folder(tmp_path):
+    """timm.create_model('converted_to_linear', base=...) builds timm's model and converts it (the same tensors as
+    convert_to_linear by hand); a timm folder of it (save_for_hf) loads back through local-dir: with equal outputs."""
+    from timm.models import save_for_hf
+
+    kwargs = dict(depth=2, embed_dim=48, num_heads=3, patch_size=8, img_size=32, num_classes=5)
+    torch.manual_seed(0)
+    by_hand = convert_to_linear(timm.create_model('vit_small_patch16_dinov3', **kwargs), feature_map='hedgehog')
+    model = timm.create_model('converted_to_linear', base='vit_small_patch16_dinov3',
+                              convert={'feature_map': 'hedgehog'}, **kwargs)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in by_hand.state_dict().items()}
+    model.load_state_dict(by_hand.state_dict())
+    save_for_hf(model, tmp_path, model_args=dict(base='vit_small_patch16_dinov3', convert={'feature_map': 'hedgehog'},
+                                                 **kwargs), safe_serialization=True)
+    loaded = timm.create_model(f'local-dir:{tmp_path}', pretrained=True).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images), by_hand.eval()(images), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="needs base=<the timm model it converts>, got base='vit_nope'"):
+        timm.create_model('converted_to_linear', base='vit_nope')
