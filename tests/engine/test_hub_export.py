@@ -228,6 +228,21 @@ def test_a_linearized_rope_run_exports_and_loads_with_its_outputs(tmp_path):
         torch.testing.assert_close(loaded(_images()), expected(_images()), rtol=0, atol=0)
 
 
+def test_a_run_with_model_convert_exports_with_its_own_conversion(tmp_path):
+    """A classifier trained as a converted timm ViT (model.convert: elu1, no learnable map) exports with those
+    options, not the linearization's default (hedgehog), and loads with the run's outputs."""
+    run = tmp_path / 'run'
+    train(load_config(None, [*TEACHER_MODEL, *TINY_RUN, 'model.convert={}', 'train.epochs=1', f'output_dir={run}']))
+    export = export_hub_folder(str(run))
+    assert export.architecture == 'linvit_tiny_patch16_224' and 'feature_map' not in export.model_args  # elu1
+    expected = linvit.convert_to_linear(timm.create_model('vit_tiny_patch16_224', num_classes=len(_class_names(run)),
+                                                          **TINY_KWARGS))
+    expected.load_state_dict(load_file(run / RunDir.WEIGHTS))
+    loaded = timm.create_model(f'local-dir:{run / RunDir.HUB}', pretrained=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_images()), expected.eval()(_images()), rtol=0, atol=0)
+
+
 def test_a_folder_whose_model_differs_from_the_run_is_never_written(lin_run, tmp_path, monkeypatch):
     # same tensors, other outputs: average pooling instead of the class token
     monkeypatch.setattr(hub_module, '_VIT_SHAPE', {**hub_module._VIT_SHAPE, 'global_pool': lambda model: 'avg'})
