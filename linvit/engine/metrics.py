@@ -44,7 +44,12 @@ is non-empty; a class absent from both is NaN in ``per_class_iou`` and left out 
 
 Autoregressive pretraining: ``NextPatchMeter`` sums the squared error of next-patch predictions [B, M, P] and the
 targets' sum of squares; ``compute`` gives ``{'loss': MSE, 'r2': 1 - SSE / SST, 'count': images}``.
+
+Object detection: ``DetectionMeter`` keeps every image's boxes and scores them with COCO's box AP
+(``coco_box_metrics``: pycocotools' COCOeval, AP at IoU 0.50:0.95, 0.50, 0.75, by object size, and per class).
 """
+import contextlib
+import io
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -54,7 +59,8 @@ import torch.distributed as dist
 
 from .distributed import distributed_running
 
-__all__ = ['Meter', 'topk_correct', 'ClassificationMeter', 'confusion_matrix', 'SegmentationMeter', 'NextPatchMeter']
+__all__ = ['Meter', 'topk_correct', 'ClassificationMeter', 'confusion_matrix', 'SegmentationMeter', 'NextPatchMeter',
+           'coco_box_metrics', 'DetectionMeter', 'COCO_BOX_METRICS']
 
 Counters = Dict[str, torch.Tensor]
 
@@ -467,3 +473,141 @@ class NextPatchMeter(Meter):
         if values == 0:
             return {'loss': math.nan, 'r2': math.nan, 'count': 0}
         return {'loss': sse / values, 'r2': 1.0 - sse / sst if sst > 0 else math.nan, 'count': int(round(images))}
+
+
+# ---------------------------------------------------------------------------------------------------- detection
+
+#: COCOeval.stats' first six entries, by the names metrics.json gives them
+COCO_BOX_METRICS = ('ap', 'ap50', 'ap75', 'ap_small', 'ap_medium', 'ap_large')
+#: one image's boxes: 'boxes' [N, 4] (x1, y1, x2, y2 in pixels), 'labels' [N] (class indices), and for detections
+#: 'scores' [N]
+Boxes = Dict[str, torch.Tensor]
+
+
+def _xywh(boxes: torch.Tensor) -> List[List[float]]:
+    """[N, 4] x1, y1, x2, y2 -> COCO's [x, y, width, height] rows."""
+    boxes = boxes.detach().double().cpu()
+    return torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], dim=1).tolist()
+
+
+def _coco_ground_truth(targets: Sequence[Boxes], num_classes: int) -> Dict[str, Any]:
+    """The ground truth as a COCO dataset dict: image ids 1.., category id = class index + 1, area = box area."""
+    annotations = []
+    for image_id, target in enumerate(targets, start=1):
+        for box, label in zip(_xywh(target['boxes']), target['labels'].tolist()):
+            annotations.append({'id': len(annotations) + 1, 'image_id': image_id, 'category_id': int(label) + 1,
+                                'bbox': box, 'area': box[2] * box[3], 'iscrowd': 0})
+    return {'images': [{'id': i} for i in range(1, len(targets) + 1)], 'annotations': annotations,
+            'categories': [{'id': c + 1} for c in range(num_classes)]}
+
+
+def _coco_detections(detections: Sequence[Boxes]) -> List[Dict[str, Any]]:
+    return [{'image_id': image_id, 'category_id': int(label) + 1, 'bbox': box, 'score': float(score)}
+            for image_id, found in enumerate(detections, start=1)
+            for box, label, score in zip(_xywh(found['boxes']), found['labels'].tolist(), found['scores'].tolist())]
+
+
+def coco_box_metrics(detections: Sequence[Boxes], targets: Sequence[Boxes], class_names: Sequence[str]
+                     ) -> Dict[str, Any]:
+    """COCO box AP (pycocotools' COCOeval, its default parameters: IoU 0.50:0.95, up to 100 detections per image,
+    small / medium / large by box area) of ``detections`` against ``targets``, one entry of each per image.
+
+    Returns {'ap', 'ap50', 'ap75', 'ap_small', 'ap_medium', 'ap_large': floats, 'per_class_ap': {name: AP over IoU
+    0.50:0.95}, 'images': count}. Where COCO has nothing to average (no ground truth of that class or size) the value
+    is NaN (COCOeval's -1); no detection at all scores 0 where there is ground truth."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    if len(detections) != len(targets):
+        raise ValueError(f"coco_box_metrics: {len(detections)} images of detections for {len(targets)} of targets")
+    ground_truth = COCO()
+    ground_truth.dataset = _coco_ground_truth(targets, len(class_names))
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
+        ground_truth.createIndex()
+        found = _coco_detections(detections)
+        results = ground_truth.loadRes(found) if found else COCO()
+        if not found:
+            results.dataset = {'images': ground_truth.dataset['images'], 'annotations': [],
+                               'categories': ground_truth.dataset['categories']}
+            results.createIndex()
+        evaluation = COCOeval(ground_truth, results, 'bbox')
+        evaluation.evaluate()
+        evaluation.accumulate()
+        evaluation.summarize()
+    metrics: Dict[str, Any] = {name: _coco_value(value) for name, value in zip(COCO_BOX_METRICS, evaluation.stats)}
+    metrics['per_class_ap'] = _per_class_ap(evaluation, class_names)
+    metrics['images'] = len(targets)
+    return metrics
+
+
+def _coco_value(value: float) -> float:
+    return math.nan if value < 0 else float(value)
+
+
+def _per_class_ap(evaluation: Any, class_names: Sequence[str]) -> Dict[str, float]:
+    """Each class's AP over the IoU thresholds (all areas, 100 detections): the mean of its precision table's
+    defined entries, as COCOeval.summarize averages them over classes."""
+    precision = evaluation.eval['precision']  # [IoU thresholds, recall points, classes, areas, max detections]
+    per_class = {}
+    for index, name in enumerate(class_names):
+        values = precision[:, :, index, 0, -1]
+        values = values[values > -1]
+        per_class[str(name)] = float(values.mean()) if values.size else math.nan
+    return per_class
+
+
+class DetectionMeter(Meter):
+    """COCO box AP over many batches. Unlike the other meters it keeps every image's boxes on the host (COCO's
+    matching is a host computation over variable-length lists): ``update`` copies them to the CPU, ``reduce_``
+    gathers them from every process (all_gather_object), ``compute`` runs ``coco_box_metrics`` once.
+
+        meter = DetectionMeter(class_names)
+        meter.update(detector(images), targets)   # lists of {'boxes' [N, 4] xyxy, 'labels' [N](, 'scores' [N])}
+        meter.reduce_()
+        meter.compute()                           # {'ap': .., 'ap50': .., ..., 'per_class_ap': {name: ..}, 'images'}
+    """
+
+    def __init__(self, class_names: Sequence[str]) -> None:
+        self.class_names = list(class_names)
+        super().__init__()
+
+    def reset(self) -> None:
+        super().reset()
+        self._detections: List[Boxes] = []
+        self._targets: List[Boxes] = []
+
+    def _zeros(self, device: torch.device) -> Counters:
+        return {}
+
+    @torch.no_grad()
+    def update(self, detections: Sequence[Boxes], targets: Sequence[Boxes],
+               valid: Optional[Sequence[bool]] = None) -> None:
+        """Add one batch: per image, the detector's boxes (with 'scores') and the ground truth; ``valid`` False marks
+        a sampler's padded duplicate, left out."""
+        self._check_open()
+        if len(detections) != len(targets):
+            raise ValueError(f"DetectionMeter.update: {len(detections)} images of detections for {len(targets)} of "
+                             f"targets")
+        keep = [True] * len(targets) if valid is None else [bool(v) for v in valid]
+        for found, target, kept in zip(detections, targets, keep):
+            if kept:
+                self._detections.append({key: found[key].detach().cpu() for key in ('boxes', 'labels', 'scores')})
+                self._targets.append({key: target[key].detach().cpu() for key in ('boxes', 'labels')})
+
+    @torch.no_grad()
+    def reduce_(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Gather every process's images (in rank order) on every process; a no-op on one process."""
+        if self._reduced:
+            raise RuntimeError('DetectionMeter.reduce_ called twice: the images would be gathered again')
+        self._reduced = True
+        if not distributed_running():
+            return
+        gathered: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (self._detections, self._targets), group=group)
+        self._detections = [found for part, _ in gathered for found in part]
+        self._targets = [target for _, part in gathered for target in part]
+
+    def compute(self) -> Dict[str, Any]:
+        if not self._targets:
+            return {**{name: math.nan for name in COCO_BOX_METRICS}, 'per_class_ap': {}, 'images': 0}
+        return coco_box_metrics(self._detections, self._targets, self.class_names)
