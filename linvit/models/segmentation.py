@@ -28,7 +28,7 @@ from timm.layers import LayerNorm2d
 
 from ..registry import Registry
 
-__all__ = ['SimpleFeaturePyramid', 'MLPHead', 'SegmentationModel', 'SEG_HEADS', 'default_feature_blocks']
+__all__ = ['SimpleFeaturePyramid', 'MLPHead', 'ViTPyramid', 'SegmentationModel', 'SEG_HEADS', 'default_feature_blocks']
 
 PYRAMID_SCALES = (4.0, 2.0, 1.0, 0.5)  # relative to the backbone's patch stride, finest first
 
@@ -130,8 +130,11 @@ SEG_HEADS: Registry[Type[nn.Module]] = Registry('seg.head')
 SEG_HEADS.register('mlp', MLPHead)
 
 
-class SegmentationModel(nn.Module):
-    """images [B, 3, H, W] -> logits [B, num_classes, H, W], for H and W that the backbone's patch size divides.
+class ViTPyramid(nn.Module):
+    """A plain ViT and its simple feature pyramid: images [B, 3, H, W] -> 4 maps [B, neck_dim, H/s, W/s] at strides
+    s = p/4, p/2, p, 2p (``forward_features``), for H and W that the backbone's patch size p divides. What dense
+    heads share: the segmentation model adds its decoder head, the detection backbone hands the maps to
+    torchvision's detectors (``linvit.models.detection``); the same weights give both the same maps.
 
     backbone: a timm ViT (``LinearVisionTransformer`` or timm's ``VisionTransformer``) with ``forward_intermediates``
         and ``prune_intermediate_layers``; blocks after the last one used, its final norm and its classifier are
@@ -139,19 +142,13 @@ class SegmentationModel(nn.Module):
     feature_blocks: backbone block(s) feeding the pyramid (see ``_resolve_feature_blocks``); [] = 4 evenly spaced.
     """
 
-    def __init__(self, backbone: nn.Module, num_classes: int, head: str = 'mlp', neck_dim: int = 128,
-                 head_dim: int = 128, feature_blocks: Sequence[int] = ()) -> None:
+    def __init__(self, backbone: nn.Module, neck_dim: int = 128, feature_blocks: Sequence[int] = ()) -> None:
         super().__init__()
-        head_class = SEG_HEADS.get(head)  # an unknown name: ValueError naming the known heads
-        if num_classes < 1:
-            raise ValueError(f"a segmentation model needs num_classes >= 1, got {num_classes}")
         self.level_blocks = _resolve_feature_blocks(feature_blocks, len(backbone.blocks))
         self.take_blocks = sorted(set(self.level_blocks))
         backbone.prune_intermediate_layers(self.take_blocks, prune_norm=True, prune_head=True)
         self.backbone = backbone
-        self.num_classes = num_classes
         self.neck = SimpleFeaturePyramid(backbone.embed_dim, neck_dim)
-        self.head = head_class(neck_dim, head_dim, num_classes)
 
     @property
     def patch_embed(self) -> nn.Module:
@@ -175,7 +172,20 @@ class SegmentationModel(nn.Module):
         by_block = dict(zip(self.take_blocks, taken))
         return self.neck([by_block[block] for block in self.level_blocks])
 
+
+class SegmentationModel(ViTPyramid):
+    """images [B, 3, H, W] -> logits [B, num_classes, H, W], for H and W that the backbone's patch size divides: the
+    pyramid of ``ViTPyramid`` and a decoder head (``SEG_HEADS``)."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int, head: str = 'mlp', neck_dim: int = 128,
+                 head_dim: int = 128, feature_blocks: Sequence[int] = ()) -> None:
+        head_class = SEG_HEADS.get(head)  # an unknown name: ValueError naming the known heads
+        if num_classes < 1:
+            raise ValueError(f"a segmentation model needs num_classes >= 1, got {num_classes}")
+        super().__init__(backbone, neck_dim, feature_blocks)
+        self.num_classes = num_classes
+        self.head = head_class(neck_dim, head_dim, num_classes)
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.forward_features(images))
         return F.interpolate(logits, size=images.shape[-2:], mode='bilinear', align_corners=False)
-
