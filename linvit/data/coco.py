@@ -1,0 +1,171 @@
+"""COCO-format detection data, laid out as mmdetection and torchvision's ``CocoDetection`` read it::
+
+    root/annotations/instances_train.json    COCO's format: 'images', 'annotations', 'categories'
+    root/annotations/instances_val.json
+    root/train/<file_name>                   file_name as the annotation file gives it (subfolders allowed)
+    root/val/<file_name>
+
+``read_coco_split(root, 'val')`` reads one split into plain arrays per image: boxes [N, 4] float32 x1, y1, x2, y2 in
+pixels (COCO's [x, y, w, h] converted), labels [N] int64 counting from 1 in the order of the category ids (COCO's
+ids 1, 2, 3, 5, ... become 1, 2, 3, 4, ...: the label torchvision's detectors take, 0 being their background), and
+the crowd flags. Everything the annotation file promises is checked when it is read, each problem one line naming
+the file, the entry and what was expected: the file and folder, the JSON, the three lists, duplicate ids,
+annotations of unknown images or categories, boxes that are not four finite numbers or have negative sides, and
+image files that are not there. Boxes of zero width or height (COCO has a few) are kept out of training and
+listed in ``CocoSplit.degenerate`` for the caller to report, never dropped silently.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .base import DataError
+
+__all__ = ['CocoImage', 'CocoSplit', 'read_coco_split', 'annotation_file', 'check_same_categories']
+
+#: the keys every entry of each list must have
+_IMAGE_KEYS = ('id', 'file_name', 'width', 'height')
+_ANNOTATION_KEYS = ('id', 'image_id', 'category_id', 'bbox')
+_CATEGORY_KEYS = ('id', 'name')
+#: how many missing files a message names before it counts the rest
+_NAMED = 3
+
+
+@dataclass(frozen=True)
+class CocoImage:
+    """One image of a split: its file, size and objects (boxes [N, 4] float32 xyxy pixels, labels [N] int64 1..K,
+    crowd [N] bool)."""
+    path: str
+    image_id: int
+    width: int
+    height: int
+    boxes: np.ndarray
+    labels: np.ndarray
+    crowd: np.ndarray
+
+
+@dataclass(frozen=True)
+class CocoSplit:
+    """A split: its images (in the annotation file's order), the class names (label i names class_names[i - 1]),
+    the COCO category id of each label, and the annotation ids of zero-size boxes left out."""
+    images: list[CocoImage]
+    class_names: list[str]
+    category_ids: list[int]
+    degenerate: list[int] = field(default_factory=list)
+
+
+def annotation_file(root: str | os.PathLike, split: str) -> Path:
+    return Path(root) / 'annotations' / f'instances_{split}.json'
+
+
+def _layout_hint(root: Path) -> str:
+    return (f"a COCO-format set has {root}/annotations/instances_{{train,val}}.json and its images under "
+            f"{root}/{{train,val}}/ (the layout of mmdetection and torchvision's CocoDetection)")
+
+
+def _load_json(path: Path, root: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: {_layout_hint(root)}")
+    try:
+        with open(path, encoding='utf-8') as f:
+            content = json.load(f)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path} is not JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+    if not isinstance(content, dict):
+        raise DataError(f"{path} holds a {type(content).__name__}; expected a COCO object with 'images', "
+                        f"'annotations' and 'categories'")
+    missing = [key for key in ('images', 'annotations', 'categories') if not isinstance(content.get(key), list)]
+    if missing:
+        raise DataError(f"{path} has no {missing[0]!r} list; a COCO annotation file has 'images', 'annotations' and "
+                        f"'categories' lists")
+    return content
+
+
+def _check_entries(path: Path, name: str, entries: list[Any], keys: tuple[str, ...]) -> None:
+    """Every entry a dict with ``keys``, and unique ids."""
+    seen: set[Any] = set()
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or any(key not in entry for key in keys):
+            lacking = [key for key in keys if not isinstance(entry, dict) or key not in entry]
+            raise DataError(f"{path}: {name}[{index}] has no {lacking[0]!r}; each entry of {name!r} needs "
+                            f"{', '.join(repr(k) for k in keys)}")
+        if entry['id'] in seen:
+            raise DataError(f"{path}: {name}[{index}] repeats id {entry['id']!r}; ids must be unique")
+        seen.add(entry['id'])
+
+
+def _xyxy(path: Path, annotation: dict[str, Any]) -> tuple[float, float, float, float]:
+    box = annotation['bbox']
+    if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                              and math.isfinite(v) for v in box)):
+        raise DataError(f"{path}: annotation id {annotation['id']} has bbox {box!r}; expected [x, y, width, height], "
+                        f"four finite numbers")
+    x, y, width, height = (float(v) for v in box)
+    if width < 0 or height < 0:
+        raise DataError(f"{path}: annotation id {annotation['id']} has bbox {box!r} with a negative width or height")
+    return x, y, x + width, y + height
+
+
+def _check_files(images: list[CocoImage], folder: Path, path: Path) -> None:
+    missing = [image.path for image in images if not os.path.isfile(image.path)]
+    if missing:
+        named = ', '.join(os.path.relpath(p, folder) for p in missing[:_NAMED])
+        more = f" and {len(missing) - _NAMED} more" if len(missing) > _NAMED else ''
+        raise DataError(f"{len(missing)} image(s) of {path} are not in {folder}: {named}{more}")
+
+
+def read_coco_split(root: str | os.PathLike, split: str) -> CocoSplit:
+    """The split ``split`` ('train' or 'val') of the COCO-format set at ``root``; DataError (one line) for anything
+    the layout or the annotation file gets wrong (module docstring)."""
+    root = Path(root)
+    path = annotation_file(root, split)
+    content = _load_json(path, root)
+    folder = root / split
+    if not folder.is_dir():
+        raise DataError(f"{folder} is not a folder: {_layout_hint(root)}")
+    _check_entries(path, 'images', content['images'], _IMAGE_KEYS)
+    _check_entries(path, 'annotations', content['annotations'], _ANNOTATION_KEYS)
+    _check_entries(path, 'categories', content['categories'], _CATEGORY_KEYS)
+    categories = sorted(content['categories'], key=lambda c: c['id'])
+    if not categories:
+        raise DataError(f"{path} has no categories; a detection set needs at least one class")
+    label_of = {category['id']: label for label, category in enumerate(categories, start=1)}
+    objects: dict[Any, list[tuple[tuple[float, ...], int, bool]]] = {image['id']: [] for image in content['images']}
+    degenerate = []
+    for annotation in content['annotations']:
+        if annotation['image_id'] not in objects:
+            raise DataError(f"{path}: annotation id {annotation['id']} names image_id {annotation['image_id']!r}, "
+                            f"which 'images' does not list")
+        if annotation['category_id'] not in label_of:
+            raise DataError(f"{path}: annotation id {annotation['id']} names category_id "
+                            f"{annotation['category_id']!r}, which 'categories' does not list")
+        box = _xyxy(path, annotation)
+        if box[2] == box[0] or box[3] == box[1]:
+            degenerate.append(annotation['id'])
+            continue
+        objects[annotation['image_id']].append((box, label_of[annotation['category_id']],
+                                                bool(annotation.get('iscrowd', 0))))
+    images = [_image(folder, image, objects[image['id']]) for image in content['images']]
+    _check_files(images, folder, path)
+    return CocoSplit(images, [str(c['name']) for c in categories], [c['id'] for c in categories], degenerate)
+
+
+def _image(folder: Path, entry: dict[str, Any], found: list[tuple[tuple[float, ...], int, bool]]) -> CocoImage:
+    boxes = np.array([box for box, _, _ in found], dtype=np.float32).reshape(-1, 4)
+    labels = np.array([label for _, label, _ in found], dtype=np.int64)
+    crowd = np.array([is_crowd for _, _, is_crowd in found], dtype=bool)
+    return CocoImage(str(folder / entry['file_name']), entry['id'], int(entry['width']), int(entry['height']), boxes,
+                     labels, crowd)
+
+
+def check_same_categories(train: CocoSplit, val: CocoSplit, root: str | os.PathLike) -> None:
+    """DataError unless both splits name the same categories with the same ids (a label must mean one class)."""
+    if list(zip(train.category_ids, train.class_names)) != list(zip(val.category_ids, val.class_names)):
+        raise DataError(f"{annotation_file(root, 'val')} and {annotation_file(root, 'train')} list different "
+                        f"categories (id, name); both splits must use the same ones")
