@@ -1,0 +1,118 @@
+"""Object detection data: samples ``(image float32 [3, H, W], {'boxes': float32 [N, 4] x1, y1, x2, y2 pixels,
+'labels': int64 [N] 1..K})`` for torchvision's detectors (``linvit.models.detection``), from a COCO-format set
+(``CocoDetectionSet``, ``linvit.data.coco``) or the built-in shapes (``SyntheticShapesDetection``).
+
+Augmentation is albumentations' with its box parameters (``A.BboxParams`` in pixels, boxes clipped to the image and
+dropped only when the crop leaves none of them): training resizes the longer side to ``img_size``, applies ViTDet's
+large-scale jitter (a random rescale by ``scale_range``, then a random ``img_size`` crop of the padded result) and a
+horizontal flip; evaluation only resizes the longer side and pads to a square at the bottom and the right, so a box
+maps back to the original image by one scale factor.
+
+COCO's crowd regions (``iscrowd``) are not objects to find: they are left out of the training targets, as
+torchvision's reference scripts do, and COCOeval ignores them at evaluation.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import albumentations as A
+import cv2
+import numpy as np
+import torch
+from albumentations.pytorch import ToTensorV2
+
+from .base import KeyedImageDataset, sample_seed, seed_transform, seed_words
+from .coco import CocoSplit
+from .folder import load_rgb
+from .synthetic_seg import SHAPE_KINDS, render_shapes
+
+__all__ = ['build_detection_transforms', 'KeyedDetectionDataset', 'CocoDetectionSet', 'SyntheticShapesDetection',
+           'DETECTION_SHAPE_CLASSES']
+
+#: the built-in set's classes (label i names entry i - 1): a shape's kind
+DETECTION_SHAPE_CLASSES = list(SHAPE_KINDS)
+#: ViTDet's large-scale jitter: the image is rescaled by a factor drawn from this range before the crop
+DEFAULT_SCALE_RANGE = (0.1, 2.0)
+
+
+def build_detection_transforms(img_size: int, mean: Sequence[float], std: Sequence[float], train: bool,
+                               scale_range: Sequence[float] = DEFAULT_SCALE_RANGE, hflip: float = 0.5) -> A.Compose:
+    """The albumentations pipeline of a split (module docstring): images to normalised float tensors [3, S, S],
+    boxes (pascal_voc: x1, y1, x2, y2 pixels) and their ``labels`` carried along."""
+    steps: list[Any] = [A.LongestMaxSize(max_size=img_size)]
+    if train:
+        low, high = scale_range
+        steps += [A.RandomScale(scale_limit=(low - 1.0, high - 1.0), p=1.0),
+                  A.PadIfNeeded(img_size, img_size, position='top_left', border_mode=cv2.BORDER_CONSTANT, fill=0),
+                  A.RandomCrop(img_size, img_size), A.HorizontalFlip(p=hflip)]
+    else:
+        steps.append(A.PadIfNeeded(img_size, img_size, position='top_left', border_mode=cv2.BORDER_CONSTANT, fill=0))
+    steps += [A.Normalize(mean=mean, std=std), ToTensorV2()]
+    return A.Compose(steps, bbox_params=A.BboxParams(format='pascal_voc', label_fields=['labels'], clip=True,
+                                                     min_area=1.0))
+
+
+class KeyedDetectionDataset(KeyedImageDataset):
+    """Base class: ``dataset[key] -> (image float32 [3, S, S], {'boxes': float32 [N, 4], 'labels': int64 [N]})``
+    for ``key`` = index or (index, seed); the transform is seeded by ``sample_seed(index, seed)`` as for the other
+    tasks. Subclasses implement ``load(index) -> (image uint8 [H, W, 3], boxes float32 [N, 4] xyxy pixels, labels
+    int64 [N] 1..K)`` and ``describe()``."""
+
+    def __init__(self, transform: A.Compose, class_names: Sequence[str], num_samples: int) -> None:
+        super().__init__(transform, class_names, targets=())
+        self.num_samples = int(num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        index, seed = self._parse_key(key)
+        image, boxes, labels = self.load(index)
+        seed_transform(self.transform, sample_seed(index, seed))
+        out = self.transform(image=image, bboxes=boxes, labels=labels)
+        boxes = torch.as_tensor(np.asarray(out['bboxes'], dtype=np.float32).reshape(-1, 4))
+        labels = torch.as_tensor(np.asarray(out['labels'], dtype=np.int64).reshape(-1))
+        return out['image'], {'boxes': boxes, 'labels': labels}
+
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+
+class CocoDetectionSet(KeyedDetectionDataset):
+    """A split read by ``linvit.data.coco.read_coco_split``; crowd regions left out of the targets."""
+
+    def __init__(self, split: CocoSplit, transform: A.Compose) -> None:
+        super().__init__(transform, split.class_names, len(split.images))
+        self.split = split
+
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        entry = self.split.images[index]
+        objects = ~entry.crowd
+        return load_rgb(entry.path), entry.boxes[objects], entry.labels[objects]
+
+    def describe(self) -> str:
+        boxes = sum(int((~image.crowd).sum()) for image in self.split.images)
+        return f"COCO-format detection: {len(self)} images, {boxes} boxes, {len(self.class_names)} classes"
+
+
+class SyntheticShapesDetection(KeyedDetectionDataset):
+    """``num_samples`` images of ``img_size`` px with 2-4 grey circles and squares on a noisy background (and a
+    coloured square near the border that is no object): each shape is boxed and labelled by its kind
+    (``DETECTION_SHAPE_CLASSES``). A sample is a pure function of (seed, split, index)."""
+
+    def __init__(self, num_samples: int, img_size: int, seed: int, split: str, transform: A.Compose) -> None:
+        super().__init__(transform, DETECTION_SHAPE_CLASSES, num_samples)
+        self.img_size = int(img_size)
+        self.seed = int(seed)
+        self.split_id = {'train': 0, 'val': 1}[split]
+
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([*seed_words(self.seed), self.split_id, index])
+        image, _, layout = render_shapes(rng, self.img_size, key_colour=int(rng.integers(2)))
+        boxes = np.array([[s.left, s.top, s.left + s.side, s.top + s.side] for s in layout.shapes],
+                         dtype=np.float32).reshape(-1, 4)
+        labels = np.array([s.kind + 1 for s in layout.shapes], dtype=np.int64)
+        return image, boxes, labels
+
+    def describe(self) -> str:
+        return f"built-in shapes detection: {len(self)} images of {self.img_size} px, classes {self.class_names}"
