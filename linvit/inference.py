@@ -1,4 +1,5 @@
-"""Dense prediction on full-size images: the whole image at once, or overlapping windows whose logits are averaged.
+"""Dense prediction on full-size images: the whole image at once, or overlapping windows whose logits are averaged;
+and detection on images too large for one pass, in overlapping tiles whose boxes are merged (``detect_tiled``).
 
 The model contract: ``model(images [b, 3, h, w]) -> logits [b, K, h, w]``, the same spatial size as its input. Patch
 models need h and w divisible by their patch size: ``pad_multiple`` pads the input at the bottom/right and the
@@ -18,9 +19,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from torchvision.ops import batched_nms
 
 __all__ = ['pad_to_multiple', 'whole_inference', 'sliding_window_inference', 'segment', 'SEGMENT_MODES',
-           'window_starts']
+           'window_starts', 'detect_tiled', 'tile_cores']
 
 Size2 = Union[int, Tuple[int, int], Sequence[int]]
 Model = Callable[[torch.Tensor], torch.Tensor]
@@ -194,3 +196,61 @@ def segment(model: Model, images: torch.Tensor, mode: str, window: Optional[Size
                          f'{", ".join(SEGMENT_MODES)}')
     _check_images(images)
     return SEGMENT_MODES[mode](model, images, window, stride, batch_size, max_pixels, pad_multiple)
+
+
+# ---------------------------------------------------------------------------------------------------- detection
+
+#: a detector: images [b, 3, h, w] -> per image {'boxes': [N, 4] x1, y1, x2, y2 pixels, 'scores': [N], 'labels': [N]}
+Detector = Callable[[torch.Tensor], List[Dict[str, torch.Tensor]]]
+
+
+def tile_cores(size: int, window: int, starts: List[int]) -> List[Tuple[int, int]]:
+    """The part [lo, hi) of one dimension each window owns: neighbours split their overlap in the middle, the first
+    owns from 0 and the last up to ``size``, so every pixel has exactly one owner."""
+    bounds = [0] + [(start + previous + window) // 2 for previous, start in zip(starts, starts[1:])] + [size]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _owned(found: Dict[str, torch.Tensor], top: int, left: int, rows: Tuple[int, int], cols: Tuple[int, int]
+           ) -> Dict[str, torch.Tensor]:
+    """A tile's detections in image pixels, those whose centre lies in the part of the image the tile owns."""
+    boxes = found['boxes'] + torch.tensor([left, top, left, top], dtype=found['boxes'].dtype,
+                                          device=found['boxes'].device)
+    cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
+    keep = (cx >= cols[0]) & (cx < cols[1]) & (cy >= rows[0]) & (cy < rows[1])
+    return {'boxes': boxes[keep], 'scores': found['scores'][keep], 'labels': found['labels'][keep]}
+
+
+def detect_tiled(detector: Detector, image: torch.Tensor, tile: Size2, overlap: int, iou_threshold: float = 0.5,
+                 batch_size: int = 4, max_detections: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Detections on one image [3, H, W] from overlapping tiles of ``tile`` pixels (``overlap`` pixels shared by
+    neighbours; window starts as ``window_starts``): each tile's boxes are moved to image pixels and kept when
+    their centre lies in the part of the image the tile owns (``tile_cores``), then class-wise NMS at
+    ``iou_threshold`` (torchvision's ``batched_nms``) merges what two tiles both found near their border.
+
+    An object no larger than ``overlap`` lies whole inside the tile that owns its centre, so a detector that sees only
+    an object's own pixels finds the same boxes tiled as on the whole image. Returns {'boxes' [M, 4], 'scores' [M],
+    'labels' [M]} by descending score, at most ``max_detections``. An image no larger than a tile is one tile.
+    """
+    if image.ndim != 3:
+        raise ValueError(f'detect_tiled takes one image [C, H, W], got shape {tuple(image.shape)}')
+    tile_h, tile_w = _pair(tile, 'tile')
+    if not 0 <= overlap < min(tile_h, tile_w):
+        raise ValueError(f'overlap must be in 0..{min(tile_h, tile_w) - 1} (less than the tile {tile_h}x{tile_w}), '
+                         f'got {overlap}')
+    height, width = image.shape[-2:]
+    row_starts = window_starts(height, tile_h, tile_h - overlap)
+    col_starts = window_starts(width, tile_w, tile_w - overlap)
+    places = [(top, left, rows, cols)
+              for top, rows in zip(row_starts, tile_cores(height, tile_h, row_starts))
+              for left, cols in zip(col_starts, tile_cores(width, tile_w, col_starts))]
+    parts = []
+    for first in range(0, len(places), batch_size):
+        chunk = places[first:first + batch_size]
+        crops = torch.stack([image[:, top:top + tile_h, left:left + tile_w] for top, left, _, _ in chunk])
+        for found, (top, left, rows, cols) in zip(detector(crops), chunk):
+            parts.append(_owned(found, top, left, rows, cols))
+    merged = {key: torch.cat([part[key] for part in parts]) for key in ('boxes', 'scores', 'labels')}
+    keep = batched_nms(merged['boxes'].float(), merged['scores'].float(), merged['labels'], iou_threshold)
+    keep = keep[:max_detections] if max_detections is not None else keep
+    return {key: value[keep] for key, value in merged.items()}

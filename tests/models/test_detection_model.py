@@ -84,3 +84,15 @@ def test_unknown_detectors_and_class_counts_are_refused():
         build_detector(_vit(), num_classes=2, detector='faster-rcnn')
     with pytest.raises(ValueError, match='num_classes >= 1'):
         build_detector(_vit(), num_classes=0)
+
+
+def test_a_detector_runs_tiled_on_an_image_larger_than_its_tiles():
+    from linvit.inference import detect_tiled
+
+    detector = build_detector(_vit(), num_classes=3, neck_dim=32, box_score_thresh=0.0).eval()
+    image = torch.randn(3, 100, 130)
+    with torch.no_grad():
+        found = detect_tiled(detector, image, tile=64, overlap=16)
+    boxes = found['boxes']
+    assert len(boxes) > 0 and (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= 130).all() and (boxes[:, 3] <= 100).all()
+    assert (found['scores'][:-1] >= found['scores'][1:]).all()  # by descending score
