@@ -13,7 +13,8 @@ torchvision's reference scripts do, and COCOeval ignores them at evaluation.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import albumentations as A
 import cv2
@@ -21,13 +22,16 @@ import numpy as np
 import torch
 from albumentations.pytorch import ToTensorV2
 
+from ..registry import Registry
 from .base import KeyedImageDataset, sample_seed, seed_transform, seed_words
-from .coco import CocoSplit
+from .coco import CocoSplit, check_same_categories, read_coco_split
 from .folder import load_rgb
 from .synthetic_seg import SHAPE_KINDS, render_shapes
 
 __all__ = ['build_detection_transforms', 'KeyedDetectionDataset', 'CocoDetectionSet', 'SyntheticShapesDetection',
-           'DETECTION_SHAPE_CLASSES']
+           'DETECTION_SHAPE_CLASSES', 'DETECTION_DATASET_BUILDERS', 'build_detection_datasets']
+
+Target = dict[str, torch.Tensor]
 
 #: the built-in set's classes (label i names entry i - 1): a shape's kind
 DETECTION_SHAPE_CLASSES = list(SHAPE_KINDS)
@@ -77,6 +81,18 @@ class KeyedDetectionDataset(KeyedImageDataset):
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise NotImplementedError
 
+    @staticmethod
+    def collate(samples: Sequence[tuple[torch.Tensor, Target]]) -> tuple[torch.Tensor, list[Target]]:
+        """A loader batch: images stacked [B, 3, S, S], targets a list (each image has its own number of boxes)."""
+        return torch.stack([image for image, _ in samples]), [target for _, target in samples]
+
+    @staticmethod
+    def on_device(batch: tuple[torch.Tensor, list[Target]], device: torch.device
+                  ) -> tuple[torch.Tensor, list[Target]]:
+        images, targets = batch
+        return images.to(device, non_blocking=True), [{key: value.to(device, non_blocking=True)
+                                                       for key, value in target.items()} for target in targets]
+
 
 class CocoDetectionSet(KeyedDetectionDataset):
     """A split read by ``linvit.data.coco.read_coco_split``; crowd regions left out of the targets."""
@@ -116,3 +132,53 @@ class SyntheticShapesDetection(KeyedDetectionDataset):
 
     def describe(self) -> str:
         return f"built-in shapes detection: {len(self)} images of {self.img_size} px, classes {self.class_names}"
+
+
+Datasets = tuple[KeyedDetectionDataset | None, KeyedDetectionDataset, list[str]]
+
+
+def _transforms(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> tuple[A.Compose, A.Compose]:
+    """(train, val) pipelines from ``data.img_size`` and ``data.aug.{scale_range, hflip}``."""
+    train = build_detection_transforms(cfg.img_size, mean, std, train=True, scale_range=tuple(cfg.aug.scale_range),
+                                       hflip=cfg.aug.hflip)
+    return train, build_detection_transforms(cfg.img_size, mean, std, train=False)
+
+
+def build_detection_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True
+                              ) -> Datasets:
+    """The built-in shapes detection set at ``cfg.img_size`` (``data.synthetic.{train_size, val_size, seed}``)."""
+    train_tf, val_tf = _transforms(cfg, mean, std)
+    syn = cfg.synthetic
+    train = SyntheticShapesDetection(syn.train_size, cfg.img_size, syn.seed, 'train', train_tf) if with_train else None
+    val = SyntheticShapesDetection(syn.val_size, cfg.img_size, syn.seed, 'val', val_tf)
+    return train, val, val.class_names
+
+
+def build_detection_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True
+                           ) -> Datasets:
+    """A COCO-format set at ``cfg.root`` (``linvit.data.coco``)."""
+    if not cfg.root:
+        raise ValueError("data.root must be set when data.name is 'folder': for detection, a COCO-format set with "
+                         "annotations/instances_{train,val}.json and the images under train/ and val/")
+    root = Path(cfg.root).expanduser()
+    train_tf, val_tf = _transforms(cfg, mean, std)
+    val_split = read_coco_split(root, 'val')
+    train = None
+    if with_train:
+        train_split = read_coco_split(root, 'train')
+        check_same_categories(train_split, val_split, root)
+        train = CocoDetectionSet(train_split, train_tf)
+    return train, CocoDetectionSet(val_split, val_tf), val_split.class_names
+
+
+#: data.name -> builder(data config, mean, std, with_train) -> (train, val, class names), for detection
+DETECTION_DATASET_BUILDERS: Registry[Callable[[Any, Sequence[float], Sequence[float], bool], Datasets]] = \
+    Registry('data.name')
+DETECTION_DATASET_BUILDERS.register('synthetic', build_detection_synthetic)
+DETECTION_DATASET_BUILDERS.register('folder', build_detection_folder)
+
+
+def build_detection_datasets(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True
+                             ) -> Datasets:
+    """Train and validation detection datasets and the class names (label i names entry i - 1)."""
+    return DETECTION_DATASET_BUILDERS.get(cfg.name)(cfg, mean, std, with_train)

@@ -81,7 +81,7 @@ class AugConfig:
     mixup: float = 0.0  # timm Mixup alpha; 0 = off
     cutmix: float = 0.0  # timm CutMix alpha; 0 = off
     label_smoothing: float = 0.0
-    scale_range: List[float] = field(default_factory=lambda: [0.5, 2.0])  # seg: random resize factor before the crop
+    scale_range: List[float] = field(default_factory=lambda: [0.5, 2.0])  # seg, detection: resize factor, then crop
 
 
 @dataclass

@@ -18,7 +18,7 @@ from .config import check_runs_here
 from .distributed import setup_distributed
 from .metrics import Meter
 from .plots import plot_curves
-from .run import Run, autocast_factory, build_run, loader, use_threads
+from .run import Run, autocast_factory, batch_on_device, build_run, loader, use_threads
 from .run_dir import RunDir
 from .run_files import load_weights, read_weights, trained_img_size
 from .run_log import write_json
@@ -42,9 +42,8 @@ def evaluated_meter(run: Run, model: nn.Module) -> Meter:
     was_training = model.training
     model.eval()
     try:
-        for images, targets in batches:
-            images = images.to(info.device, non_blocking=True)
-            targets = targets.to(info.device, non_blocking=True)
+        for batch in batches:
+            images, targets = batch_on_device(run.val_set, batch, info.device)
             with autocast():
                 run.task.evaluate_batch(model, images, targets, meter)
     finally:

@@ -19,7 +19,8 @@ from ..plotting import cycle_colour, save_png
 from .checkpoint import atomic_write
 
 __all__ = ['CORRECT_COLOUR', 'WRONG_COLOUR', 'IGNORE_COLOUR', 'plot_curves', 'plot_prediction_grid', 'class_palette',
-           'ignore_colour', 'colour_mask', 'overlay_mask', 'plot_segmentation_grid', 'plot_confusion_matrix']
+           'ignore_colour', 'colour_mask', 'overlay_mask', 'plot_segmentation_grid', 'plot_confusion_matrix',
+           'plot_detection_grid', 'PICTURE_MIN_SCORE']
 
 CORRECT_COLOUR = '#1a7f37'
 WRONG_COLOUR = '#cf222e'
@@ -595,3 +596,48 @@ def plot_confusion_matrix(matrix: Union[np.ndarray, torch.Tensor], class_names: 
     accuracy = f', accuracy {100 * np.trace(matrix) / total:.1f}%' if total else ''
     ax.set_title(f'confusion matrix ({_compact_count(total)} counted{accuracy})', fontsize=11)
     _save_png(fig, png_path, dpi=100)
+
+
+#: detections scored below this are not drawn (an evaluation scores them all; a picture shows the confident ones)
+PICTURE_MIN_SCORE = 0.3
+
+
+def _draw_boxes(ax, boxes: torch.Tensor, labels: torch.Tensor, class_names: Optional[Sequence[str]], colour: str,
+                scores: Optional[torch.Tensor] = None) -> None:
+    """Rectangles for boxes [N, 4] x1, y1, x2, y2 pixels, each named by its label (1..K: class_names[label - 1])."""
+    from matplotlib.patches import Rectangle
+    for index, ((x1, y1, x2, y2), label) in enumerate(zip(boxes.tolist(), labels.tolist())):
+        ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, edgecolor=colour, linewidth=1.2))
+        text = _class_name(class_names, int(label) - 1)
+        if scores is not None:
+            text = f"{text} {scores[index]:.2f}"
+        ax.text(x1, y1, text, fontsize=6, color='white', va='bottom',
+                bbox=dict(facecolor=colour, edgecolor='none', pad=0.5, alpha=0.8))
+
+
+def plot_detection_grid(images: torch.Tensor, mean: Sequence[float], std: Sequence[float],
+                        targets: Sequence[Dict[str, torch.Tensor]], detections: Sequence[Dict[str, torch.Tensor]],
+                        class_names: Optional[Sequence[str]], png_path: os.PathLike,
+                        min_score: float = PICTURE_MIN_SCORE) -> None:
+    """Draw images [N, 3, H, W] (normalised as (x - mean) / std) with their ground-truth boxes (green, left) and
+    the detections scored at least ``min_score`` (red with their scores, right) into ``png_path`` (atomically).
+    targets / detections: per image {'boxes' [M, 4] pixels, 'labels' [M] 1..K(, 'scores' [M])}."""
+    from matplotlib.figure import Figure
+
+    pixels = _unnormalise(images, mean, std)
+    count = len(pixels)
+    fig = Figure(figsize=(2 * 3.0, 0.4 + 3.0 * max(count, 1)), layout='constrained')
+    axes = fig.subplots(max(count, 1), 2, squeeze=False)
+    for row in range(count):
+        kept = detections[row]['scores'] >= min_score
+        found = {key: value[kept] for key, value in detections[row].items() if key in ('boxes', 'labels', 'scores')}
+        truth = targets[row]
+        for ax, title in zip(axes[row], (f"ground truth ({len(truth['boxes'])})",
+                                         f"detections >= {min_score:g} ({len(found['boxes'])})")):
+            ax.imshow(pixels[row])
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(title, fontsize=9)
+        _draw_boxes(axes[row, 0], truth['boxes'], truth['labels'], class_names, CORRECT_COLOUR)
+        _draw_boxes(axes[row, 1], found['boxes'], found['labels'], class_names, WRONG_COLOUR, found['scores'])
+    _save_png(fig, png_path, dpi=110)

@@ -11,7 +11,7 @@ import logging
 import random
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from .step import TrainStep
 from .tasks import Task, build_task, normalization_of
 from .tasks.base import model_keywords
 
-__all__ = ['Run', 'Training', 'BatchMixer', 'build_run', 'build_training', 'loader', 'use_threads',
+__all__ = ['Run', 'Training', 'BatchMixer', 'build_run', 'build_training', 'loader', 'batch_on_device', 'use_threads',
            'seed_everything', 'autocast_factory', 'learning_rate', 'evaluated_model', 'restore', 'checkpoint_of']
 
 _logger = logging.getLogger('linvit.train')
@@ -161,10 +161,22 @@ def loader(run: Run, dataset: Dataset, sampler: Sampler, batch_size: int, drop_l
     # a private generator: creating a loader iterator draws its worker base seed from it, not from torch's global
     # generator, whose stream (dropout, drop path) must be the same whether or not a run was resumed
     workers = run.cfg.data.num_workers
+    # a dataset whose targets do not stack (detection: boxes per image) brings its own collate
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                      collate_fn=getattr(dataset, 'collate', None),
                       pin_memory=run.info.device.type == 'cuda', drop_last=drop_last,
                       persistent_workers=False, generator=torch.Generator().manual_seed(run.cfg.seed),
                       prefetch_factor=4 if workers > 0 else None)
+
+
+def batch_on_device(dataset: Dataset, batch: Sequence[Any], device: torch.device) -> Tuple[torch.Tensor, Any]:
+    """A loader batch (images, targets) on the device: the dataset's ``on_device`` when it has one (a cached dataset
+    augments the batch there; targets that are not one tensor move their own way), else both copied."""
+    on_device = getattr(dataset, 'on_device', None)
+    if on_device is not None:
+        return on_device(batch, device)
+    images, targets = batch
+    return images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
 
 def seed_everything(seed: int) -> None:

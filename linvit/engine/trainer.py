@@ -24,12 +24,11 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
-from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from ..data import LayoutError
@@ -41,6 +40,7 @@ from .parallel import save_sharded
 from .run import (
     Run,
     Training,
+    batch_on_device,
     build_run,
     build_training,
     checkpoint_of,
@@ -391,21 +391,10 @@ def _next_batch(run: Run, training: Training, batches: Iterator,
     waited = time.perf_counter()
     batch = next(batches)
     window.data_wait += time.perf_counter() - waited
-    images, targets = _on_device(run.train_set, batch, run.info.device)
+    images, targets = batch_on_device(run.train_set, batch, run.info.device)
     if training.mixer is not None:
         images, targets = training.mixer(images, targets)
     return images, targets
-
-
-def _on_device(dataset: Dataset, batch: Sequence[torch.Tensor],
-               device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A loader batch on the device: the dataset's ``on_device`` when it has one (a cached dataset augments the
-    batch there), else (images, targets) copied."""
-    on_device = getattr(dataset, 'on_device', None)
-    if on_device is not None:
-        return on_device(batch, device)
-    images, targets = batch
-    return images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
 
 def _log_train_row(run: Run, training: Training, log: RunLog, window: TrainWindow,

@@ -206,6 +206,12 @@ def compile_model(model: nn.Module, mode: Optional[str] = None, dynamic: bool = 
                          retain_freed_memory=retain_freed_memory)
 
 
+def takes_targets(model: nn.Module) -> bool:
+    """Whether ``model`` (or the module a DistributedDataParallel wraps) is called with the targets in training: a
+    ``takes_targets = True`` attribute."""
+    return bool(getattr(getattr(model, 'module', model), 'takes_targets', False))
+
+
 class LossGraph:
     """Forward and loss of a training step as one graph, compiled or eager.
 
@@ -236,10 +242,13 @@ class LossGraph:
         self._forward_loss = _compile(self.forward_loss, mode, dynamic, fullgraph, backend) if compile \
             else self.forward_loss
 
-    def forward_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """loss_fn(model(images), targets) under autocast(amp_dtype) when set: the function that gets compiled."""
+    def forward_loss(self, images: torch.Tensor, targets: Any) -> torch.Tensor:
+        """loss_fn(model(images), targets) under autocast(amp_dtype) when set: the function that gets compiled. A
+        model that computes its losses itself (``takes_targets``: torchvision's detectors) is called with the
+        targets too, and loss_fn reduces what it returns."""
         with torch.autocast(device_type=images.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-            return self.loss_fn(self.model(images), targets)
+            outputs = self.model(images, targets) if takes_targets(self.model) else self.model(images)
+            return self.loss_fn(outputs, targets)
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         check_image_size(self.model, images)

@@ -139,4 +139,6 @@ def build_detector(backbone: nn.Module, num_classes: int, detector: str = 'faste
     model = build(pyramid, num_classes + 1, **kwargs)
     # the coarsest level's stride: padded sides it divides keep every level's grid exact
     model.transform = _PaddingOnly(size_divisible=int(math.ceil(max(pyramid_strides(pyramid.input_multiple)))))
+    model.takes_targets = True  # training computes the losses from the targets (linvit.fast.LossGraph)
+    model.input_multiple = pyramid.input_multiple  # what image sides the task checks against
     return model

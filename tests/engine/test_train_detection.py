@@ -1,0 +1,81 @@
+"""task=detection through train(): the built-in shapes and a COCO-format folder train end to end; the report's AP
+is what the saved weights give when evaluated by hand (the detector rebuilt from its parts, COCO AP of its boxes);
+pictures are drawn."""
+import json
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from tiny_run import TINY_MODEL
+
+import linvit  # noqa: F401  (registers linvit_*)
+from linvit.data.detection import SyntheticShapesDetection, build_detection_transforms
+from linvit.engine import ConfigError, load_config, train
+from linvit.engine.metrics import coco_box_metrics
+from linvit.models.detection import build_detector
+
+TINY_DET = ['task=detection', 'data.img_size=64', 'data.batch_size=4', 'data.num_workers=0',
+            'data.synthetic.train_size=16', 'data.synthetic.val_size=6', 'train.epochs=2', 'train.log_every=1',
+            'train.warmup_epochs=0.5', 'train.lr=1e-3', 'device=cpu', 'detection.neck_dim=32',
+            'detection.score_thresh=0.0']
+
+
+def test_the_shapes_train_end_to_end_and_the_report_is_the_saved_detectors_ap(tmp_path):
+    out = tmp_path / 'run'
+    metrics = train(load_config(None, [*TINY_MODEL, *TINY_DET, f'output_dir={out}']))
+    assert set(metrics) >= {'ap', 'ap50', 'ap75', 'ap_small', 'per_class_ap', 'images'}
+    assert metrics['images'] == 6 and set(metrics['per_class_ap']) == {'circle', 'square'}
+    assert json.loads((out / 'metrics.json').read_text())['ap'] == metrics['ap']
+    assert sorted(p.name for p in (out / 'pictures').iterdir())[-1] == 'val_step000008.png'
+    # the saved weights, in a detector built by hand, scored by hand on the same validation images
+    vit = timm.create_model('linvit_tiny_patch16_224', depth=2, embed_dim=48, num_heads=3, patch_size=8, img_size=64,
+                            num_classes=0, dynamic_img_size=True)
+    detector = build_detector(vit, 2, neck_dim=32, box_score_thresh=0.0).eval()
+    detector.load_state_dict(load_file(out / 'model.safetensors'))
+    cfg = timm.data.resolve_data_config({}, model=vit)
+    val = SyntheticShapesDetection(6, 64, seed=0, split='val',
+                                   transform=build_detection_transforms(64, cfg['mean'], cfg['std'], train=False))
+    samples = [val[(i, 0)] for i in range(6)]
+    with torch.no_grad():
+        found = detector(torch.stack([image for image, _ in samples]))
+    by_hand = coco_box_metrics([{**f, 'labels': f['labels'] - 1} for f in found],
+                               [{**t, 'labels': t['labels'] - 1} for _, t in samples], ['circle', 'square'])
+    assert metrics['ap'] == pytest.approx(by_hand['ap'], abs=1e-9)
+    assert metrics['ap50'] == pytest.approx(by_hand['ap50'], abs=1e-9)
+
+
+def _coco_folder(root):
+    rng = np.random.default_rng(0)
+    (root / 'annotations').mkdir(parents=True)
+    for split, count in (('train', 8), ('val', 3)):
+        (root / split).mkdir()
+        images, annotations = [], []
+        for index in range(count):
+            pixels = rng.integers(60, 120, (50, 70, 3)).astype(np.uint8)
+            x, y = int(rng.integers(0, 40)), int(rng.integers(0, 25))
+            pixels[y:y + 20, x:x + 25] = 250
+            Image.fromarray(pixels).save(root / split / f'{index}.png')
+            images.append({'id': index, 'file_name': f'{index}.png', 'width': 70, 'height': 50})
+            annotations.append({'id': index, 'image_id': index, 'category_id': 7, 'bbox': [x, y, 25, 20],
+                                'iscrowd': 0})
+        (root / 'annotations' / f'instances_{split}.json').write_text(json.dumps(
+            {'images': images, 'annotations': annotations, 'categories': [{'id': 7, 'name': 'panel'}]}))
+
+
+@pytest.mark.parametrize('detector', ['retinanet'])
+def test_a_coco_folder_trains_end_to_end(tmp_path, detector):
+    _coco_folder(tmp_path / 'data')
+    metrics = train(load_config(None, [*TINY_MODEL, *TINY_DET, 'data.name=folder', f'data.root={tmp_path / "data"}',
+                                       f'detection.detector={detector}', f'output_dir={tmp_path / "run"}']))
+    assert metrics['images'] == 3 and list(metrics['per_class_ap']) == ['panel']
+    assert 0 <= metrics['ap'] <= 1
+
+
+def test_an_unknown_detector_and_a_compiled_step_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match='detection.detector'):
+        load_config(None, [*TINY_MODEL, *TINY_DET, 'detection.detector=yolo'])
+    with pytest.raises(ConfigError, match='task=detection trains eagerly.*train.compile=false'):
+        train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.compile=true', f'output_dir={tmp_path}']))
