@@ -471,6 +471,9 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
         from .engine.loading import load_trained
         from .engine.run_dir import RunDir
         trained = load_trained(source, dynamic_img_size=dynamic_size)
+        if getattr(trained.model, 'takes_targets', False):
+            raise ValueError(f"{source} is a task={trained.task!r} run: its torchvision detector does not export to "
+                             f"ONNX yet; share the run directory")
         metadata = {'task': trained.task, 'class_names': trained.class_names, 'mean': list(trained.mean),
                     'std': list(trained.std), 'model_name': trained.cfg.model.name, 'source': source,
                     'weights': os.path.abspath(trained.weights_path),

@@ -93,10 +93,10 @@ def _refuse_other_tasks(trained: TrainedModel, run_dir: str) -> None:
     """HubExportError unless the run's model is a timm classifier (a timm model, one label per image)."""
     task = TASKS.get(trained.task)
     if getattr(trained.model, 'pretrained_cfg', None) is None:
+        onnx = f", or export it to ONNX: python tools/export_onnx.py {run_dir}" if task.logits_rank else ''
         raise HubExportError(
             f"{run_dir}: the model of this {trained.task} run ({type(trained.model).__name__}) is not a timm model, "
-            f"so timm.create_model cannot rebuild it from a hub folder; share the run directory, or export it to "
-            f"ONNX: python tools/export_onnx.py {run_dir}")
+            f"so timm.create_model cannot rebuild it from a hub folder; share the run directory{onnx}")
     if task.logits_rank != 2:
         what = task.not_predicted or f"its logits have {task.logits_rank} dimensions"
         raise HubExportError(f"{run_dir}: the model of this {trained.task} run is not an image classifier ({what}); "

@@ -79,3 +79,16 @@ def test_an_unknown_detector_and_a_compiled_step_are_config_errors(tmp_path):
         load_config(None, [*TINY_MODEL, *TINY_DET, 'detection.detector=yolo'])
     with pytest.raises(ConfigError, match='task=detection trains eagerly.*train.compile=false'):
         train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.compile=true', f'output_dir={tmp_path}']))
+
+
+def test_export_and_publishing_refuse_a_detection_run_in_one_line(tmp_path):
+    from linvit.engine.hub import HubExportError, export_hub_folder
+    from linvit.export import load_export_source
+
+    run = tmp_path / 'run'
+    train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', f'output_dir={run}']))
+    with pytest.raises(ValueError, match="task='detection' run: its torchvision detector does not export to ONNX"):
+        load_export_source(str(run))
+    with pytest.raises(HubExportError, match='is not a timm model') as error:
+        export_hub_folder(str(run))
+    assert 'ONNX' not in str(error.value) and '\n' not in str(error.value)
