@@ -216,7 +216,10 @@ class CachedImageDataset(KeyedImageDataset):
 
     def on_device(self, batch: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """A collated training batch (uint8 images, labels, params) -> (float32 images [B, 3, H, W], labels) on
-        ``device``, augmented there in one batched call."""
+        ``device``, augmented there in one batched call; a validation batch (images, labels) is only moved."""
+        if not self.train:
+            images, labels = batch
+            return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         images, labels, params = batch
         images = images.to(device, non_blocking=True)
         augmented = augment_batch(images, params, self.cache.size, self.mean, self.std,
