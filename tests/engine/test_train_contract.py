@@ -92,7 +92,7 @@ def test_eval_only_of_a_file_that_is_not_weights_is_one_line(capsys, tmp_path, n
 
 @pytest.mark.parametrize('argv, status, expected', [
     (['--config', CLS_DEMO, 'model.name=linvit_huge'], 2, "config error: model.name='linvit_huge' is not a timm model"),
-    (['--config', CLS_DEMO, 'task=detection'], 2, "config error: unknown task 'detection'"),
+    (['--config', CLS_DEMO, 'task=pose'], 2, "config error: unknown task 'pose'"),
     (['--config', CLS_DEMO, 'train.epoch=3'], 2, "unknown config key 'train.epoch'"),
     (['--config', '{tmp}/nope.yaml'], 2, "config file '{tmp}/nope.yaml' does not exist"),
     (['--eval-only', '{tmp}/best.pt'], 1, 'error: checkpoint {tmp}/best.pt does not exist'),
