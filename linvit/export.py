@@ -33,6 +33,11 @@ nothing else. A file exported from a run also records the weights file it was ma
 ``check_source_weights`` (which ``linvit.predict`` calls) refuses the file once those weights have changed, e.g. a run
 trained again into the same folder; a file whose weights file is gone stands alone.
 
+A dense model's backbone and feature pyramid export alone (``PyramidFeatures``: outputs ``features_0`` ..
+``features_3``, finest first; ``tools/export_onnx.py RUN --features``): that is the part of a detector that exports,
+since torchvision's heads pick boxes with data-dependent shapes that ``torch.export`` cannot trace; the heads run in
+PyTorch on the file's maps.
+
 Something that cannot be exported raises ``ExportError`` naming the module that was running when tracing failed (or
 the op that has no ONNX translation), with the original error chained; nothing falls back to another exporter.
 
@@ -64,12 +69,15 @@ from .precision import precision_dtype
 __all__ = ['export_onnx', 'ExportReport', 'SizeCheck', 'ExportError', 'ExportCheckError', 'default_check_sizes',
            'input_multiple', 'ort_session', 'read_metadata', 'METADATA_PREFIX', 'TOLERANCES', 'EXPORT_PRECISIONS',
            'INPUT_NAME', 'OUTPUT_NAME', 'ExportSource', 'load_export_source', 'is_trained_source', 'measure_latency',
-           'format_latency', 'PadToMultiple', 'StaleExportError', 'file_sha256', 'check_source_weights']
+           'format_latency', 'PadToMultiple', 'StaleExportError', 'file_sha256', 'check_source_weights',
+           'PyramidFeatures', 'FEATURE_OUTPUT_NAMES']
 
 _logger = logging.getLogger(__name__)
 
 INPUT_NAME = 'images'
 OUTPUT_NAME = 'logits'
+#: the outputs of a feature-pyramid file (``PyramidFeatures``), finest level first: torchvision's level names '0'..'3'
+FEATURE_OUTPUT_NAMES = ('features_0', 'features_1', 'features_2', 'features_3')
 METADATA_PREFIX = 'linvit.'
 #: default max_rel allowed by the check, per export dtype
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2}
@@ -174,12 +182,46 @@ class PadToMultiple(nn.Module):
         self.model = model
         self.multiple = multiple
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor) -> Any:
         height, width = images.shape[-2], images.shape[-1]
         pad_h = (height + self.multiple - 1) // self.multiple * self.multiple - height
         pad_w = (width + self.multiple - 1) // self.multiple * self.multiple - width
         logits = self.model(F.pad(images, (0, pad_w, 0, pad_h)))
-        return F.pad(logits, (0, -pad_w, 0, -pad_h)) if logits.ndim == 4 else logits
+        if isinstance(logits, torch.Tensor) and logits.ndim == 4:
+            return F.pad(logits, (0, -pad_w, 0, -pad_h))
+        return logits  # logits per image, or a pyramid's maps (which cover the padded image)
+
+
+class PyramidFeatures(nn.Module):
+    """The backbone and simple feature pyramid of a dense model (a ``ViTPyramid``: a segmentation model, or a
+    torchvision detector's ``backbone``): images [B, 3, H, W] -> a tuple of 4 maps [B, neck_dim, H/s, W/s] at
+    strides s = p/4, p/2, p, 2p (outputs ``FEATURE_OUTPUT_NAMES``). It is what a detector exports: torchvision's heads
+    pick proposals and boxes with data-dependent shapes (NMS), which ``torch.export`` cannot trace, so they stay in
+    PyTorch and take these maps as ``detector.backbone``'s. Image sides are multiples of 2p (``input_multiple``), as
+    the detector's own transform pads them, so every level's grid is exact."""
+
+    output_names = FEATURE_OUTPUT_NAMES
+
+    def __init__(self, pyramid: nn.Module) -> None:
+        super().__init__()
+        self.pyramid = pyramid
+        from .models.segmentation import PYRAMID_SCALES
+        self.input_multiple = 2 * pyramid.input_multiple  # the coarsest level's stride
+        self.strides = [pyramid.input_multiple / scale for scale in PYRAMID_SCALES]  # finest first
+
+    @classmethod
+    def of(cls, model: nn.Module, name: str) -> 'PyramidFeatures':
+        """The pyramid of ``model`` (a ``ViTPyramid``, or a model whose ``backbone`` is one); ValueError naming
+        ``name`` (where the model came from) for a model without one."""
+        from .models.segmentation import ViTPyramid
+        for candidate in (model, getattr(model, 'backbone', None)):
+            if isinstance(candidate, ViTPyramid):
+                return cls(candidate)
+        raise ValueError(f"{name} has no feature pyramid to export ({type(model).__name__}): --features takes a "
+                         f"segmentation or detection run")
+
+    def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return tuple(self.pyramid.forward_features(images))
 
 
 def _pair(size: Union[int, Sequence[int]], name: str) -> Size2:
@@ -322,9 +364,15 @@ def _first_argument_name(model: nn.Module) -> str:
     return parameters[0].name
 
 
-def _to_onnx(program: torch.export.ExportedProgram, model_name: str, opset: Optional[int]) -> Any:
+def _output_names(model: nn.Module) -> List[str]:
+    """The file's output names: the model's ``output_names`` (several outputs), else ``OUTPUT_NAME``."""
+    return list(getattr(model, 'output_names', (OUTPUT_NAME,)))
+
+
+def _to_onnx(program: torch.export.ExportedProgram, model_name: str, opset: Optional[int],
+             output_names: Sequence[str]) -> Any:
     try:
-        return torch.onnx.export(program, (), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+        return torch.onnx.export(program, (), input_names=[INPUT_NAME], output_names=list(output_names),
                                  opset_version=opset, dynamo=True, optimize=True, verbose=False)
     except Exception as error:
         raise ExportError(f"the ONNX translation of {model_name} failed (an op without an ONNX translation is "
@@ -347,19 +395,22 @@ def ort_session(path: Union[str, os.PathLike], threads: Optional[int] = None) ->
 
 def _compare(session: Any, reference: nn.Module, size: Size2, batch: int, dtype: torch.dtype, tolerance: float,
              seed: int) -> SizeCheck:
+    """Every output of the file against the reference's on one seeded batch: the largest error over all of them,
+    relative to the largest reference value of all of them."""
     generator = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, *size, generator=generator)
     with torch.no_grad():
-        expected = reference(images).float()
-    got = torch.from_numpy(session.run(None, {INPUT_NAME: images.to(dtype).numpy()})[0]).float()
-    if got.shape != expected.shape:
-        raise ExportCheckError(f"at {size[0]}x{size[1]} the ONNX output has shape {list(got.shape)}, PyTorch's "
-                               f"{list(expected.shape)}")
-    max_abs = (got - expected).abs().max().item()
-    scale = expected.abs().max().item()
+        expected = reference(images)
+    expected = [t.float() for t in (expected if isinstance(expected, (tuple, list)) else (expected,))]
+    got = [torch.from_numpy(out).float() for out in session.run(None, {INPUT_NAME: images.to(dtype).numpy()})]
+    if [list(t.shape) for t in got] != [list(t.shape) for t in expected]:
+        raise ExportCheckError(f"at {size[0]}x{size[1]} the ONNX outputs have shapes {[list(t.shape) for t in got]}, "
+                               f"PyTorch's {[list(t.shape) for t in expected]}")
+    max_abs = max((g - e).abs().max().item() for g, e in zip(got, expected))
+    scale = max(e.abs().max().item() for e in expected)
     return SizeCheck(height=size[0], width=size[1], batch=batch, max_abs=max_abs,
                      max_rel=max_abs / scale if scale > 0 else max_abs, tolerance=tolerance,
-                     finite=bool(torch.isfinite(got).all()))
+                     finite=all(bool(torch.isfinite(g).all()) for g in got))
 
 
 def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, Any]:
@@ -419,7 +470,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
     batch = 2 if dynamic_batch else 1
     example = torch.randn(batch, 3, *img_size, dtype=dtype)
     program = _trace(exported, example, multiple, dynamic_size, dynamic_batch)
-    onnx_program = _to_onnx(program, type(model).__name__, opset)
+    onnx_program = _to_onnx(program, type(model).__name__, opset, _output_names(model))
     props = _model_metadata(reference, example.float(), dtype, dynamic_size, metadata)
     onnx_program.model.metadata_props.update(props)
     opset_used = int(onnx_program.model.opset_imports.get('', opset or 0))
@@ -463,23 +514,35 @@ def is_trained_source(source: str) -> bool:
     return os.path.isdir(source) or source.endswith(('.pt', '.pth', '.safetensors'))
 
 
-def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_size: bool = True) -> ExportSource:
+def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_size: bool = True,
+                       features: bool = False) -> ExportSource:
     """A trained model (``is_trained_source``: loaded by ``linvit.engine.loading.load_trained``) or a timm model
     spec ``name[:key=value,...]`` (random weights). With ``dynamic_size`` a classifier is built with
-    ``dynamic_img_size=True`` (same weights), so the file can take any image size."""
+    ``dynamic_img_size=True`` (same weights), so the file can take any image size. ``features``: a segmentation or
+    detection run's backbone and feature pyramid alone (``PyramidFeatures``; metadata ``part: features``, the
+    levels' ``outputs`` and ``strides``), which is all of a detector that exports: a detection run without it is
+    refused in one line that says so."""
     if is_trained_source(source):
         from .engine.loading import load_trained
         from .engine.run_dir import RunDir
         trained = load_trained(source, dynamic_img_size=dynamic_size)
-        if getattr(trained.model, 'takes_targets', False):
-            raise ValueError(f"{source} is a task={trained.task!r} run: its torchvision detector does not export to "
-                             f"ONNX yet; share the run directory")
         metadata = {'task': trained.task, 'class_names': trained.class_names, 'mean': list(trained.mean),
                     'std': list(trained.std), 'model_name': trained.cfg.model.name, 'source': source,
                     'weights': os.path.abspath(trained.weights_path),
                     'weights_sha256': file_sha256(trained.weights_path)}
-        run_dir = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
-        return ExportSource(trained.model, img_size or trained.img_size, metadata, RunDir(run_dir).onnx)
+        run_dir = RunDir(source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source)))
+        if features:
+            model = PyramidFeatures.of(trained.model, source)
+            metadata.update(part='features', outputs=list(model.output_names), strides=model.strides)
+            return ExportSource(model, img_size or trained.img_size, metadata, run_dir.features_onnx)
+        if getattr(trained.model, 'takes_targets', False):
+            raise ValueError(f"{source} is a task={trained.task!r} run: torchvision's detector picks its boxes with "
+                             f"data-dependent shapes (NMS), which torch.export cannot trace; export its backbone and "
+                             f"feature pyramid with --features (the heads then run in PyTorch on those maps)")
+        return ExportSource(trained.model, img_size or trained.img_size, metadata, run_dir.onnx)
+    if features:
+        raise ValueError(f"--features takes a segmentation or detection run (its feature pyramid), not the model spec "
+                         f"{source!r}")
     import timm
 
     from .bench.specs import parse_model_spec

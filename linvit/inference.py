@@ -222,7 +222,8 @@ def _owned(found: Dict[str, torch.Tensor], top: int, left: int, rows: Tuple[int,
 
 
 def detect_tiled(detector: Detector, image: torch.Tensor, tile: Size2, overlap: int, iou_threshold: float = 0.5,
-                 batch_size: int = 4, max_detections: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                 batch_size: int = 4, max_detections: Optional[int] = None,
+                 progress: Optional[Callable[[int], None]] = None) -> Dict[str, torch.Tensor]:
     """Detections on one image [3, H, W] from overlapping tiles of ``tile`` pixels (``overlap`` pixels shared by
     neighbours; window starts as ``window_starts``): each tile's boxes are moved to image pixels and kept when
     their centre lies in the part of the image the tile owns (``tile_cores``), then class-wise NMS at
@@ -231,6 +232,7 @@ def detect_tiled(detector: Detector, image: torch.Tensor, tile: Size2, overlap: 
     An object no larger than ``overlap`` lies whole inside the tile that owns its centre, so a detector that sees only
     an object's own pixels finds the same boxes tiled as on the whole image. Returns {'boxes' [M, 4], 'scores' [M],
     'labels' [M]} by descending score, at most ``max_detections``. An image no larger than a tile is one tile.
+    ``progress(count)`` is called after each forward with the number of tiles it ran (a progress bar's update).
     """
     if image.ndim != 3:
         raise ValueError(f'detect_tiled takes one image [C, H, W], got shape {tuple(image.shape)}')
@@ -250,6 +252,8 @@ def detect_tiled(detector: Detector, image: torch.Tensor, tile: Size2, overlap: 
         crops = torch.stack([image[:, top:top + tile_h, left:left + tile_w] for top, left, _, _ in chunk])
         for found, (top, left, rows, cols) in zip(detector(crops), chunk):
             parts.append(_owned(found, top, left, rows, cols))
+        if progress:
+            progress(len(chunk))
     merged = {key: torch.cat([part[key] for part in parts]) for key in ('boxes', 'scores', 'labels')}
     keep = batched_nms(merged['boxes'].float(), merged['scores'].float(), merged['labels'], iou_threshold)
     keep = keep[:max_detections] if max_detections is not None else keep

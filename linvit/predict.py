@@ -4,6 +4,7 @@
     items, missing = collect_inputs(['photo.jpg', 'more/'])
     rows, skipped = classify_images(predictor, items, top_k=3)          # classification: top-k rows per image
     written, skipped = segment_images(predictor, items, 'masks/', mode='slide', window=512)   # segmentation
+    written, skipped = detect_images(predictor, items, 'boxes/', mode='slide', window=512)    # detection
 
 A ``Predictor`` hides the runtime: PyTorch (``linvit.engine.loading.load_trained``: the run's model, classes,
 normalisation and seg.eval settings) or onnxruntime (``linvit.export.ort_session``; the file's ``linvit.*`` metadata
@@ -21,8 +22,16 @@ other inputs ``<name>_mask.png`` (class ids, 8-bit; 16-bit above 256 classes) an
 classes coloured with the run's palette) at full size. An image that cannot be read (a missing optional reader
 included) is skipped and reported as (path, reason); the others are still predicted. Progress goes to stderr
 (tqdm): one line per image, and a bar over the bounded forward's blocks and tiles.
+
+Detection (a PyTorch run) also runs each image at its own resolution, read by ``load_rgb``: 'whole' (one forward) up
+to ``max_pixels``, else 'slide': overlapping tiles whose boxes are merged (``linvit.inference.detect_tiled``: each
+tile keeps the boxes centred in the part it owns, then class-wise NMS), with a bar over the tiles. It writes
+``detections.json``, a COCO-format file (images by file name, the run's classes as categories 1..K, every
+detection as an annotation with its score: ``pycocotools.coco.COCO`` and annotation tools read it), and
+``<name>_overlay.png``, the boxes scored at least ``min_score`` drawn in their class colours.
 """
 import csv
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -45,7 +54,7 @@ from .data.large_image import (
 )
 from .data.transforms import build_seg_transforms, build_transforms
 from .engine.plots import class_palette, overlay_mask
-from .inference import segment
+from .inference import detect_tiled, segment
 from .models.bounded import (
     DEFAULT_ROWS_PER_CHUNK,
     bounded_segment_unsupported_reason,
@@ -54,7 +63,8 @@ from .models.bounded import (
 
 __all__ = ['Predictor', 'torch_predictor', 'onnx_predictor', 'load_predictor', 'Item', 'collect_inputs',
            'classify_images', 'write_predictions', 'segment_image', 'segment_images', 'save_mask_png',
-           'PREDICTION_FIELDS', 'PREDICT_MODES', 'MASK_FORMATS', 'choose_mode', 'bounded_unavailable']
+           'PREDICTION_FIELDS', 'PREDICT_MODES', 'MASK_FORMATS', 'choose_mode', 'bounded_unavailable',
+           'detect_images', 'detect_image', 'choose_detection_mode', 'DETECTIONS_FILE', 'OVERLAY_MIN_SCORE']
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 Skipped = List[Tuple[str, str]]  # (path, reason)
@@ -67,6 +77,11 @@ TIFF_INPUTS = large_image_extensions() | {'.tif', '.tiff'}
 #: 'auto' runs a model without the state form whole up to this many pixels (2048 x 2048), in windows above
 DEFAULT_MAX_PIXELS = 2048 * 2048
 
+#: detection: the COCO-format file of every image's detections, in the output folder
+DETECTIONS_FILE = 'detections.json'
+#: detection overlays draw the boxes scored at least this (detections.json keeps every one with its score)
+OVERLAY_MIN_SCORE = 0.3
+
 #: the columns of predictions.csv
 PREDICTION_FIELDS = ['file', 'rank', 'class_index', 'class_name', 'probability']
 
@@ -74,7 +89,8 @@ PREDICTION_FIELDS = ['file', 'rank', 'class_index', 'class_name', 'probability']
 @dataclass
 class Predictor:
     """What predictions need from a model, whichever runtime holds it."""
-    run: Logits  # normalised images float32 [B, 3, H, W] -> logits float32 [B, K] or [B, K, H, W]
+    run: Logits  # normalised images float32 [B, 3, H, W] -> logits float32 [B, K] or [B, K, H, W]; a detector's:
+    # per image {'boxes' [N, 4] xyxy pixels, 'scores' [N], 'labels' [N] 1..K} on the CPU
     task: str  # the task whose model it is (linvit.engine.TASKS): its logits_rank says how to read the output
     class_names: List[str]
     mean: Sequence[float]
@@ -96,15 +112,22 @@ def torch_predictor(path: str, device: str = 'cpu') -> Predictor:
     from .engine.tasks import TASKS
     trained = load_trained(path, device=device)
     task = TASKS.get(trained.task)
-    if not task.logits_rank:
-        predicted = ' and '.join(name for name, other in TASKS.items() if other.logits_rank)
+    if task.not_predicted:
+        names = [name for name, other in TASKS.items() if other.logits_rank or other.predicts_boxes]
+        predicted = ' and '.join([', '.join(names[:-1]), names[-1]] if len(names) > 1 else names)
         raise ValueError(f"{path} is a task={trained.task!r} run; predict.py takes {predicted} runs "
                          f"({task.not_predicted})")
     model = trained.model
 
     @torch.no_grad()
-    def run(images: torch.Tensor) -> torch.Tensor:
+    def logits(images: torch.Tensor) -> torch.Tensor:
         return model(images.to(device)).float().cpu()
+
+    @torch.no_grad()
+    def detections(images: torch.Tensor) -> List[Dict[str, torch.Tensor]]:
+        return [{key: value.cpu() for key, value in found.items()} for found in model(images.to(device))]
+
+    run = detections if task.predicts_boxes else logits
 
     multiple = getattr(model, 'input_multiple', None) or max(model.patch_embed.patch_size)
     return Predictor(run=run, task=trained.task, class_names=trained.class_names, mean=trained.mean, std=trained.std,
@@ -118,6 +141,9 @@ def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
     (``check_source_weights``)."""
     from .export import INPUT_NAME, check_source_weights, ort_session, read_metadata
     meta = read_metadata(path)
+    if meta.get('part') == 'features':
+        raise ValueError(f"{path} holds a model's feature pyramid (exported with --features), not its predictions: "
+                         f"predict with the run it was exported from ({meta.get('source', 'its run directory')})")
     check_source_weights(path, meta)
     session = ort_session(path, threads)
     declared = session.get_inputs()[0]
@@ -411,3 +437,113 @@ def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[st
         tqdm.write(f"{item.path}: {', '.join(paths)} (classes: {present})")
         written += 1
     return written, skipped
+
+
+# ---------------------------------------------------------------------------------------------------- detection
+
+def choose_detection_mode(height: int, width: int, requested: str, max_pixels: int) -> Tuple[str, str]:
+    """(mode, why) for one image: ``requested`` ('whole' or 'slide') as it is, 'auto': 'whole' up to
+    ``max_pixels`` pixels, 'slide' (tiles) above. 'bounded' is segmentation's: ValueError in one line."""
+    if requested == 'bounded':
+        raise ValueError("--mode bounded is segmentation's band-by-band forward; detection runs 'whole', 'slide' "
+                         "(overlapping tiles) or 'auto' (whole up to --max-pixels, tiles above)")
+    if requested != 'auto':
+        return requested, 'as asked'
+    if height * width <= max_pixels:
+        return 'whole', f"{height * width:,} pixels <= --max-pixels {max_pixels:,}"
+    return 'slide', f"{height * width:,} pixels > --max-pixels {max_pixels:,}"
+
+
+def detect_image(predictor: Predictor, image: torch.Tensor, mode: str, window: int, stride: int, batch_size: int = 8,
+                 progress: Optional[Callable[[int], None]] = None) -> Dict[str, torch.Tensor]:
+    """The detections on one normalised image [3, H, W]: {'boxes' [N, 4] xyxy pixels, 'scores' [N], 'labels' [N]
+    1..K}. 'whole': one forward; 'slide': tiles of ``window`` px every ``stride`` px (``detect_tiled``), ``batch_size``
+    tiles per forward, ``progress(tiles)`` after each forward."""
+    if mode == 'whole':
+        found = predictor.run(image[None])[0]
+        if progress:
+            progress(1)
+        return found
+    if not 0 < stride <= window:
+        raise ValueError(f"--stride {stride} must be in 1..{window} (the --window): tiles must overlap or touch")
+    return detect_tiled(predictor.run, image, window, overlap=window - stride, batch_size=batch_size,
+                        progress=progress)
+
+
+def _coco_annotations(found: Dict[str, torch.Tensor], image_id: int, first_id: int) -> List[Dict[str, object]]:
+    """One image's detections as COCO annotations: bbox [x, y, width, height] pixels, category_id the label 1..K."""
+    annotations = []
+    for offset, (box, score, label) in enumerate(zip(found['boxes'].tolist(), found['scores'].tolist(),
+                                                     found['labels'].tolist())):
+        x1, y1, x2, y2 = box
+        annotations.append({'id': first_id + offset, 'image_id': image_id, 'category_id': int(label),
+                            'bbox': [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
+                            'area': round((x2 - x1) * (y2 - y1), 2), 'score': round(score, 5), 'iscrowd': 0})
+    return annotations
+
+
+def _write_json_atomically(value: object, path: str) -> None:
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+        json.dump(value, f)
+    os.replace(path + '.tmp', path)
+
+
+def _draw_detections(image: np.ndarray, found: Dict[str, torch.Tensor], class_names: Sequence[str],
+                     min_score: float, path: str) -> int:
+    """Write ``image`` uint8 [H, W, 3] with the boxes scored at least ``min_score`` (class colours, 'name score')
+    to ``path``; returns how many were drawn."""
+    from torchvision.utils import draw_bounding_boxes
+    keep = found['scores'] >= min_score
+    boxes, labels, scores = found['boxes'][keep], found['labels'][keep], found['scores'][keep]
+    palette = class_palette(len(class_names) + 1)
+    pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+    if len(boxes):
+        width = max(1, round(max(image.shape[:2]) / 400))
+        pixels = draw_bounding_boxes(pixels, boxes, labels=[f"{class_names[c - 1]} {p:.2f}" for c, p in
+                                                             zip(labels.tolist(), scores.tolist())],
+                                     colors=[tuple(int(v) for v in palette[c]) for c in labels.tolist()], width=width)
+    Image.fromarray(pixels.permute(1, 2, 0).numpy()).save(path)
+    return len(boxes)
+
+
+def detect_images(predictor: Predictor, items: Sequence[Item], out: Optional[str], mode: str = 'auto',
+                  window: Optional[int] = None, stride: Optional[int] = None, batch_size: int = 8,
+                  max_pixels: int = DEFAULT_MAX_PIXELS, min_score: float = OVERLAY_MIN_SCORE) -> Tuple[int, Skipped]:
+    """Detect objects in each readable image at its own resolution and write OUT/detections.json (COCO format) and
+    OUT/<name>_overlay.png (see the module docstring); returns (how many images were written, [(path, reason)] for
+    the unreadable ones).
+
+    mode: 'auto' (``choose_detection_mode``), 'whole' or 'slide'; ``window`` (default: the training size) and
+        ``stride`` (default: 2/3 of the window) place the tiles. ``min_score``: the overlays' threshold.
+    """
+    if not out:
+        raise ValueError('detection writes detections.json and overlays: give --out FOLDER')
+    window = window or predictor.img_size[0]
+    stride = stride or max(1, window * 2 // 3)
+    transform = build_seg_transforms(None, predictor.img_size[0], predictor.mean, predictor.std, ignore_index=255,
+                                     train=False)  # validation's normalisation, at full resolution
+    os.makedirs(out, exist_ok=True)
+    images: List[Dict[str, object]] = []
+    annotations: List[Dict[str, object]] = []
+    skipped: Skipped = []
+    for item in tqdm(items, desc='detect', unit='img', file=sys.stderr):
+        image = _read_or_skip(item, skipped)
+        if image is None:
+            continue
+        height, width = image.shape[:2]
+        chosen, why = choose_detection_mode(height, width, mode, max_pixels)
+        with tqdm(desc=f'{item.name} ({chosen})', unit='tile', leave=False, file=sys.stderr) as bar:
+            found = detect_image(predictor, transform(image=image)['image'], chosen, window, stride, batch_size,
+                                 bar.update)
+        image_id = len(images) + 1
+        images.append({'id': image_id, 'file_name': item.path, 'width': width, 'height': height})
+        annotations += _coco_annotations(found, image_id, len(annotations) + 1)
+        overlay = os.path.join(out, f"{item.name}_overlay.png")
+        os.makedirs(os.path.dirname(overlay), exist_ok=True)
+        drawn = _draw_detections(image, found, predictor.class_names, min_score, overlay)
+        tqdm.write(f"{item.path}: {width}x{height}, {chosen} ({why}); {len(found['boxes'])} detections, {drawn} "
+                   f"scored >= {min_score:g} drawn in {overlay}", file=sys.stderr)
+    categories = [{'id': index, 'name': name} for index, name in enumerate(predictor.class_names, start=1)]
+    _write_json_atomically({'images': images, 'annotations': annotations, 'categories': categories},
+                           os.path.join(out, DETECTIONS_FILE))
+    return len(images), skipped

@@ -14,6 +14,7 @@ is opt-in because compiling one graph per size takes about a minute even for a t
     python tools/export_onnx.py runs/seg_demo --out seg.onnx                   # a trained segmentation run
     python tools/export_onnx.py runs/cls_demo/best.pt --dtype float16 --out cls_fp16.onnx
     python tools/export_onnx.py vit_small_patch16_224 --img-size 1024          # timm's softmax ViT alike
+    python tools/export_onnx.py runs/det_demo --features                       # a detector's backbone + pyramid
 
 The file records its task, class names, normalisation and input multiple (``linvit.export.read_metadata``), which
 ``tools/predict.py`` reads. A run's classifier is exported with ``dynamic_img_size=True`` (same weights) unless
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--img-size', type=parse_size, metavar='SIZE',
                         help="the traced image size, N or HxW (default: the model's img_size, or the run's "
                              "data.img_size)")
+    parser.add_argument('--features', action='store_true',
+                        help="a segmentation or detection run's backbone and feature pyramid alone (4 maps, finest "
+                             "first; default out: features.onnx in the run directory): all of a detector that "
+                             "exports, its heads run in PyTorch")
     parser.add_argument('--dynamic-size', action=argparse.BooleanOptionalAction, default=True,
                         help='a file that takes any image size whose sides the patch divides; --no-dynamic-size: '
                              'the traced size only')
@@ -88,7 +93,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    source = load_export_source(args.source, args.img_size, args.dynamic_size)
+    source = load_export_source(args.source, args.img_size, args.dynamic_size, args.features)
     out = args.out or source.default_out
     try:
         report = export_onnx(source.model, out, img_size=source.img_size, dynamic_size=args.dynamic_size,
@@ -102,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
         sizes = [(c.height, c.width) for c in report.checks]
         rows = measure_latency(source.model, out, sizes, args.dtype, args.warmup, args.repeats)
         print(format_latency(rows, report.dtype))
+    predictions = ("the feature maps of a detector's or segmentation model's heads" if args.features
+                   else f"predictions: python tools/predict.py {out} IMAGES...")
     print(f"wrote {out} (onnxruntime: linvit.export.ort_session; metadata: linvit.export.read_metadata; "
-          f"predictions: python tools/predict.py {out} IMAGES...)")
+          f"{predictions})")
     return 0
 
 

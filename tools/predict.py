@@ -27,6 +27,16 @@ input's path below the folder it was found in.
     python tools/predict.py runs/demo_seg slide.svs --out masks/ --downsample 4        # a pyramid level
     python tools/predict.py seg.onnx big.png --out masks/ --mode slide --window 512
 
+Detection (a run directory, .pt or .safetensors): each image runs at its own resolution, whole up to
+``--max-pixels`` and in overlapping tiles above (``--mode slide``: ``--window`` px tiles every ``--stride`` px; each
+tile keeps the boxes centred in the part it owns, then class-wise NMS), with a bar over the tiles. ``OUT/
+detections.json`` is COCO-format (images by file name, the run's classes as categories 1..K, each detection an
+annotation with its score) and ``OUT/<name>_overlay.png`` draws the boxes scored at least ``--min-score``. The ONNX
+file of a detection run holds its feature pyramid only (``export_onnx.py --features``): predict with the run.
+
+    python tools/predict.py runs/det_demo scenes/ --out boxes/                         # auto: tiles above 4 MP
+    python tools/predict.py runs/det_demo aerial.png --out boxes/ --mode slide --window 1024 --stride 768
+
 An image that cannot be read is reported by name and skipped; the others are still predicted. Exit status: 0 when
 every image was predicted, 1 when some were skipped, 2 when nothing could run (no model, a stale ONNX file, no
 images).
@@ -43,9 +53,11 @@ from linvit.models.bounded import DEFAULT_ROWS_PER_CHUNK
 from linvit.predict import (
     DEFAULT_MAX_PIXELS,
     MASK_FORMATS,
+    OVERLAY_MIN_SCORE,
     PREDICT_MODES,
     classify_images,
     collect_inputs,
+    detect_images,
     load_predictor,
     segment_images,
     write_predictions,
@@ -56,16 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument('model', help='run directory, checkpoint .pt, .safetensors (beside config.yaml) or .onnx')
     parser.add_argument('inputs', nargs='+', help='image files and/or folders (searched recursively)')
-    parser.add_argument('--out', help='output folder (segmentation: required; classification: predictions.csv)')
+    parser.add_argument('--out', help='output folder (segmentation and detection: required; classification: '
+                                      'predictions.csv)')
     parser.add_argument('--top-k', type=int, default=5, help='classification: classes listed per image')
     parser.add_argument('--mode', choices=PREDICT_MODES, default='auto',
-                        help="segmentation: 'auto' chooses per image; 'bounded' the whole image in bands (models "
-                             "with the state form), 'whole' one forward, 'slide' overlapping windows")
+                        help="segmentation and detection: 'auto' chooses per image; 'bounded' the whole image in "
+                             "bands (segmentation models with the state form), 'whole' one forward, 'slide' "
+                             "overlapping windows (detection: tiles whose boxes are merged)")
     parser.add_argument('--rows-per-chunk', type=int, default=DEFAULT_ROWS_PER_CHUNK,
                         help='bounded: patch rows per band (its memory budget: fewer rows, less memory)')
     parser.add_argument('--max-pixels', type=int, default=DEFAULT_MAX_PIXELS,
-                        help='auto, for a model without the state form: whole images up to this many pixels, '
-                             'windows above')
+                        help='auto, for detection and for a segmentation model without the state form: whole '
+                             'images up to this many pixels, windows above')
     parser.add_argument('--mask-format', choices=MASK_FORMATS, default='auto',
                         help="segmentation: 'tiff' (tiled BigTIFF + preview), 'png', or 'auto' (tiff for TIFF and "
                              "slide inputs)")
@@ -77,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--stride', type=int, help='slide: step between windows (default: 2/3 of the window)')
     parser.add_argument('--batch-size', type=int, default=8, help='images (classification) or windows (slide) per '
                                                                   'forward')
+    parser.add_argument('--min-score', type=float, default=OVERLAY_MIN_SCORE,
+                        help='detection: overlays draw the boxes scored at least this (detections.json keeps every '
+                             'detection with its score)')
     parser.add_argument('--alpha', type=float, default=0.5, help='segmentation: opacity of the class colours')
     parser.add_argument('--device', default='cpu', help="PyTorch models: torch device, e.g. 'cpu' or 'cuda'")
     parser.add_argument('--threads', type=int, help="threads for PyTorch or onnxruntime (default: torch's)")
@@ -93,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: no images found in {' '.join(args.inputs)}", file=sys.stderr)
         return 2
     predictor = load_predictor(args.model, args.device, args.threads)
-    if predictor.task == 'segmentation':
+    if predictor.task == 'detection':
+        _, unreadable = detect_images(predictor, items, args.out, args.mode, args.window, args.stride,
+                                      args.batch_size, args.max_pixels, args.min_score)
+    elif predictor.task == 'segmentation':
         _, unreadable = segment_images(predictor, items, args.out, args.mode, args.window, args.stride,
                                        args.batch_size, args.alpha, args.rows_per_chunk, args.max_pixels,
                                        args.mask_format, args.downsample)

@@ -20,6 +20,7 @@ A run directory (written by rank 0 only; ``linvit.engine.trainer`` fills it, ``r
     <task>.json          a staged run's state (what its baselines and stages measured), beside
     stage1/, stage2/     its stages, each a run directory of its own
     model.onnx, eval_*/  derived from the weights by tools/export_onnx.py and train.py --eval-only
+    features.onnx        the backbone and feature pyramid alone (tools/export_onnx.py --features)
     hub/                 the run as a timm / Hugging Face model folder (tools/export_hub.py)
 
 It imports nothing of linvit, so every engine module (the config's checks included) can name these files.
@@ -49,6 +50,8 @@ class RunDir:
     CURVES: ClassVar[str] = 'curves.png'
     PICTURES: ClassVar[str] = 'pictures'
     ONNX: ClassVar[str] = 'model.onnx'
+    #: the ONNX export of the model's backbone and feature pyramid alone (tools/export_onnx.py --features)
+    FEATURES_ONNX: ClassVar[str] = 'features.onnx'
     #: the timm / Hugging Face model folder of the run's weights (tools/export_hub.py's default)
     HUB: ClassVar[str] = 'hub'
     #: the start of an evaluation folder's name (eval_<weights stem>/)
@@ -124,6 +127,11 @@ class RunDir:
     def onnx(self) -> str:
         """model.onnx: the ONNX export of the run's weights (tools/export_onnx.py's default)."""
         return self.join(self.ONNX)
+
+    @property
+    def features_onnx(self) -> str:
+        """features.onnx: the ONNX export of the backbone and feature pyramid (tools/export_onnx.py --features)."""
+        return self.join(self.FEATURES_ONNX)
 
     @property
     def hub(self) -> str:

@@ -31,11 +31,11 @@ _logger = logging.getLogger(__name__)
 
 #: the weights a run directory offers, in order of preference
 RUN_WEIGHTS = RunDir.WEIGHT_FILES
-#: what other commands write into a run directory from its weights, by default: the ONNX file of
-#: tools/export_onnx.py, the hub folder of tools/export_hub.py and the evaluations of train.py --eval-only
-#: (eval_<weights name>/). They describe the run's weights, so they go with them: a run replaced by --overwrite takes
-#: them along.
-RUN_DERIVED = (RunDir.ONNX, RunDir.HUB, f'{RunDir.EVALUATION_PREFIX}*')
+#: what other commands write into a run directory from its weights, by default: the ONNX files of
+#: tools/export_onnx.py (the model's, its feature pyramid's), the hub folder of tools/export_hub.py and the
+#: evaluations of train.py --eval-only (eval_<weights name>/). They describe the run's weights, so they go with them:
+#: a run replaced by --overwrite takes them along.
+RUN_DERIVED = (RunDir.ONNX, RunDir.FEATURES_ONNX, RunDir.HUB, f'{RunDir.EVALUATION_PREFIX}*')
 #: the folders of a run trained in stages (a linearization), each a run directory of its own
 RUN_STAGES = RunDir.STAGES
 #: what train.py writes into a run directory (a staged run adds its stage folders and its state <task>.json), and

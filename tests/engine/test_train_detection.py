@@ -9,18 +9,13 @@ import timm
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from tiny_run import TINY_MODEL
+from tiny_run import TINY_DET, TINY_MODEL
 
 import linvit  # noqa: F401  (registers linvit_*)
 from linvit.data.detection import SyntheticShapesDetection, build_detection_transforms
 from linvit.engine import ConfigError, load_config, train
 from linvit.engine.metrics import coco_box_metrics
 from linvit.models.detection import build_detector
-
-TINY_DET = ['task=detection', 'data.img_size=64', 'data.batch_size=4', 'data.num_workers=0',
-            'data.synthetic.train_size=16', 'data.synthetic.val_size=6', 'train.epochs=2', 'train.log_every=1',
-            'train.warmup_epochs=0.5', 'train.lr=1e-3', 'device=cpu', 'detection.neck_dim=32',
-            'detection.score_thresh=0.0']
 
 
 def test_the_shapes_train_end_to_end_and_the_report_is_the_saved_detectors_ap(tmp_path):
@@ -81,14 +76,48 @@ def test_an_unknown_detector_and_a_compiled_step_are_config_errors(tmp_path):
         train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.compile=true', f'output_dir={tmp_path}']))
 
 
-def test_export_and_publishing_refuse_a_detection_run_in_one_line(tmp_path):
+def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find_the_same_boxes(tmp_path):
+    """The exported part: onnxruntime's maps (checked by export_onnx at three sizes) fed to the trained detector's
+    own RPN and box heads give the boxes the PyTorch detector gives, on an image the patch does not divide. The
+    whole detector is refused in one line that names --features; so are the hub export and predict.py's reading of
+    a features file."""
+    from torchvision.models.detection.image_list import ImageList
+
     from linvit.engine.hub import HubExportError, export_hub_folder
-    from linvit.export import load_export_source
+    from linvit.export import export_onnx, load_export_source, ort_session, read_metadata
+    from linvit.predict import load_predictor
 
     run = tmp_path / 'run'
     train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', f'output_dir={run}']))
-    with pytest.raises(ValueError, match="task='detection' run: its torchvision detector does not export to ONNX"):
+    with pytest.raises(ValueError, match="task='detection' run: torchvision's detector picks its boxes .*--features"):
         load_export_source(str(run))
+    source = load_export_source(str(run), features=True)
+    assert source.default_out == str(run / 'features.onnx')
+    report = export_onnx(source.model, source.default_out, img_size=source.img_size, metadata=source.metadata)
+    assert report.ok and len(report.checks) == 3 and {(c.height, c.width) for c in report.checks} >= {(64, 64)}
+    meta = read_metadata(source.default_out)
+    assert meta['part'] == 'features' and meta['strides'] == [2.0, 4.0, 8.0, 16.0] and meta['input_multiple'] == 16
+    assert meta['class_names'] == ['circle', 'square'] and meta['task'] == 'detection'
+
+    detector = build_detector(timm.create_model('linvit_tiny_patch16_224', depth=2, embed_dim=48, num_heads=3,
+                                                patch_size=8, img_size=64, num_classes=0, dynamic_img_size=True),
+                              2, neck_dim=32, box_score_thresh=0.0).eval()
+    detector.load_state_dict(load_file(run / 'model.safetensors'))
+    image = torch.randn(1, 3, 60, 70, generator=torch.Generator().manual_seed(3))
+    maps = ort_session(source.default_out).run(None, {'images': image.numpy()})
+    assert [m.shape for m in maps] == [(1, 32, 32, 40), (1, 32, 16, 20), (1, 32, 8, 10), (1, 32, 4, 5)]
+    with torch.no_grad():
+        expected = detector(image)[0]
+        features = {str(level): torch.from_numpy(m) for level, m in enumerate(maps)}
+        padded = ImageList(torch.nn.functional.pad(image, (0, 10, 0, 4)), [(60, 70)])
+        proposals, _ = detector.rpn(padded, features)
+        got = detector.roi_heads(features, proposals, padded.image_sizes)[0][0]
+    assert len(expected['boxes']) > 0 and got['boxes'].shape == expected['boxes'].shape
+    torch.testing.assert_close(got['boxes'], expected['boxes'], atol=1e-3, rtol=0)
+    assert torch.equal(got['labels'], expected['labels'])
+
+    with pytest.raises(ValueError, match='feature pyramid .* not its predictions: predict with the run'):
+        load_predictor(source.default_out)
     with pytest.raises(HubExportError, match='is not a timm model') as error:
         export_hub_folder(str(run))
     assert 'ONNX' not in str(error.value) and '\n' not in str(error.value)

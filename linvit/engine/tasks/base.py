@@ -68,8 +68,11 @@ class Task:
     #: the state-dict key of its model's classifier weight, whose rows are the classes ('' when it has none)
     classifier_key: str = ''
     #: the rank of its model's logits, which prediction and ONNX files are read by: 2 ([B, K], one label per image),
-    #: 4 ([B, K, H, W], one per pixel); 0 when its models predict no labels (``not_predicted`` says what they do)
+    #: 4 ([B, K, H, W], one per pixel); 0 when its models predict no labels (a detector's boxes, a next patch)
     logits_rank: int = 0
+    #: whether its models predict boxes (a detector: per image {'boxes', 'scores', 'labels'}) rather than logits
+    predicts_boxes: bool = False
+    #: why tools/predict.py does not take its runs ('' when it does: classification, segmentation, detection)
     not_predicted: str = ''
     #: whether data.img_size may be [height, width] (non-square images); a task that takes one side refuses a pair
     #: when it is built (``check_square_size``)

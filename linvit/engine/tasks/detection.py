@@ -57,7 +57,7 @@ class DetectionTask(Task):
     main_metric = 'ap'
     metric_columns = ('ap', 'ap50', 'ap75')
     architecture_keys = ('detection.detector', 'detection.neck_dim', 'detection.feature_blocks')
-    not_predicted = 'it predicts boxes, not labels per image or per pixel'
+    predicts_boxes = True
 
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
