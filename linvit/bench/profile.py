@@ -29,7 +29,7 @@ from linvit.timing import CpuLoad, percentile
 from . import plots, report
 from .machine import describe_machine
 from .memory import RETAIN_FREED_MEMORY_ENV, MemoryWatch, allocator_setting
-from .specs import ModelSpec, parse_model_spec
+from .specs import MODES, PROFILE_MODES, ModelSpec, parse_model_spec
 
 __all__ = ['FLOORS', 'RESULT_MARK', 'Config', 'build_configs', 'measure', 'child_result', 'child_main', 'base_row',
            'run_config', 'sweep', 'load_columns', 'result_words', 'print_report', 'exit_status']
@@ -89,7 +89,8 @@ def build_configs(models: Sequence[str], sizes: Sequence[Tuple[int, int]], floor
                   compile_mode: Optional[str] = None, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK) -> List[Config]:
     """Every configuration of a sweep, size-major so that an interrupted run has whole comparisons; ``floors``
     (``FLOORS``) adds the floor of every model, of the linvit ones, or of none. The bounded mode is measured for
-    the inference of linvit models only (softmax attention and floors have no state form)."""
+    the inference of linvit models only (softmax attention and floors have no state form); the detection workload
+    eagerly only (``measured_modes``)."""
     specs = [parse_model_spec(m) for m in models]
     if floors != 'none':
         specs = specs + [s.as_floor() for s in specs if floors == 'all' or s.kind == 'linvit']
@@ -98,7 +99,16 @@ def build_configs(models: Sequence[str], sizes: Sequence[Tuple[int, int]], floor
                    rows_per_chunk)
             for workload in workloads for dtype in dtypes for batch in batches for height, width in sizes
             for mode in modes for spec in specs
-            if mode != 'bounded' or (workload != 'training' and spec.kind == 'linvit')]
+            if mode in measured_modes(workload) and (mode != 'bounded' or spec.kind == 'linvit')]
+
+
+def measured_modes(workload: str) -> Tuple[str, ...]:
+    """The modes a workload is measured in: detection eagerly (torchvision's detectors pick proposals and boxes
+    with data-dependent shapes, which a compiled graph and the bounded forward do not hold), training eagerly and
+    compiled, inference and segmentation in every mode."""
+    if workload == 'detection':
+        return ('eager',)
+    return MODES if workload == 'training' else PROFILE_MODES
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -106,18 +116,21 @@ def build_configs(models: Sequence[str], sizes: Sequence[Tuple[int, int]], floor
 
 #: classes of the segmentation workload's head
 SEGMENTATION_CLASSES = 11
+#: object classes of the detection workload's detector (COCO's 80)
+DETECTION_CLASSES = 80
 
 
 def _build_model(config: Config) -> Tuple[torch.nn.Module, Optional[int]]:
     """The model of ``config`` (its floor when asked) and its token count per image (None without a patch grid);
-    for the segmentation workload, a ``SegmentationModel`` on it (default neck and head)."""
+    for the segmentation workload, a ``SegmentationModel`` on it (default neck and head); for detection,
+    torchvision's Faster R-CNN on it and its pyramid (``build_detector``: 256 channels, ViTDet's)."""
     import timm
 
     from linvit.layers import make_floor
     from linvit.models import SegmentationModel
 
     kwargs = dict(config.model.kwargs)
-    if config.workload == 'segmentation':
+    if config.workload in ('segmentation', 'detection'):  # a dense model on the backbone's patch features
         kwargs = {'num_classes': 0, 'dynamic_img_size': True, **kwargs}
     backbone = timm.create_model(config.model.name, pretrained=False, img_size=(config.height, config.width), **kwargs)
     if config.model.floor:
@@ -126,6 +139,9 @@ def _build_model(config: Config) -> Tuple[torch.nn.Module, Optional[int]]:
     tokens = (grid[0] * grid[1] + getattr(backbone, 'num_prefix_tokens', 0)) if grid else None
     if config.workload == 'segmentation':
         return SegmentationModel(backbone, num_classes=SEGMENTATION_CLASSES), tokens
+    if config.workload == 'detection':
+        from linvit.models.detection import build_detector
+        return build_detector(backbone, DETECTION_CLASSES), tokens
     return backbone, tokens
 
 

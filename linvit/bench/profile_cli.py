@@ -40,7 +40,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument('--workload', nargs='+', choices=PROFILE_WORKLOADS, default=['inference'],
                         help='inference: a forward under inference_mode; training: forward, loss and backward; '
                              'segmentation: the backbone in a SegmentationModel (simple pyramid, MLP head), class '
-                             'ids at full resolution')
+                             'ids at full resolution; detection: the backbone and its pyramid under Faster R-CNN, '
+                             'boxes out (eager only: the detector picks boxes with data-dependent shapes)')
     parser.add_argument('--rows-per-chunk', type=int, default=DEFAULT_ROWS_PER_CHUNK,
                         help='bounded: patch rows per band (the memory budget)')
     parser.add_argument('--warmup', type=int, default=2, help='untimed calls before timing, >= 1 (the first compiles)')

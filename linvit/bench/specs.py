@@ -17,9 +17,10 @@ WORKLOADS = ('training', 'inference')
 #: the resolution profiler's modes: MODES, and the bounded forward (``linvit.models.bounded``: the whole image in
 #: bands of patch rows, memory bounded; inference of linvit models)
 PROFILE_MODES = MODES + ('bounded',)
-#: the resolution profiler's workloads: WORKLOADS, and segmentation (a ``SegmentationModel`` on the backbone, class
-#: ids at full resolution, as tools/predict.py makes them)
-PROFILE_WORKLOADS = WORKLOADS + ('segmentation',)
+#: the resolution profiler's workloads: WORKLOADS, segmentation (a ``SegmentationModel`` on the backbone, class
+#: ids at full resolution, as tools/predict.py makes them) and detection (the backbone and its pyramid under
+#: torchvision's Faster R-CNN, boxes out; eager only)
+PROFILE_WORKLOADS = WORKLOADS + ('segmentation', 'detection')
 
 #: timm's model size words, used to pair a linvit model with the softmax model of the same size
 SIZE_WORDS = ('tiny', 'small', 'base', 'large', 'huge', 'giant')

@@ -172,3 +172,17 @@ def test_segmentation_plain_and_bounded_with_peak_memory_and_time_per_token(prof
     peaks = {' '.join(line.split()[:2]): line.split()[2] for line in memory[2:5]}
     assert peaks == {f"{r['model']} [{r['mode']}]": str(round(float(r['peak_mem_mib']))) for r in rows}
     assert (out / 'profile_segmentation_float32_b1.png').read_bytes()[:8] == PNG_MAGIC
+
+
+def test_detection_is_measured_eagerly_for_linvit_and_softmax_backbones(prof, tmp_path, capsys):
+    out = tmp_path / 'prof'
+    models = ['linvit_tiny_patch16_224:depth=2', 'vit_tiny_patch16_224:depth=2']
+    assert prof.main(['--models', *models, '--sizes', '64', '96x128', '--workload', 'detection', '--mode', 'eager',
+                      'compiled', '--floors', 'none', '--warmup', '1', '--repeats', '1', '--out', str(out)]) == 0
+    rows = list(csv.DictReader((out / 'profile.csv').open()))
+    # torchvision's detectors pick boxes with data-dependent shapes: no compiled rows
+    assert [(r['model'], r['height'], r['width'], r['mode'], r['status']) for r in rows] == [
+        (models[0], '64', '64', 'eager', 'ok'), (models[1], '64', '64', 'eager', 'ok'),
+        (models[0], '96', '128', 'eager', 'ok'), (models[1], '96', '128', 'eager', 'ok')]
+    assert '# detection, float32, batch 1' in capsys.readouterr().out
+    assert (out / 'profile_detection_float32_b1.png').read_bytes()[:8] == PNG_MAGIC
