@@ -496,7 +496,7 @@ def _draw_detections(image: np.ndarray, found: Dict[str, torch.Tensor], class_na
     keep = found['scores'] >= min_score
     boxes, labels, scores = found['boxes'][keep], found['labels'][keep], found['scores'][keep]
     palette = class_palette(len(class_names) + 1)
-    pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+    pixels = torch.from_numpy(image.copy()).permute(2, 0, 1)  # a copy: the overlay must not write into the image
     if len(boxes):
         width = max(1, round(max(image.shape[:2]) / 400))
         pixels = draw_bounding_boxes(pixels, boxes, labels=[f"{class_names[c - 1]} {p:.2f}" for c, p in

@@ -13,6 +13,10 @@ the file, the entry and what was expected: the file and folder, the JSON, the th
 annotations of unknown images or categories, boxes that are not four finite numbers or have negative sides, and
 image files that are not there. Boxes of zero width or height (COCO has a few) are kept out of training and
 listed in ``CocoSplit.degenerate`` for the caller to report, never dropped silently.
+
+Instance masks (Mask R-CNN): ``read_coco_split(root, split, masks=True)`` also checks every object's
+``segmentation`` (polygons: lists of at least 3 x, y points; or a run-length encoding of the image's size), and
+``instance_masks(image)`` decodes them with pycocotools into uint8 [N, H, W].
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ import numpy as np
 
 from .base import DataError
 
-__all__ = ['CocoImage', 'CocoSplit', 'read_coco_split', 'annotation_file', 'check_same_categories']
+__all__ = ['CocoImage', 'CocoSplit', 'read_coco_split', 'annotation_file', 'check_same_categories',
+           'instance_masks']
 
 #: the keys every entry of each list must have
 _IMAGE_KEYS = ('id', 'file_name', 'width', 'height')
@@ -40,7 +45,7 @@ _NAMED = 3
 @dataclass(frozen=True)
 class CocoImage:
     """One image of a split: its file, size and objects (boxes [N, 4] float32 xyxy pixels, labels [N] int64 1..K,
-    crowd [N] bool)."""
+    crowd [N] bool, and each object's COCO ``segmentation`` as the file gives it, None where it has none)."""
     path: str
     image_id: int
     width: int
@@ -48,6 +53,7 @@ class CocoImage:
     boxes: np.ndarray
     labels: np.ndarray
     crowd: np.ndarray
+    segmentations: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,9 +126,31 @@ def _check_files(images: list[CocoImage], folder: Path, path: Path) -> None:
         raise DataError(f"{len(missing)} image(s) of {path} are not in {folder}: {named}{more}")
 
 
-def read_coco_split(root: str | os.PathLike, split: str) -> CocoSplit:
+def _check_segmentation(path: Path, annotation: dict[str, Any], image: dict[str, Any]) -> None:
+    """A mask the decoder takes: polygons (a list of lists of x, y numbers, at least 3 points each) or a
+    run-length encoding {'size': [height, width] of the image, 'counts': a list or a string}."""
+    segmentation = annotation.get('segmentation')
+    where = f"{path}: annotation id {annotation['id']}"
+    if isinstance(segmentation, dict):
+        size = [image['height'], image['width']]
+        if segmentation.get('size') != size or not isinstance(segmentation.get('counts'), (list, str)):
+            raise DataError(f"{where} has a run-length segmentation with size {segmentation.get('size')!r}; expected "
+                            f"{{'size': {size} (its image's height, width), 'counts': a list or string}}")
+        return
+    polygons_ok = isinstance(segmentation, list) and bool(segmentation) and all(
+        isinstance(polygon, list) and len(polygon) >= 6 and len(polygon) % 2 == 0
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in polygon)
+        for polygon in segmentation)
+    if not polygons_ok:
+        shown = repr(segmentation) if len(repr(segmentation)) <= 60 else repr(segmentation)[:57] + '...'
+        raise DataError(f"{where} has segmentation {shown}; Mask R-CNN needs each object's mask: polygons "
+                        f"[[x1, y1, x2, y2, x3, y3, ...], ...] (3 points or more) or a run-length encoding")
+
+
+def read_coco_split(root: str | os.PathLike, split: str, masks: bool = False) -> CocoSplit:
     """The split ``split`` ('train' or 'val') of the COCO-format set at ``root``; DataError (one line) for anything
-    the layout or the annotation file gets wrong (module docstring)."""
+    the layout or the annotation file gets wrong (module docstring). ``masks``: every object (crowds included) must
+    have a segmentation ``instance_masks`` can decode."""
     root = Path(root)
     path = annotation_file(root, split)
     content = _load_json(path, root)
@@ -136,7 +164,8 @@ def read_coco_split(root: str | os.PathLike, split: str) -> CocoSplit:
     if not categories:
         raise DataError(f"{path} has no categories; a detection set needs at least one class")
     label_of = {category['id']: label for label, category in enumerate(categories, start=1)}
-    objects: dict[Any, list[tuple[tuple[float, ...], int, bool]]] = {image['id']: [] for image in content['images']}
+    image_of = {image['id']: image for image in content['images']}
+    objects: dict[Any, list[tuple[tuple[float, ...], int, bool, Any]]] = {key: [] for key in image_of}
     degenerate = []
     for annotation in content['annotations']:
         if annotation['image_id'] not in objects:
@@ -149,19 +178,40 @@ def read_coco_split(root: str | os.PathLike, split: str) -> CocoSplit:
         if box[2] == box[0] or box[3] == box[1]:
             degenerate.append(annotation['id'])
             continue
+        if masks:
+            _check_segmentation(path, annotation, image_of[annotation['image_id']])
         objects[annotation['image_id']].append((box, label_of[annotation['category_id']],
-                                                bool(annotation.get('iscrowd', 0))))
+                                                bool(annotation.get('iscrowd', 0)), annotation.get('segmentation')))
     images = [_image(folder, image, objects[image['id']]) for image in content['images']]
     _check_files(images, folder, path)
     return CocoSplit(images, [str(c['name']) for c in categories], [c['id'] for c in categories], degenerate)
 
 
-def _image(folder: Path, entry: dict[str, Any], found: list[tuple[tuple[float, ...], int, bool]]) -> CocoImage:
-    boxes = np.array([box for box, _, _ in found], dtype=np.float32).reshape(-1, 4)
-    labels = np.array([label for _, label, _ in found], dtype=np.int64)
-    crowd = np.array([is_crowd for _, _, is_crowd in found], dtype=bool)
+def _image(folder: Path, entry: dict[str, Any], found: list[tuple[tuple[float, ...], int, bool, Any]]
+           ) -> CocoImage:
+    boxes = np.array([box for box, _, _, _ in found], dtype=np.float32).reshape(-1, 4)
+    labels = np.array([label for _, label, _, _ in found], dtype=np.int64)
+    crowd = np.array([is_crowd for _, _, is_crowd, _ in found], dtype=bool)
     return CocoImage(str(folder / entry['file_name']), entry['id'], int(entry['width']), int(entry['height']), boxes,
-                     labels, crowd)
+                     labels, crowd, tuple(segmentation for _, _, _, segmentation in found))
+
+
+def instance_masks(image: CocoImage, keep: np.ndarray | None = None) -> np.ndarray:
+    """The objects' masks uint8 [N, height, width] (1 inside), decoded from their polygons or run-length encodings
+    by pycocotools (the objects ``keep`` selects, bool [N], or all). The split must have been read with
+    ``masks=True``, which checked them."""
+    from pycocotools import mask as mask_utils
+    chosen = [s for s, kept in zip(image.segmentations, np.ones(len(image.boxes), bool) if keep is None else keep)
+              if kept]
+    masks = np.zeros((len(chosen), image.height, image.width), dtype=np.uint8)
+    for index, segmentation in enumerate(chosen):
+        if isinstance(segmentation, dict) and isinstance(segmentation['counts'], str):
+            rle = segmentation  # compressed, as pycocotools writes it
+        else:  # polygons, or an uncompressed run-length encoding (COCO's crowds)
+            rle = mask_utils.frPyObjects(segmentation, image.height, image.width)
+            rle = mask_utils.merge(rle) if isinstance(rle, list) else rle
+        masks[index] = mask_utils.decode(rle)
+    return masks
 
 
 def check_same_categories(train: CocoSplit, val: CocoSplit, root: str | os.PathLike) -> None:

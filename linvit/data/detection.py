@@ -1,6 +1,8 @@
 """Object detection data: samples ``(image float32 [3, H, W], {'boxes': float32 [N, 4] x1, y1, x2, y2 pixels,
 'labels': int64 [N] 1..K})`` for torchvision's detectors (``linvit.models.detection``), from a COCO-format set
-(``CocoDetectionSet``, ``linvit.data.coco``) or the built-in shapes (``SyntheticShapesDetection``).
+(``CocoDetectionSet``, ``linvit.data.coco``) or the built-in shapes (``SyntheticShapesDetection``). A set made with
+``masks=True`` adds each object's instance mask, ``'masks': uint8 [N, H, W]`` (Mask R-CNN's targets), transformed
+with the image and kept or dropped with its box.
 
 Augmentation is albumentations' with its box parameters (``A.BboxParams`` in pixels, boxes clipped to the image and
 dropped only when the crop leaves none of them): training resizes the longer side to ``img_size``, applies ViTDet's
@@ -24,9 +26,9 @@ from albumentations.pytorch import ToTensorV2
 
 from ..registry import Registry
 from .base import KeyedImageDataset, sample_seed, seed_transform, seed_words
-from .coco import CocoSplit, check_same_categories, read_coco_split
+from .coco import CocoSplit, check_same_categories, instance_masks, read_coco_split
 from .folder import load_rgb
-from .synthetic_seg import SHAPE_KINDS, render_shapes
+from .synthetic_seg import SHAPE_KINDS, ShapesLayout, render_shapes, shape_pixels
 
 __all__ = ['build_detection_transforms', 'KeyedDetectionDataset', 'CocoDetectionSet', 'SyntheticShapesDetection',
            'DETECTION_SHAPE_CLASSES', 'DETECTION_DATASET_BUILDERS', 'build_detection_datasets']
@@ -43,42 +45,50 @@ def build_detection_transforms(img_size: int, mean: Sequence[float], std: Sequen
                                scale_range: Sequence[float] = DEFAULT_SCALE_RANGE, hflip: float = 0.5) -> A.Compose:
     """The albumentations pipeline of a split (module docstring): images to normalised float tensors [3, S, S],
     boxes (pascal_voc: x1, y1, x2, y2 pixels) and their ``labels`` carried along."""
-    steps: list[Any] = [A.LongestMaxSize(max_size=img_size)]
-    if train:
-        low, high = scale_range
-        steps += [A.RandomScale(scale_limit=(low - 1.0, high - 1.0), p=1.0),
-                  A.PadIfNeeded(img_size, img_size, position='top_left', border_mode=cv2.BORDER_CONSTANT, fill=0),
-                  A.RandomCrop(img_size, img_size), A.HorizontalFlip(p=hflip)]
-    else:
-        steps.append(A.PadIfNeeded(img_size, img_size, position='top_left', border_mode=cv2.BORDER_CONSTANT, fill=0))
-    steps += [A.Normalize(mean=mean, std=std), ToTensorV2()]
-    return A.Compose(steps, bbox_params=A.BboxParams(format='pascal_voc', label_fields=['labels'], clip=True,
-                                                     min_area=1.0))
+    low, high = scale_range
+    jitter = [A.RandomScale(scale_limit=(low - 1.0, high - 1.0), p=1.0)] if train else []
+    crop = [A.RandomCrop(img_size, img_size), A.HorizontalFlip(p=hflip)] if train else []
+    steps = [A.LongestMaxSize(max_size=img_size), *jitter,
+             A.PadIfNeeded(img_size, img_size, position='top_left', border_mode=cv2.BORDER_CONSTANT, fill=0,
+                           fill_mask=0),
+             *crop, A.Normalize(mean=mean, std=std), ToTensorV2()]
+    # 'objects' numbers the boxes, so that the masks of the boxes a crop drops are dropped with them
+    return A.Compose(steps, bbox_params=A.BboxParams(format='pascal_voc', label_fields=['labels', 'objects'],
+                                                     clip=True, min_area=1.0))
 
 
 class KeyedDetectionDataset(KeyedImageDataset):
     """Base class: ``dataset[key] -> (image float32 [3, S, S], {'boxes': float32 [N, 4], 'labels': int64 [N]})``
     for ``key`` = index or (index, seed); the transform is seeded by ``sample_seed(index, seed)`` as for the other
     tasks. Subclasses implement ``load(index) -> (image uint8 [H, W, 3], boxes float32 [N, 4] xyxy pixels, labels
-    int64 [N] 1..K)`` and ``describe()``."""
+    int64 [N] 1..K, masks uint8 [N, H, W] or None)`` and ``describe()``; ``masks``: they load the masks and the
+    targets carry them."""
 
-    def __init__(self, transform: A.Compose, class_names: Sequence[str], num_samples: int) -> None:
+    def __init__(self, transform: A.Compose, class_names: Sequence[str], num_samples: int, masks: bool = False
+                 ) -> None:
         super().__init__(transform, class_names, targets=())
         self.num_samples = int(num_samples)
+        self.masks = bool(masks)
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         index, seed = self._parse_key(key)
-        image, boxes, labels = self.load(index)
+        image, boxes, labels, masks = self.load(index)
         seed_transform(self.transform, sample_seed(index, seed))
-        out = self.transform(image=image, bboxes=boxes, labels=labels)
-        boxes = torch.as_tensor(np.asarray(out['bboxes'], dtype=np.float32).reshape(-1, 4))
-        labels = torch.as_tensor(np.asarray(out['labels'], dtype=np.int64).reshape(-1))
-        return out['image'], {'boxes': boxes, 'labels': labels}
+        extra = {} if masks is None else {'masks': list(masks)}
+        out = self.transform(image=image, bboxes=boxes, labels=labels, objects=np.arange(len(boxes)), **extra)
+        target = {'boxes': torch.as_tensor(np.asarray(out['bboxes'], dtype=np.float32).reshape(-1, 4)),
+                  'labels': torch.as_tensor(np.asarray(out['labels'], dtype=np.int64).reshape(-1))}
+        if masks is not None:
+            kept = np.asarray(out['objects'], dtype=np.int64).reshape(-1)
+            all_masks = torch.stack([torch.as_tensor(m) for m in out['masks']]) if len(out['masks']) else \
+                torch.zeros(0, *out['image'].shape[-2:], dtype=torch.uint8)
+            target['masks'] = all_masks[torch.as_tensor(kept)].to(torch.uint8)
+        return out['image'], target
 
-    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         raise NotImplementedError
 
     @staticmethod
@@ -95,16 +105,18 @@ class KeyedDetectionDataset(KeyedImageDataset):
 
 
 class CocoDetectionSet(KeyedDetectionDataset):
-    """A split read by ``linvit.data.coco.read_coco_split``; crowd regions left out of the targets."""
+    """A split read by ``linvit.data.coco.read_coco_split`` (with ``masks=True`` for a set that loads masks); crowd
+    regions left out of the targets."""
 
-    def __init__(self, split: CocoSplit, transform: A.Compose) -> None:
-        super().__init__(transform, split.class_names, len(split.images))
+    def __init__(self, split: CocoSplit, transform: A.Compose, masks: bool = False) -> None:
+        super().__init__(transform, split.class_names, len(split.images), masks)
         self.split = split
 
-    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         entry = self.split.images[index]
         objects = ~entry.crowd
-        return load_rgb(entry.path), entry.boxes[objects], entry.labels[objects]
+        masks = instance_masks(entry, objects) if self.masks else None
+        return load_rgb(entry.path), entry.boxes[objects], entry.labels[objects], masks
 
     def describe(self) -> str:
         boxes = sum(int((~image.crowd).sum()) for image in self.split.images)
@@ -116,19 +128,28 @@ class SyntheticShapesDetection(KeyedDetectionDataset):
     coloured square near the border that is no object): each shape is boxed and labelled by its kind
     (``DETECTION_SHAPE_CLASSES``). A sample is a pure function of (seed, split, index)."""
 
-    def __init__(self, num_samples: int, img_size: int, seed: int, split: str, transform: A.Compose) -> None:
-        super().__init__(transform, DETECTION_SHAPE_CLASSES, num_samples)
+    def __init__(self, num_samples: int, img_size: int, seed: int, split: str, transform: A.Compose,
+                 masks: bool = False) -> None:
+        super().__init__(transform, DETECTION_SHAPE_CLASSES, num_samples, masks)
         self.img_size = int(img_size)
         self.seed = int(seed)
         self.split_id = {'train': 0, 'val': 1}[split]
 
-    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         rng = np.random.default_rng([*seed_words(self.seed), self.split_id, index])
         image, _, layout = render_shapes(rng, self.img_size, key_colour=int(rng.integers(2)))
         boxes = np.array([[s.left, s.top, s.left + s.side, s.top + s.side] for s in layout.shapes],
                          dtype=np.float32).reshape(-1, 4)
         labels = np.array([s.kind + 1 for s in layout.shapes], dtype=np.int64)
-        return image, boxes, labels
+        return image, boxes, labels, self._masks(layout) if self.masks else None
+
+    def _masks(self, layout: ShapesLayout) -> np.ndarray:
+        """Each shape's pixels (the ones ``render_shapes`` painted), uint8 [N, S, S]."""
+        masks = np.zeros((len(layout.shapes), self.img_size, self.img_size), dtype=np.uint8)
+        for mask, shape in zip(masks, layout.shapes):
+            mask[shape.top:shape.top + shape.side, shape.left:shape.left + shape.side] = shape_pixels(shape.side,
+                                                                                                     shape.kind)
+        return masks
 
     def describe(self) -> str:
         return f"built-in shapes detection: {len(self)} images of {self.img_size} px, classes {self.class_names}"
@@ -144,41 +165,43 @@ def _transforms(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> tuple[
     return train, build_detection_transforms(cfg.img_size, mean, std, train=False)
 
 
-def build_detection_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True
-                              ) -> Datasets:
+def build_detection_synthetic(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True,
+                              masks: bool = False) -> Datasets:
     """The built-in shapes detection set at ``cfg.img_size`` (``data.synthetic.{train_size, val_size, seed}``)."""
     train_tf, val_tf = _transforms(cfg, mean, std)
     syn = cfg.synthetic
-    train = SyntheticShapesDetection(syn.train_size, cfg.img_size, syn.seed, 'train', train_tf) if with_train else None
-    val = SyntheticShapesDetection(syn.val_size, cfg.img_size, syn.seed, 'val', val_tf)
+    train = (SyntheticShapesDetection(syn.train_size, cfg.img_size, syn.seed, 'train', train_tf, masks)
+             if with_train else None)
+    val = SyntheticShapesDetection(syn.val_size, cfg.img_size, syn.seed, 'val', val_tf, masks)
     return train, val, val.class_names
 
 
-def build_detection_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True
-                           ) -> Datasets:
+def build_detection_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True,
+                           masks: bool = False) -> Datasets:
     """A COCO-format set at ``cfg.root`` (``linvit.data.coco``)."""
     if not cfg.root:
         raise ValueError("data.root must be set when data.name is 'folder': for detection, a COCO-format set with "
                          "annotations/instances_{train,val}.json and the images under train/ and val/")
     root = Path(cfg.root).expanduser()
     train_tf, val_tf = _transforms(cfg, mean, std)
-    val_split = read_coco_split(root, 'val')
+    val_split = read_coco_split(root, 'val', masks)
     train = None
     if with_train:
-        train_split = read_coco_split(root, 'train')
+        train_split = read_coco_split(root, 'train', masks)
         check_same_categories(train_split, val_split, root)
-        train = CocoDetectionSet(train_split, train_tf)
-    return train, CocoDetectionSet(val_split, val_tf), val_split.class_names
+        train = CocoDetectionSet(train_split, train_tf, masks)
+    return train, CocoDetectionSet(val_split, val_tf, masks), val_split.class_names
 
 
-#: data.name -> builder(data config, mean, std, with_train) -> (train, val, class names), for detection
-DETECTION_DATASET_BUILDERS: Registry[Callable[[Any, Sequence[float], Sequence[float], bool], Datasets]] = \
+#: data.name -> builder(data config, mean, std, with_train, masks) -> (train, val, class names), for detection
+DETECTION_DATASET_BUILDERS: Registry[Callable[[Any, Sequence[float], Sequence[float], bool, bool], Datasets]] = \
     Registry('data.name')
 DETECTION_DATASET_BUILDERS.register('synthetic', build_detection_synthetic)
 DETECTION_DATASET_BUILDERS.register('folder', build_detection_folder)
 
 
-def build_detection_datasets(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True
-                             ) -> Datasets:
-    """Train and validation detection datasets and the class names (label i names entry i - 1)."""
-    return DETECTION_DATASET_BUILDERS.get(cfg.name)(cfg, mean, std, with_train)
+def build_detection_datasets(cfg: Any, mean: Sequence[float], std: Sequence[float], with_train: bool = True,
+                             masks: bool = False) -> Datasets:
+    """Train and validation detection datasets and the class names (label i names entry i - 1); ``masks``: their
+    targets carry instance masks (Mask R-CNN)."""
+    return DETECTION_DATASET_BUILDERS.get(cfg.name)(cfg, mean, std, with_train, masks)

@@ -31,7 +31,7 @@ from .base import KeyedSegDataset, mask_dtype, seed_words
 from .synthetic import MARK_COLOURS, _noisy_background
 
 __all__ = ['SHAPE_KINDS', 'KEY_COLOURS', 'Shape', 'ShapesLayout', 'SyntheticShapesSeg', 'seg_class_names',
-           'seg_palette', 'render_shapes', 'shape_label']
+           'seg_palette', 'render_shapes', 'shape_label', 'shape_pixels']
 
 SHAPE_KINDS = ('circle', 'square')
 KEY_COLOURS = tuple(MARK_COLOURS)          # ('red', 'blue'): far from any grey, like the classification marks

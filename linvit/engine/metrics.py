@@ -60,7 +60,7 @@ import torch.distributed as dist
 from .distributed import distributed_running
 
 __all__ = ['Meter', 'topk_correct', 'ClassificationMeter', 'confusion_matrix', 'SegmentationMeter', 'NextPatchMeter',
-           'coco_box_metrics', 'DetectionMeter', 'COCO_BOX_METRICS']
+           'coco_box_metrics', 'DetectionMeter', 'COCO_BOX_METRICS', 'MASK_PREFIX', 'mask_rles']
 
 Counters = Dict[str, torch.Tensor]
 
@@ -477,11 +477,16 @@ class NextPatchMeter(Meter):
 
 # ---------------------------------------------------------------------------------------------------- detection
 
-#: COCOeval.stats' first six entries, by the names metrics.json gives them
+#: COCOeval.stats' first six entries, by the names metrics.json gives them (masks: the same with 'mask_' before)
 COCO_BOX_METRICS = ('ap', 'ap50', 'ap75', 'ap_small', 'ap_medium', 'ap_large')
-#: one image's boxes: 'boxes' [N, 4] (x1, y1, x2, y2 in pixels), 'labels' [N] (class indices), and for detections
-#: 'scores' [N]
-Boxes = Dict[str, torch.Tensor]
+#: what precedes COCO_BOX_METRICS' names for the masks' AP (``DetectionMeter`` of a detector with masks)
+MASK_PREFIX = 'mask_'
+#: a detector's mask probabilities at or above this are the object's pixels (torchvision's Mask R-CNN convention)
+MASK_THRESHOLD = 0.5
+#: one image's objects: 'boxes' [N, 4] (x1, y1, x2, y2 in pixels), 'labels' [N] (classes 1..K, as torchvision's
+#: detectors and linvit.data.detection give them), for detections 'scores' [N]; with masks, 'masks': their COCO
+#: run-length encodings (``mask_rles``), one per object
+Boxes = Dict[str, Any]
 
 
 def _xywh(boxes: torch.Tensor) -> List[List[float]]:
@@ -490,27 +495,58 @@ def _xywh(boxes: torch.Tensor) -> List[List[float]]:
     return torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], dim=1).tolist()
 
 
-def _coco_ground_truth(targets: Sequence[Boxes], num_classes: int) -> Dict[str, Any]:
-    """The ground truth as a COCO dataset dict: image ids 1.., category id = class index + 1, area = box area."""
-    annotations = []
-    for image_id, target in enumerate(targets, start=1):
-        for box, label in zip(_xywh(target['boxes']), target['labels'].tolist()):
-            annotations.append({'id': len(annotations) + 1, 'image_id': image_id, 'category_id': int(label) + 1,
-                                'bbox': box, 'area': box[2] * box[3], 'iscrowd': 0})
-    return {'images': [{'id': i} for i in range(1, len(targets) + 1)], 'annotations': annotations,
-            'categories': [{'id': c + 1} for c in range(num_classes)]}
+def mask_rles(masks: torch.Tensor) -> List[Dict[str, Any]]:
+    """Binary masks [N, H, W] (bool or 0/1) -> N COCO run-length encodings (pycocotools.mask.encode)."""
+    from pycocotools import mask as mask_utils
+    pixels = masks.detach().to('cpu', torch.uint8).numpy()
+    return mask_utils.encode(np.asfortranarray(pixels.transpose(1, 2, 0))) if len(pixels) else []
 
 
-def _coco_detections(detections: Sequence[Boxes]) -> List[Dict[str, Any]]:
-    return [{'image_id': image_id, 'category_id': int(label) + 1, 'bbox': box, 'score': float(score)}
+def _objects(image: Boxes, iou_type: str) -> List[Dict[str, Any]]:
+    """One image's objects as COCO annotation fields: bbox, or segmentation and its area; category_id = label."""
+    labels = image['labels'].tolist()
+    if iou_type == 'bbox':
+        return [{'category_id': int(label), 'bbox': box, 'area': box[2] * box[3]}
+                for box, label in zip(_xywh(image['boxes']), labels)]
+    from pycocotools import mask as mask_utils
+    return [{'category_id': int(label), 'segmentation': rle, 'area': float(mask_utils.area(rle))}
+            for rle, label in zip(image['masks'], labels)]
+
+
+def _coco_images(targets: Sequence[Boxes], detections: Sequence[Boxes]) -> List[Dict[str, Any]]:
+    """COCO's image entries, ids 1..: with masks, each image's height and width (pycocotools reads masks by them),
+    taken from its masks' encodings (an image with no mask at all has none to read)."""
+    images = []
+    for image_id, (target, found) in enumerate(zip(targets, detections), start=1):
+        rles = [*target.get('masks', ()), *found.get('masks', ())]
+        size = {'height': int(rles[0]['size'][0]), 'width': int(rles[0]['size'][1])} if rles else {}
+        images.append({'id': image_id, **size})
+    return images
+
+
+def _coco_ground_truth(targets: Sequence[Boxes], images: List[Dict[str, Any]], num_classes: int,
+                       iou_type: str) -> Dict[str, Any]:
+    """The ground truth as a COCO dataset dict: ``images`` (``_coco_images``), category ids 1..K (the labels)."""
+    annotations = [{**fields, 'id': 0, 'image_id': image_id, 'iscrowd': 0}
+                   for image_id, target in enumerate(targets, start=1) for fields in _objects(target, iou_type)]
+    for number, annotation in enumerate(annotations, start=1):
+        annotation['id'] = number
+    return {'images': images, 'annotations': annotations,
+            'categories': [{'id': c} for c in range(1, num_classes + 1)]}
+
+
+def _coco_detections(detections: Sequence[Boxes], iou_type: str) -> List[Dict[str, Any]]:
+    return [{**fields, 'image_id': image_id, 'score': float(score)}
             for image_id, found in enumerate(detections, start=1)
-            for box, label, score in zip(_xywh(found['boxes']), found['labels'].tolist(), found['scores'].tolist())]
+            for fields, score in zip(_objects(found, iou_type), found['scores'].tolist())]
 
 
-def coco_box_metrics(detections: Sequence[Boxes], targets: Sequence[Boxes], class_names: Sequence[str]
-                     ) -> Dict[str, Any]:
-    """COCO box AP (pycocotools' COCOeval, its default parameters: IoU 0.50:0.95, up to 100 detections per image,
-    small / medium / large by box area) of ``detections`` against ``targets``, one entry of each per image.
+def coco_box_metrics(detections: Sequence[Boxes], targets: Sequence[Boxes], class_names: Sequence[str],
+                     iou_type: str = 'bbox') -> Dict[str, Any]:
+    """COCO AP (pycocotools' COCOeval, its default parameters: IoU 0.50:0.95, up to 100 detections per image and
+    class, small / medium / large by area) of ``detections`` against ``targets``, one entry of each per image,
+    labels 1..K naming ``class_names[label - 1]``. ``iou_type`` 'bbox' matches boxes; 'segm' matches the 'masks'
+    (run-length encodings, ``mask_rles``) and sizes objects by their mask's area.
 
     Returns {'ap', 'ap50', 'ap75', 'ap_small', 'ap_medium', 'ap_large': floats, 'per_class_ap': {name: AP over IoU
     0.50:0.95}, 'images': count}. Where COCO has nothing to average (no ground truth of that class or size) the value
@@ -521,16 +557,16 @@ def coco_box_metrics(detections: Sequence[Boxes], targets: Sequence[Boxes], clas
     if len(detections) != len(targets):
         raise ValueError(f"coco_box_metrics: {len(detections)} images of detections for {len(targets)} of targets")
     ground_truth = COCO()
-    ground_truth.dataset = _coco_ground_truth(targets, len(class_names))
+    ground_truth.dataset = _coco_ground_truth(targets, _coco_images(targets, detections), len(class_names), iou_type)
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
         ground_truth.createIndex()
-        found = _coco_detections(detections)
+        found = _coco_detections(detections, iou_type)
         results = ground_truth.loadRes(found) if found else COCO()
         if not found:
             results.dataset = {'images': ground_truth.dataset['images'], 'annotations': [],
                                'categories': ground_truth.dataset['categories']}
             results.createIndex()
-        evaluation = COCOeval(ground_truth, results, 'bbox')
+        evaluation = COCOeval(ground_truth, results, iou_type)
         evaluation.evaluate()
         evaluation.accumulate()
         evaluation.summarize()
@@ -557,14 +593,18 @@ def _per_class_ap(evaluation: Any, class_names: Sequence[str]) -> Dict[str, floa
 
 
 class DetectionMeter(Meter):
-    """COCO box AP over many batches. Unlike the other meters it keeps every image's boxes on the host (COCO's
-    matching is a host computation over variable-length lists): ``update`` copies them to the CPU, ``reduce_``
-    gathers them from every process (all_gather_object), ``compute`` runs ``coco_box_metrics`` once.
+    """COCO box AP over many batches, and mask AP when the detections and targets have masks. Unlike the other
+    meters it keeps every image's objects on the host (COCO's matching is a host computation over variable-length
+    lists): ``update`` copies the boxes to the CPU and run-length encodes the masks, ``reduce_`` gathers them from
+    every process (all_gather_object), ``compute`` runs ``coco_box_metrics`` once (twice with masks).
 
         meter = DetectionMeter(class_names)
-        meter.update(detector(images), targets)   # lists of {'boxes' [N, 4] xyxy, 'labels' [N](, 'scores' [N])}
+        meter.update(detector(images), targets)   # lists of {'boxes' [N, 4] xyxy, 'labels' [N] 1..K(, 'scores' [N])
+                                                  # (, 'masks': detections [N, 1, H, W] probabilities, targets
+                                                  # [N, H, W] 0/1)}
         meter.reduce_()
         meter.compute()                           # {'ap': .., 'ap50': .., ..., 'per_class_ap': {name: ..}, 'images'}
+                                                  # (, 'mask_ap', 'mask_ap50', ..., 'mask_per_class_ap')
     """
 
     def __init__(self, class_names: Sequence[str]) -> None:
@@ -591,8 +631,9 @@ class DetectionMeter(Meter):
         keep = [True] * len(targets) if valid is None else [bool(v) for v in valid]
         for found, target, kept in zip(detections, targets, keep):
             if kept:
-                self._detections.append({key: found[key].detach().cpu() for key in ('boxes', 'labels', 'scores')})
-                self._targets.append({key: target[key].detach().cpu() for key in ('boxes', 'labels')})
+                self._detections.append(_on_host(found, ('boxes', 'labels', 'scores'),
+                                                 lambda masks: masks[:, 0] >= MASK_THRESHOLD))
+                self._targets.append(_on_host(target, ('boxes', 'labels'), lambda masks: masks))
 
     @torch.no_grad()
     def reduce_(self, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -610,4 +651,17 @@ class DetectionMeter(Meter):
     def compute(self) -> Dict[str, Any]:
         if not self._targets:
             return {**{name: math.nan for name in COCO_BOX_METRICS}, 'per_class_ap': {}, 'images': 0}
-        return coco_box_metrics(self._detections, self._targets, self.class_names)
+        metrics = coco_box_metrics(self._detections, self._targets, self.class_names)
+        if all('masks' in image for image in (*self._detections, *self._targets)):
+            masks = coco_box_metrics(self._detections, self._targets, self.class_names, iou_type='segm')
+            metrics.update({MASK_PREFIX + name: masks[name] for name in (*COCO_BOX_METRICS, 'per_class_ap')})
+        return metrics
+
+
+def _on_host(image: Boxes, keys: Sequence[str], binary: Any) -> Boxes:
+    """``image``'s ``keys`` on the CPU, and its masks (when it has them) made binary by ``binary`` and run-length
+    encoded: a few bytes per object instead of a full-size mask."""
+    kept = {key: image[key].detach().cpu() for key in keys}
+    if 'masks' in image:
+        kept['masks'] = mask_rles(binary(image['masks']))
+    return kept

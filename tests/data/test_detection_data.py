@@ -77,8 +77,8 @@ def test_the_built_in_shapes_are_boxed_by_kind_and_repeat_for_a_key():
                                        transform=build_detection_transforms(64, ZERO_MEAN, UNIT_STD, train=False))
     assert dataset.class_names == DETECTION_SHAPE_CLASSES == ['circle', 'square']
     for index in range(8):
-        raw, boxes, labels = dataset.load(index)
-        assert 2 <= len(boxes) <= 4 and set(labels.tolist()) <= {1, 2}
+        raw, boxes, labels, masks = dataset.load(index)
+        assert 2 <= len(boxes) <= 4 and set(labels.tolist()) <= {1, 2} and masks is None  # masks=False
         for (x1, y1, x2, y2), label in zip(boxes.astype(int), labels):
             inside = raw[y1:y2, x1:x2].max(axis=2)
             grey = inside[(y2 - y1) // 2, (x2 - x1) // 2]

@@ -4,7 +4,8 @@
 Training runs on ``data.img_size`` squares (the longer side resized, large-scale jitter by ``data.aug.scale_range``,
 a random crop, flips: ``linvit.data.detection``); the detector computes its own losses from the targets
 (``takes_targets``), and the loss is their sum. Evaluation resizes the longer side to ``data.img_size`` and scores
-the detections with pycocotools (``DetectionMeter``): AP, AP50, AP75, by object size and per class.
+the detections with pycocotools (``DetectionMeter``): AP, AP50, AP75, by object size and per class; Mask R-CNN's
+masks the same way (``mask_ap``, ...).
 """
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -15,7 +16,7 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
 from ..config import ConfigError, config_choice, config_section
-from ..metrics import COCO_BOX_METRICS, DetectionMeter
+from ..metrics import COCO_BOX_METRICS, MASK_PREFIX, DetectionMeter
 from .base import Task, create_model_from_config, register_task
 
 __all__ = ['DetectionTask', 'DetectionConfig', 'summed_losses']
@@ -27,12 +28,16 @@ PICTURE_COUNT = 4
 @dataclass
 class DetectionConfig:
     """The ``detection`` section of every run config (task=detection): the detector and its outputs."""
-    detector: str = 'faster_rcnn'  # torchvision's detector on the pyramid (linvit.models.detection.DETECTORS)
+    detector: str = 'faster_rcnn'  # torchvision's detector on the pyramid (linvit.models.detection.DETECTORS);
+    # mask_rcnn also learns instance masks: its data loads them (COCO segmentations) and evaluation adds mask AP
     neck_dim: int = 128  # channels of every feature-pyramid level
     feature_blocks: List[int] = field(default_factory=list)  # backbone blocks feeding the pyramid ([]: 4 evenly spaced)
     score_thresh: float = 0.05  # detections scored below this are not returned
     detections_per_image: int = 100  # at most this many detections per image (COCO's AP counts 100)
 
+
+#: the detectors that learn instance masks: their data loads masks and evaluation adds mask AP
+MASK_DETECTORS = ('mask_rcnn',)
 
 config_section('detection', DetectionConfig)
 config_choice('detection.detector', ('faster_rcnn', 'mask_rcnn', 'retinanet', 'fcos'))
@@ -70,7 +75,8 @@ class DetectionTask(Task):
     def build_datasets(self, mean: Sequence[float], std: Sequence[float],
                        with_train: bool = True) -> Tuple[Optional[Dataset], Dataset, List[str]]:
         from ...data.detection import build_detection_datasets  # here: albumentations is a heavy import
-        train, val, self.class_names = build_detection_datasets(self.cfg.data, mean, std, with_train)
+        train, val, self.class_names = build_detection_datasets(self.cfg.data, mean, std, with_train,
+                                                                masks=self.cfg.detection.detector in MASK_DETECTORS)
         return train, val, self.class_names
 
     def build_model(self, num_classes: int) -> nn.Module:
@@ -92,16 +98,18 @@ class DetectionTask(Task):
 
     def evaluate_batch(self, model: nn.Module, images: torch.Tensor, targets: List[Dict[str, torch.Tensor]],
                        meter: DetectionMeter) -> None:
-        # labels 1..K from the detector and the data; the meter counts classes from 0
-        found = [{**result, 'labels': result['labels'] - 1} for result in model(images)]
-        meter.update(found, [{**target, 'labels': target['labels'] - 1} for target in targets])
+        meter.update(model(images), targets)
 
     def final_metrics(self, computed: Dict[str, Any]) -> Dict[str, Any]:
         # COCO has no AP where there is nothing to average (no object of a size): null in JSON, not NaN
         def plain(value: float) -> Optional[float]:
             return None if value != value else value
-        metrics = {name: plain(computed[name]) for name in COCO_BOX_METRICS}
-        metrics['per_class_ap'] = {name: plain(value) for name, value in computed['per_class_ap'].items()}
+        prefixes = ('', MASK_PREFIX) if MASK_PREFIX + 'ap' in computed else ('',)
+        metrics: Dict[str, Any] = {}
+        for prefix in prefixes:  # boxes, and masks when the detector has them
+            metrics.update({prefix + name: plain(computed[prefix + name]) for name in COCO_BOX_METRICS})
+            metrics[prefix + 'per_class_ap'] = {name: plain(value)
+                                                for name, value in computed[prefix + 'per_class_ap'].items()}
         metrics['images'] = computed['images']
         return metrics
 
