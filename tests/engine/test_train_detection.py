@@ -72,11 +72,13 @@ def test_a_coco_folder_trains_end_to_end(tmp_path, detector):
     assert ('mask_per_class_ap' in json.loads((tmp_path / 'run' / 'metrics.json').read_text())) == masks
 
 
-def test_an_unknown_detector_and_a_compiled_step_are_config_errors(tmp_path):
+def test_an_unknown_detector_a_compiled_step_and_the_cache_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match='detection.detector'):
         load_config(None, [*TINY_MODEL, *TINY_DET, 'detection.detector=yolo'])
     with pytest.raises(ConfigError, match='task=detection trains eagerly.*train.compile=false'):
         train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.compile=true', f'output_dir={tmp_path}']))
+    with pytest.raises(ConfigError, match='data.cache=true does not serve task=detection.*set data.cache=false'):
+        train(load_config(None, [*TINY_MODEL, *TINY_DET, 'data.cache=true', f'output_dir={tmp_path / "c"}']))
 
 
 def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find_the_same_boxes(tmp_path):

@@ -70,6 +70,11 @@ class DetectionTask(Task):
             raise ConfigError("task=detection trains eagerly: torchvision's detectors choose their proposals and "
                               "boxes by data-dependent shapes, which one compiled graph cannot hold; set "
                               "train.compile=false")
+        if cfg.data.cache:
+            raise ConfigError("data.cache=true does not serve task=detection: the decoded-image cache stores images "
+                              "stretched to one size for batched augmentation on the device, while detection's "
+                              "box-aware jitter keeps each image's aspect and runs per sample; set data.cache=false "
+                              "(data.num_workers decode in parallel)")
         self.class_names: Optional[List[str]] = None
 
     def build_datasets(self, mean: Sequence[float], std: Sequence[float],
