@@ -33,10 +33,13 @@ nothing else. A file exported from a run also records the weights file it was ma
 ``check_source_weights`` (which ``linvit.predict`` calls) refuses the file once those weights have changed, e.g. a run
 trained again into the same folder; a file whose weights file is gone stands alone.
 
-A dense model's backbone and feature pyramid export alone (``PyramidFeatures``: outputs ``features_0`` ..
-``features_3``, finest first; ``tools/export_onnx.py RUN --features``): that is the part of a detector that exports,
-since torchvision's heads pick boxes with data-dependent shapes that ``torch.export`` cannot trace; the heads run in
-PyTorch on the file's maps.
+A torchvision detector (``linvit.models.detection``) exports whole at one image size: its heads pick boxes with
+data-dependent shapes that ``torch.export`` cannot trace, so it goes through torchvision's own route, the TorchScript
+exporter, which fixes the backbone's position-embedding size (``dynamic_size=False``; the outputs ``boxes``,
+``labels``, ``scores`` and Mask R-CNN's ``masks``, for one image [1, 3, H, W] normalised as in training). The check
+runs two seeded images through both and compares every detection. At any size, a dense model's backbone and feature
+pyramid export alone (``PyramidFeatures``: outputs ``features_0`` .. ``features_3``, finest first;
+``tools/export_onnx.py RUN --features``); a detector's heads then run in PyTorch on the file's maps.
 
 Something that cannot be exported raises ``ExportError`` naming the module that was running when tracing failed (or
 the op that has no ONNX translation), with the original error chained; nothing falls back to another exporter.
@@ -55,8 +58,10 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -451,6 +456,9 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype must be one of {[str(d) for d in TOLERANCES]}, got {dtype}")
     img_size = _pair(img_size, 'img_size')
+    if getattr(model, 'takes_targets', False):  # a torchvision detector: its own route (module docstring)
+        return _export_detector(model, path, img_size, dynamic_size, dynamic_batch, opset, dtype, tolerance, metadata,
+                                verbose)
     multiple = input_multiple(model)
     _check_size(img_size, multiple, 'img_size')
     if dynamic_size and _takes_only_its_size(model):
@@ -483,17 +491,134 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], img_size: Union
     with tempfile.TemporaryDirectory(prefix='.export-', dir=os.path.dirname(destination)) as scratch:
         tmp = os.path.join(scratch, os.path.basename(destination))
         onnx_program.save(tmp, external_data=False)
-        session = ort_session(tmp)
         padded = PadToMultiple(reference, multiple) if dynamic_size else reference  # what the graph computes
-        for index, size in enumerate(sizes):
-            report.checks.append(_compare(session, padded, size, batch, dtype, tolerance, seed=index))
-        del session
-        if verbose:
-            print(report.table())
-        if not report.ok:
-            raise ExportCheckError(f"the ONNX export of {type(model).__name__} disagrees with PyTorch beyond "
-                                   f"max_rel {tolerance:.0e}; no file was written:\n{report.table()}")
-        os.replace(tmp, destination)
+        _place_when_checked(tmp, destination, report, type(model).__name__, tolerance, verbose, lambda session: [
+            _compare(session, padded, size, batch, dtype, tolerance, seed=index) for index, size in enumerate(sizes)])
+    return report
+
+
+def _place_when_checked(tmp: str, destination: str, report: ExportReport, name: str, tolerance: float,
+                        verbose: bool, checks: Callable[[Any], List[SizeCheck]]) -> None:
+    """Run ``checks(session)`` on the file ``tmp`` in onnxruntime, record them in ``report``, and move the file onto
+    ``destination`` only when every one passes (else ``ExportCheckError``: no file is written)."""
+    session = ort_session(tmp)
+    report.checks.extend(checks(session))
+    del session
+    if verbose:
+        print(report.table())
+    if not report.ok:
+        raise ExportCheckError(f"the ONNX export of {name} disagrees with PyTorch beyond max_rel {tolerance:.0e}; no "
+                               f"file was written:\n{report.table()}")
+    os.replace(tmp, destination)
+
+
+# ---------------------------------------------------------------------------------------------------- detectors
+
+#: the ONNX opset of a whole detector's file (torchvision exports its detectors from opset 11 on)
+DETECTOR_OPSET = 17
+
+
+def _refuse_detector_options(model: nn.Module, dynamic_size: bool, dynamic_batch: bool, dtype: torch.dtype) -> None:
+    name = type(model).__name__
+    if dynamic_size:
+        raise ValueError(f"a whole {name} exports at one image size (torchvision's detectors export through the "
+                         f"TorchScript exporter, which fixes the position embedding's size): pass --no-dynamic-size "
+                         f"(and --img-size), or --features for the backbone and pyramid at any size")
+    if dynamic_batch or dtype != torch.float32:
+        raise ValueError(f"a whole {name} exports for one float32 image at a time: pass --no-dynamic-batch and "
+                         f"--dtype float32, or --features for the backbone and pyramid")
+
+
+#: scores this close to the lowest one kept may be cut or ordered differently by two runtimes (NMS, the top-k cut)
+SCORE_TIE = 1e-4
+
+
+def _detection_error(got: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> float:
+    """The largest difference between two lists of detections, free of order: the sorted scores, and each detection's
+    box (and mask) against the nearest one of the same label in ``expected``. Detections scored within ``SCORE_TIE``
+    of the lowest kept score are matched by score only: near-ties may be ordered or cut differently."""
+    if not len(expected['scores']):
+        return 0.0
+    error = float((got['scores'].sort().values - expected['scores'].sort().values).abs().max())
+    floor = float(expected['scores'].min()) + SCORE_TIE
+    for index in torch.nonzero(got['scores'] > floor).flatten().tolist():
+        same = torch.nonzero(expected['labels'] == got['labels'][index]).flatten()
+        if not len(same):
+            return math.inf
+        distances = (expected['boxes'][same] - got['boxes'][index]).abs().amax(dim=1)
+        nearest = int(same[distances.argmin()])
+        error = max(error, float(distances.min()))
+        if 'masks' in expected:
+            error = max(error, float((got['masks'][index] - expected['masks'][nearest]).abs().max()))
+    return error
+
+
+def _compare_detections(session: Any, model: nn.Module, size: Size2, seed: int, tolerance: float) -> SizeCheck:
+    """onnxruntime's detections against PyTorch's on one seeded image [1, 3, H, W]: the same count, and
+    ``_detection_error`` relative to the largest box coordinate (scores and mask probabilities are at most 1, so
+    this is the strictest scale)."""
+    images = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = model(images)[0]
+    names = [output.name for output in session.get_outputs()]
+    got = {name: torch.from_numpy(value) for name, value in zip(names, session.run(None, {INPUT_NAME: images.numpy()}))}
+    if len(got['boxes']) != len(expected['boxes']):
+        raise ExportCheckError(f"at {size[0]}x{size[1]} onnxruntime found {len(got['boxes'])} detections, PyTorch "
+                               f"{len(expected['boxes'])}; no file was written")
+    max_abs = _detection_error(got, expected)
+    scale = max(float(expected['boxes'].abs().max()) if len(expected['boxes']) else 0.0, 1.0)
+    return SizeCheck(height=size[0], width=size[1], batch=1, max_abs=max_abs, max_rel=max_abs / scale,
+                     tolerance=tolerance, finite=all(bool(value.float().isfinite().all()) for value in got.values()))
+
+
+def _at_size(detector: nn.Module, img_size: Size2) -> nn.Module:
+    """A copy of ``detector`` whose ViT's position embedding is resampled once for ``img_size`` (timm's
+    ``set_input_size``, the same resampling its forward does at another size): the traced graph then needs no
+    antialiased bicubic resize, which the TorchScript exporter cannot translate."""
+    detector = copy.deepcopy(detector)
+    vit = getattr(getattr(detector, 'backbone', None), 'backbone', None)
+    if hasattr(vit, 'set_input_size'):
+        vit.set_input_size(img_size=img_size)
+    return detector
+
+
+def _export_detector(model: nn.Module, path: Union[str, os.PathLike], img_size: Size2, dynamic_size: bool,
+                     dynamic_batch: bool, opset: Optional[int], dtype: torch.dtype, tolerance: Optional[float],
+                     metadata: Optional[Dict[str, Any]], verbose: bool) -> ExportReport:
+    """``export_onnx`` for a torchvision detector: the whole model through the TorchScript exporter at
+    ``img_size``, checked in onnxruntime on two seeded images, the file written only when they agree."""
+    import onnx
+    _refuse_detector_options(model, dynamic_size, dynamic_batch, dtype)
+    _check_size(img_size, input_multiple(model), 'img_size')
+    reference = copy.deepcopy(model).float().eval()
+    example = torch.randn(1, 3, *img_size)
+    with torch.no_grad():  # the traced outputs are the values of the detector's dict, in its order
+        outputs = list(reference(example)[0])
+    tolerance = TOLERANCES[torch.float32] if tolerance is None else tolerance
+    opset = opset or DETECTOR_OPSET
+    props = {METADATA_PREFIX + key: json.dumps(value) for key, value in
+             {'input_multiple': input_multiple(reference), 'pads_to_multiple': True, 'img_size': list(img_size),
+              'dtype': 'float32', 'part': 'detector', 'outputs': outputs, **(metadata or {})}.items()}
+    report = ExportReport(path=str(path), img_size=img_size, dtype='float32', opset=opset, dynamic_size=False,
+                          dynamic_batch=False, metadata={k[len(METADATA_PREFIX):]: json.loads(v)
+                                                         for k, v in props.items()})
+    destination = os.path.abspath(path)
+    with tempfile.TemporaryDirectory(prefix='.export-', dir=os.path.dirname(destination)) as scratch:
+        tmp = os.path.join(scratch, os.path.basename(destination))
+        with warnings.catch_warnings():  # the tracer warns about every data-dependent step torchvision takes
+            warnings.simplefilter('ignore')
+            try:
+                torch.onnx.export(_at_size(reference, img_size), (example,), tmp, opset_version=opset, dynamo=False,
+                                  input_names=[INPUT_NAME], output_names=outputs)
+            except Exception as error:
+                raise ExportError(f"the TorchScript export of {type(model).__name__} failed:\n"
+                                  f"{_first_lines(error, 12)}") from error
+        file = onnx.load(tmp)
+        for key, value in props.items():
+            file.metadata_props.add(key=key, value=value)
+        onnx.save(file, tmp)
+        _place_when_checked(tmp, destination, report, type(model).__name__, tolerance, verbose, lambda session: [
+            _compare_detections(session, reference, img_size, seed, tolerance) for seed in (0, 1)])
     return report
 
 
@@ -520,8 +645,8 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
     spec ``name[:key=value,...]`` (random weights). With ``dynamic_size`` a classifier is built with
     ``dynamic_img_size=True`` (same weights), so the file can take any image size. ``features``: a segmentation or
     detection run's backbone and feature pyramid alone (``PyramidFeatures``; metadata ``part: features``, the
-    levels' ``outputs`` and ``strides``), which is all of a detector that exports: a detection run without it is
-    refused in one line that says so."""
+    levels' ``outputs`` and ``strides``), at any size; without it a detection run's whole detector exports, at one
+    size (``export_onnx`` with ``dynamic_size=False``)."""
     if is_trained_source(source):
         from .engine.loading import load_trained
         from .engine.run_dir import RunDir
@@ -535,10 +660,6 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
             model = PyramidFeatures.of(trained.model, source)
             metadata.update(part='features', outputs=list(model.output_names), strides=model.strides)
             return ExportSource(model, img_size or trained.img_size, metadata, run_dir.features_onnx)
-        if getattr(trained.model, 'takes_targets', False):
-            raise ValueError(f"{source} is a task={trained.task!r} run: torchvision's detector picks its boxes with "
-                             f"data-dependent shapes (NMS), which torch.export cannot trace; export its backbone and "
-                             f"feature pyramid with --features (the heads then run in PyTorch on those maps)")
         return ExportSource(trained.model, img_size or trained.img_size, metadata, run_dir.onnx)
     if features:
         raise ValueError(f"--features takes a segmentation or detection run (its feature pyramid), not the model spec "
@@ -614,6 +735,10 @@ def measure_latency(model: nn.Module, path: Union[str, os.PathLike], sizes: Sequ
     interleaved round by round after ``warmup`` untimed rounds (at least 1: the first compiles)."""
     from .fast import compile_model
     from .timing import time_interleaved
+    if getattr(model, 'takes_targets', False):
+        raise ValueError(f"--latency times models that compile into one graph; {type(model).__name__} picks its "
+                         f"boxes with data-dependent shapes (time it with tools/profile_resolution.py --workload "
+                         f"detection)")
     dtype = precision_dtype(dtype, 'dtype') if isinstance(dtype, str) else dtype
     session = ort_session(path)
     model = PadToMultiple(model, input_multiple(model))  # as the file does, at sizes the patch does not divide

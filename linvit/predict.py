@@ -141,9 +141,11 @@ def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
     (``check_source_weights``)."""
     from .export import INPUT_NAME, check_source_weights, ort_session, read_metadata
     meta = read_metadata(path)
-    if meta.get('part') == 'features':
-        raise ValueError(f"{path} holds a model's feature pyramid (exported with --features), not its predictions: "
-                         f"predict with the run it was exported from ({meta.get('source', 'its run directory')})")
+    parts = {'features': "a model's feature pyramid (exported with --features), not its predictions",
+             'detector': "a whole detector for one image size (outputs boxes, labels, scores)"}
+    if meta.get('part') in parts:
+        raise ValueError(f"{path} holds {parts[meta['part']]}: predict with the run it was exported from "
+                         f"({meta.get('source', 'its run directory')}), at any image size")
     check_source_weights(path, meta)
     session = ort_session(path, threads)
     declared = session.get_inputs()[0]

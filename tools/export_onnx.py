@@ -14,7 +14,8 @@ is opt-in because compiling one graph per size takes about a minute even for a t
     python tools/export_onnx.py runs/seg_demo --out seg.onnx                   # a trained segmentation run
     python tools/export_onnx.py runs/cls_demo/best.pt --dtype float16 --out cls_fp16.onnx
     python tools/export_onnx.py vit_small_patch16_224 --img-size 1024          # timm's softmax ViT alike
-    python tools/export_onnx.py runs/det_demo --features                       # a detector's backbone + pyramid
+    python tools/export_onnx.py runs/det_demo --no-dynamic-size --no-dynamic-batch   # a whole detector, one size
+    python tools/export_onnx.py runs/det_demo --features                       # its backbone + pyramid, any size
 
 The file records its task, class names, normalisation and input multiple (``linvit.export.read_metadata``), which
 ``tools/predict.py`` reads. A run's classifier is exported with ``dynamic_img_size=True`` (same weights) unless
@@ -107,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
         sizes = [(c.height, c.width) for c in report.checks]
         rows = measure_latency(source.model, out, sizes, args.dtype, args.warmup, args.repeats)
         print(format_latency(rows, report.dtype))
-    predictions = ("the feature maps of a detector's or segmentation model's heads" if args.features
-                   else f"predictions: python tools/predict.py {out} IMAGES...")
+    part = report.metadata.get('part')
+    predictions = {'features': "the feature maps of a detector's or segmentation model's heads",
+                   'detector': f"a detector for {report.img_size[0]}x{report.img_size[1]} images"
+                   }.get(part, f"predictions: python tools/predict.py {out} IMAGES...")
     print(f"wrote {out} (onnxruntime: linvit.export.ort_session; metadata: linvit.export.read_metadata; "
           f"{predictions})")
     return 0

@@ -83,9 +83,8 @@ def test_an_unknown_detector_a_compiled_step_and_the_cache_are_config_errors(tmp
 
 def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find_the_same_boxes(tmp_path):
     """The exported part: onnxruntime's maps (checked by export_onnx at three sizes) fed to the trained detector's
-    own RPN and box heads give the boxes the PyTorch detector gives, on an image the patch does not divide. The
-    whole detector is refused in one line that names --features; so are the hub export and predict.py's reading of
-    a features file."""
+    own RPN and box heads give the boxes the PyTorch detector gives, on an image the patch does not divide. The hub
+    export and predict.py's reading of a features file are refused in one line."""
     from torchvision.models.detection.image_list import ImageList
 
     from linvit.engine.hub import HubExportError, export_hub_folder
@@ -94,8 +93,6 @@ def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find
 
     run = tmp_path / 'run'
     train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', f'output_dir={run}']))
-    with pytest.raises(ValueError, match="task='detection' run: torchvision's detector picks its boxes .*--features"):
-        load_export_source(str(run))
     source = load_export_source(str(run), features=True)
     assert source.default_out == str(run / 'features.onnx')
     report = export_onnx(source.model, source.default_out, img_size=source.img_size, metadata=source.metadata)
@@ -126,3 +123,51 @@ def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find
     with pytest.raises(HubExportError, match='is not a timm model') as error:
         export_hub_folder(str(run))
     assert 'ONNX' not in str(error.value) and '\n' not in str(error.value)
+
+
+@pytest.mark.parametrize('detector', ['faster_rcnn', 'mask_rcnn'])
+def test_a_whole_detector_exports_at_one_size_and_onnxruntime_finds_its_boxes(tmp_path, detector):
+    """torchvision's route (the TorchScript exporter) at the training size: on a shapes image the file finds the
+    PyTorch detector's boxes, labels and scores. Any size or batch, float16 or --latency get one line each."""
+    from linvit.export import export_onnx, load_export_source, measure_latency, ort_session, read_metadata
+    from linvit.predict import load_predictor
+
+    run = tmp_path / 'run'
+    train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', f'detection.detector={detector}',
+                             'train.pictures=false', f'output_dir={run}']))
+    source = load_export_source(str(run))
+    path = str(run / 'model.onnx')
+    with pytest.raises(ValueError, match='exports at one image size .*--no-dynamic-size .*or --features'):
+        export_onnx(source.model, path, img_size=source.img_size, metadata=source.metadata)
+    with pytest.raises(ValueError, match='one float32 image at a time: pass --no-dynamic-batch'):
+        export_onnx(source.model, path, img_size=source.img_size, dynamic_size=False, metadata=source.metadata)
+    report = export_onnx(source.model, path, img_size=source.img_size, dynamic_size=False, dynamic_batch=False,
+                         metadata=source.metadata)
+    assert report.ok and [(c.height, c.width) for c in report.checks] == [(64, 64), (64, 64)]
+    outputs = {name: index for index, name in enumerate(read_metadata(path)['outputs'])}
+    masks = {'masks'} if detector == 'mask_rcnn' else set()
+    assert read_metadata(path)['part'] == 'detector' and set(outputs) == {'boxes', 'labels', 'scores', *masks}
+    image, _ = SyntheticShapesDetection(1, 64, seed=5, split='val', transform=build_detection_transforms(
+        64, source.metadata['mean'], source.metadata['std'], train=False))[(0, 0)]
+    with torch.no_grad():
+        expected = source.model(image[None])[0]
+    found = ort_session(path).run(None, {'images': image[None].numpy()})
+    boxes, labels, scores = (found[outputs[name]] for name in ('boxes', 'labels', 'scores'))
+    # a barely trained detector scores many boxes alike: two runtimes may order (or cut) near-equal scores apart, so
+    # the sorted scores agree, and every box scored clearly above the lowest is one of PyTorch's with its label
+    assert len(boxes) == len(expected['boxes']) > 0
+    torch.testing.assert_close(torch.from_numpy(scores).sort().values, expected['scores'].sort().values, atol=1e-4,
+                               rtol=0)
+    clear = scores > float(expected['scores'].min()) + 1e-3
+    assert clear.sum() >= 3
+    for box, label in zip(boxes[clear], labels[clear]):
+        same = expected['boxes'][expected['labels'] == int(label)]
+        assert (same - torch.from_numpy(box)).abs().amax(dim=1).min() < 1e-3
+    # another size than the training one: the position embedding is resampled for it before the trace
+    other = export_onnx(source.model, tmp_path / 'other.onnx', img_size=(48, 80), dynamic_size=False,
+                        dynamic_batch=False)
+    assert other.ok and [(c.height, c.width) for c in other.checks] == [(48, 80), (48, 80)]
+    with pytest.raises(ValueError, match='--latency times models that compile'):
+        measure_latency(source.model, path, [(64, 64)])
+    with pytest.raises(ValueError, match='a whole detector for one image size .*predict with the run'):
+        load_predictor(path)
