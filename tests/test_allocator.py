@@ -86,6 +86,21 @@ def test_compiled_models_and_training_steps_retain_on_cpu_unless_told_not_to(ret
     assert len(retain_calls) == 2 * int(retain)
 
 
+def test_a_training_step_of_a_model_that_takes_targets_keeps_glibcs_defaults(retain_calls):
+    """torchvision's detectors allocate data-dependent shapes: retained memory would fragment and grow every step."""
+    class _TakesTargets(_Tiny):
+        takes_targets = True
+
+        def forward(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return super().forward(images)
+
+    images, targets = torch.randn(2, 3, 4, 4), torch.tensor([0, 1])
+    TrainStep(_TakesTargets(), nn.functional.cross_entropy)(images, targets)
+    assert retain_calls == []
+    TrainStep(_Tiny(), nn.functional.cross_entropy)(images, targets)
+    assert retain_calls == [1]
+
+
 def test_profile_rows_report_the_retained_allocator(monkeypatch):
     import linvit.bench.memory as memory
     for name in GLIBC_THRESHOLD_ENV:

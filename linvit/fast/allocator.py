@@ -10,7 +10,8 @@ similarly. jemalloc and tcmalloc keep freed memory, and PyTorch's CPU launcher (
 preloads one of them for this reason.
 
 ``retain_freed_memory()`` gives glibc the same behaviour in a running process (``mallopt``: no trimming, no mmap
-below 2 GiB). linvit's CPU fast path calls it (``compile_model`` on a CPU call, ``TrainStep`` on a CPU step), unless
+below 2 GiB). linvit's CPU fast path calls it (``compile_model`` on a CPU call, ``TrainStep`` on a CPU step, except
+for models that take targets: a detector's data-dependent shapes fragment a heap that is never trimmed), unless
 told not to (their ``retain_freed_memory=False``) or the environment already sets glibc's thresholds
 (``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_``: the user's choice wins). The cost: the process keeps
 its peak heap mapped instead of returning it between calls, as a server's allocator does anyway.
