@@ -210,9 +210,8 @@ class PyramidFeatures(nn.Module):
     def __init__(self, pyramid: nn.Module) -> None:
         super().__init__()
         self.pyramid = pyramid
-        from .models.segmentation import PYRAMID_SCALES
-        self.input_multiple = 2 * pyramid.input_multiple  # the coarsest level's stride
-        self.strides = [pyramid.input_multiple / scale for scale in PYRAMID_SCALES]  # finest first
+        self.strides = pyramid.strides  # finest first
+        self.input_multiple = int(max(self.strides))  # the coarsest level's stride
 
     @classmethod
     def of(cls, model: nn.Module, name: str) -> 'PyramidFeatures':

@@ -201,8 +201,7 @@ def instance_masks(image: CocoImage, keep: np.ndarray | None = None) -> np.ndarr
     by pycocotools (the objects ``keep`` selects, bool [N], or all). The split must have been read with
     ``masks=True``, which checked them."""
     from pycocotools import mask as mask_utils
-    chosen = [s for s, kept in zip(image.segmentations, np.ones(len(image.boxes), bool) if keep is None else keep)
-              if kept]
+    chosen = list(image.segmentations) if keep is None else [s for s, kept in zip(image.segmentations, keep) if kept]
     masks = np.zeros((len(chosen), image.height, image.width), dtype=np.uint8)
     for index, segmentation in enumerate(chosen):
         if isinstance(segmentation, dict) and isinstance(segmentation['counts'], str):

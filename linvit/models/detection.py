@@ -26,7 +26,7 @@ from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import MultiScaleRoIAlign
 
 from ..registry import Registry
-from .segmentation import PYRAMID_SCALES, ViTPyramid
+from .segmentation import PYRAMID_SCALES, ViTPyramid, pyramid_strides
 
 __all__ = ['PyramidBackbone', 'build_detector', 'DETECTORS', 'pyramid_strides']
 
@@ -49,11 +49,6 @@ class PyramidBackbone(ViTPyramid):
         return OrderedDict(zip(LEVEL_NAMES, self.forward_features(images)))
 
 
-def pyramid_strides(patch_size: int) -> List[float]:
-    """The pyramid levels' strides in pixels for a backbone of patch size ``patch_size`` (finest first)."""
-    return [patch_size / scale for scale in PYRAMID_SCALES]
-
-
 class _PaddingOnly(GeneralizedRCNNTransform):
     """torchvision's detector transform without its resize and normalisation (the data pipeline did both): it
     batches images of different sizes by padding to ``size_divisible`` and leaves boxes in input pixels."""
@@ -71,7 +66,7 @@ class _PaddingOnly(GeneralizedRCNNTransform):
 
 
 def _anchors(backbone: PyramidBackbone, ratios: Sequence[float]) -> AnchorGenerator:
-    sizes = tuple((int(round(ANCHOR_STRIDES * stride)),) for stride in pyramid_strides(backbone.input_multiple))
+    sizes = tuple((int(round(ANCHOR_STRIDES * stride)),) for stride in backbone.strides)
     return AnchorGenerator(sizes=sizes, aspect_ratios=(tuple(ratios),) * len(sizes))
 
 
@@ -138,7 +133,7 @@ def build_detector(backbone: nn.Module, num_classes: int, detector: str = 'faste
     pyramid = PyramidBackbone(backbone, neck_dim, feature_blocks)
     model = build(pyramid, num_classes + 1, **kwargs)
     # the coarsest level's stride: padded sides it divides keep every level's grid exact
-    model.transform = _PaddingOnly(size_divisible=int(math.ceil(max(pyramid_strides(pyramid.input_multiple)))))
+    model.transform = _PaddingOnly(size_divisible=int(math.ceil(max(pyramid.strides))))
     model.takes_targets = True  # training computes the losses from the targets (linvit.fast.LossGraph)
     model.input_multiple = pyramid.input_multiple  # what image sides the task checks against
     return model

@@ -28,9 +28,15 @@ from timm.layers import LayerNorm2d
 
 from ..registry import Registry
 
-__all__ = ['SimpleFeaturePyramid', 'MLPHead', 'ViTPyramid', 'SegmentationModel', 'SEG_HEADS', 'default_feature_blocks']
+__all__ = ['SimpleFeaturePyramid', 'MLPHead', 'ViTPyramid', 'SegmentationModel', 'SEG_HEADS', 'default_feature_blocks',
+           'pyramid_strides']
 
 PYRAMID_SCALES = (4.0, 2.0, 1.0, 0.5)  # relative to the backbone's patch stride, finest first
+
+
+def pyramid_strides(patch_size: int) -> List[float]:
+    """The pyramid levels' strides in pixels for a backbone of patch size ``patch_size`` (finest first)."""
+    return [patch_size / scale for scale in PYRAMID_SCALES]
 
 
 def default_feature_blocks(depth: int) -> List[int]:
@@ -160,6 +166,11 @@ class ViTPyramid(nn.Module):
         """Image sides must be multiples of this (the patch size); ``linvit.inference`` pads to it."""
         patch = self.backbone.patch_embed.patch_size
         return max(patch) if isinstance(patch, (tuple, list)) else int(patch)
+
+    @property
+    def strides(self) -> List[float]:
+        """The levels' strides in pixels, finest first: p/4, p/2, p, 2p."""
+        return pyramid_strides(self.input_multiple)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
