@@ -34,6 +34,7 @@ import csv
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -46,6 +47,7 @@ from tqdm import tqdm
 from .data.folder import list_images, load_rgb, readable_extensions
 from .data.large_image import (
     ClassMapWriter,
+    ImageReadError,
     ImageSource,
     large_image_extensions,
     open_image,
@@ -64,7 +66,8 @@ from .models.bounded import (
 __all__ = ['Predictor', 'torch_predictor', 'onnx_predictor', 'load_predictor', 'Item', 'collect_inputs',
            'classify_images', 'write_predictions', 'segment_image', 'segment_images', 'save_mask_png',
            'PREDICTION_FIELDS', 'PREDICT_MODES', 'MASK_FORMATS', 'choose_mode', 'bounded_unavailable',
-           'detect_images', 'detect_image', 'choose_detection_mode', 'DETECTIONS_FILE', 'OVERLAY_MIN_SCORE']
+           'detect_images', 'detect_image', 'choose_detection_mode', 'DETECTIONS_FILE', 'OVERLAY_MIN_SCORE',
+           'PredictionInterrupted']
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 Skipped = List[Tuple[str, str]]  # (path, reason)
@@ -365,31 +368,68 @@ def _mask_format(path: str, requested: str) -> str:
     return 'tiff' if os.path.splitext(path)[1].lower() in TIFF_INPUTS else 'png'
 
 
-def _write_tiff(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, stem: str, num_classes: int,
-                palette: np.ndarray, alpha: float) -> Tuple[List[str], np.ndarray]:
-    """STEM_mask.tif (tiled BigTIFF, the source's georeferencing), STEM_preview.png and STEM_overlay.png (both
-    downsampled); returns (their paths, the preview's class ids)."""
-    paths = [f"{stem}_mask.tif", f"{stem}_preview.png", f"{stem}_overlay.png"]
-    with ClassMapWriter(paths[0], source.height, source.width, num_classes, georef=source.georef) as writer:
+def _partial_path(path: str) -> str:
+    """Where ``path`` is written until its image is complete: a hidden name beside it, same extension (PIL and
+    tifffile choose the format by it)."""
+    folder, name = os.path.split(path)
+    base, ext = os.path.splitext(name)
+    return os.path.join(folder, f".{base}.partial{ext}")
+
+
+@contextmanager
+def _all_or_nothing(paths: Sequence[str]) -> Iterator[List[str]]:
+    """Temporary paths to write ``paths`` into: renamed to ``paths`` when the block completes, removed when it
+    does not (an unreadable band, an error, Ctrl-C), so that an image that failed half way never leaves outputs
+    that look complete."""
+    partial = [_partial_path(path) for path in paths]
+    try:
+        yield partial
+    except BaseException:
+        for path in partial:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    for path, final in zip(partial, paths):
+        os.replace(path, final)
+
+
+def _write_tiff(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, paths: Sequence[str],
+                num_classes: int, palette: np.ndarray, alpha: float) -> np.ndarray:
+    """paths = (mask .tif: tiled BigTIFF with the source's georeferencing and downsample, preview .png, overlay .png:
+    both downsampled); returns the preview's class ids."""
+    with ClassMapWriter(paths[0], source.height, source.width, num_classes, georef=source.georef,
+                        downsample=source.downsample) as writer:
         for y0, ids in bands:
             writer.write_rows(y0, ids)
     write_preview_png(writer.preview, paths[1], palette)
     write_overlay_png(source, writer.preview, paths[2], palette, alpha)
-    return paths, writer.preview
+    return writer.preview
 
 
-def _write_png(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, stem: str, num_classes: int,
-               palette: np.ndarray, alpha: float) -> Tuple[List[str], np.ndarray]:
-    """STEM_mask.png (class ids) and STEM_overlay.png at the image's size; returns (their paths, the mask)."""
+def _write_png(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, paths: Sequence[str],
+               num_classes: int, palette: np.ndarray, alpha: float) -> np.ndarray:
+    """paths = (mask .png: class ids, overlay .png) at the image's size; returns the mask."""
     mask = np.empty((source.height, source.width), dtype=np.uint8 if num_classes <= 256 else np.uint16)
     for y0, ids in bands:
         mask[y0:y0 + len(ids)] = ids
-    paths = [f"{stem}_mask.png", f"{stem}_overlay.png"]
     save_mask_png(mask, paths[0], num_classes)
     image = source.read(0, source.height).astype(np.float32) / 255
     overlay = overlay_mask(image, mask, palette, alpha=alpha)
     Image.fromarray((overlay * 255).round().clip(0, 255).astype(np.uint8)).save(paths[1])
-    return paths, mask
+    return mask
+
+
+#: the files each mask format writes per image, as suffixes of the output name
+_OUTPUT_SUFFIXES = {'tiff': ('_mask.tif', '_preview.png', '_overlay.png'), 'png': ('_mask.png', '_overlay.png')}
+
+
+class PredictionInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``segment_images``: ``written`` of ``total`` images were complete and their files are in
+    ``out``; the image in progress left none."""
+
+    def __init__(self, written: int, total: int, out: str):
+        super().__init__(f"{written} of {total} image(s) written to {out}; the image in progress left no files")
+        self.written, self.total, self.out = written, total, out
 
 
 def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[str], mode: Optional[str] = None,
@@ -398,7 +438,10 @@ def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[st
                    max_pixels: int = DEFAULT_MAX_PIXELS, mask_format: str = 'auto',
                    downsample: float = 1.0) -> Tuple[int, Skipped]:
     """Write each readable image's class map and overlay under OUT (see the module docstring); returns (how many
-    were written, [(path, reason)] for the unreadable ones).
+    were written, [(path, reason)] for the unreadable ones: those that do not open and those whose rows fail to
+    decode half way, ``ImageReadError``; the others are still predicted). An image's files are written under
+    temporary names and renamed once all are complete: a failed or interrupted image leaves none. Ctrl-C raises
+    ``PredictionInterrupted`` (a KeyboardInterrupt) saying how many images were written.
 
     mode: 'auto' (default: ``choose_mode``), 'bounded', 'whole' or 'slide'; ``window`` and ``stride`` default to the
         run's seg.eval (the training size for an ONNX file). ``rows_per_chunk``: patch rows per band of the bounded
@@ -422,22 +465,32 @@ def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[st
 
     written = 0
     skipped: Skipped = []
-    for item in tqdm(items, desc='segment', unit='img', file=sys.stderr):
-        source = _open_or_skip(item, skipped, downsample)
-        if source is None:
-            continue
-        with source:
-            chosen, why = choose_mode(predictor, source.height, source.width, mode, max_pixels, rows_per_chunk)
-            tqdm.write(f"{item.path}: {source.description}; {chosen}: {why}", file=sys.stderr)
-            stem = os.path.join(out, item.name)
-            os.makedirs(os.path.dirname(stem) or '.', exist_ok=True)
-            bands = _class_id_bands(predictor, source, chosen, normalise, window, stride, batch_size,
-                                    rows_per_chunk, item.name)
-            writer = _write_tiff if _mask_format(item.path, mask_format) == 'tiff' else _write_png
-            paths, classes = writer(bands, source, stem, num_classes, palette, alpha)
-        present = ', '.join(predictor.class_names[c] for c in np.unique(classes))
-        tqdm.write(f"{item.path}: {', '.join(paths)} (classes: {present})")
-        written += 1
+    try:
+        for item in tqdm(items, desc='segment', unit='img', file=sys.stderr):
+            source = _open_or_skip(item, skipped, downsample)
+            if source is None:
+                continue
+            with source:
+                chosen, why = choose_mode(predictor, source.height, source.width, mode, max_pixels, rows_per_chunk)
+                tqdm.write(f"{item.path}: {source.description}; {chosen}: {why}", file=sys.stderr)
+                fmt = _mask_format(item.path, mask_format)
+                paths = [os.path.join(out, item.name + suffix) for suffix in _OUTPUT_SUFFIXES[fmt]]
+                os.makedirs(os.path.dirname(paths[0]) or '.', exist_ok=True)
+                bands = _class_id_bands(predictor, source, chosen, normalise, window, stride, batch_size,
+                                        rows_per_chunk, item.name)
+                writer = _write_tiff if fmt == 'tiff' else _write_png
+                try:
+                    with _all_or_nothing(paths) as partial:
+                        classes = writer(bands, source, partial, num_classes, palette, alpha)
+                except ImageReadError as error:
+                    skipped.append((item.path, str(error)))
+                    tqdm.write(f"skipped {item.path}: {error}; no files written for it", file=sys.stderr)
+                    continue
+            present = ', '.join(predictor.class_names[c] for c in np.unique(classes))
+            tqdm.write(f"{item.path}: {', '.join(paths)} (classes: {present})")
+            written += 1
+    except KeyboardInterrupt:
+        raise PredictionInterrupted(written, len(items), out) from None
     return written, skipped
 
 

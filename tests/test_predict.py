@@ -5,11 +5,15 @@ import csv
 
 import numpy as np
 import pytest
+import tifffile
 import torch
 from PIL import Image
 
+import linvit.predict
+from linvit.data.large_image import write_overlay_png
 from linvit.predict import (
     PREDICTION_FIELDS,
+    PredictionInterrupted,
     Predictor,
     choose_mode,
     classify_images,
@@ -149,3 +153,71 @@ def test_auto_mode_is_bounded_when_the_model_allows_it_else_whole_or_windows_by_
     assert '\n' not in str(error.value)
     with pytest.raises(ValueError, match='ONNX file runs whole or in windows'):
         choose_mode(onnx, 10, 10, 'bounded', max_pixels=100, rows_per_chunk=8)
+
+
+
+def truncated_tiff(path, pixels: np.ndarray, keep: float = 0.6):
+    """A tiled zlib TIFF of ``pixels`` cut after ``keep`` of its bytes: it opens (the header and tile table come
+    first) and its top rows decode, its lower tiles are missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tifffile.imwrite(path, pixels, photometric='rgb', tile=(16, 16), compression='zlib')
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+    return path
+
+
+def test_an_image_that_fails_half_way_is_skipped_without_files_and_the_next_is_predicted(tmp_path):
+    rng = np.random.default_rng(1)
+    truncated_tiff(tmp_path / 'in' / 'a_broken.tif', rng.integers(0, 256, (128, 96, 3), dtype=np.uint8))
+    tifffile.imwrite(tmp_path / 'in' / 'b_good.tif', rng.integers(0, 256, (40, 56, 3), dtype=np.uint8),
+                     photometric='rgb', tile=(16, 16))
+    items, _ = collect_inputs([str(tmp_path / 'in')])
+    assert [item.name for item in items] == ['a_broken', 'b_good']   # the broken one first: the batch goes on
+    written, skipped = segment_images(_seg_predictor(), items, str(tmp_path / 'out'), mode='bounded',
+                                      rows_per_chunk=2)              # its top bands are predicted and written
+    assert written == 1
+    assert [path for path, _ in skipped] == [str(tmp_path / 'in' / 'a_broken.tif')]
+    assert 'truncated' in skipped[0][1] and 'a_broken.tif' in skipped[0][1]
+    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['b_good_mask.tif', 'b_good_overlay.png',
+                                                                   'b_good_preview.png']   # nothing of a_broken
+    with tifffile.TiffFile(tmp_path / 'out' / 'b_good_mask.tif') as tif:
+        assert tif.pages[0].shape == (40, 56)
+
+
+def test_ctrl_c_leaves_the_complete_images_and_nothing_of_the_one_in_progress(tmp_path, monkeypatch):
+    for name in ('a', 'b', 'c'):
+        (tmp_path / 'in').mkdir(exist_ok=True)
+        tifffile.imwrite(tmp_path / 'in' / f'{name}.tif', solid(16, 16, (200, 0, 0)), photometric='rgb')
+    items, _ = collect_inputs([str(tmp_path / 'in')])
+    overlays: list = []
+
+    def interrupted_in_the_second_overlay(source, preview, path, palette, alpha):
+        overlays.append(path)
+        if len(overlays) == 2:   # b's mask and preview are written by now
+            raise KeyboardInterrupt
+        return write_overlay_png(source, preview, path, palette, alpha)
+    monkeypatch.setattr(linvit.predict, 'write_overlay_png', interrupted_in_the_second_overlay)
+    with pytest.raises(PredictionInterrupted, match='1 of 3 image') as stop:
+        segment_images(red_threshold_segmenter([]), items, str(tmp_path / 'out'), mode='whole')
+    assert isinstance(stop.value, KeyboardInterrupt) and stop.value.written == 1
+    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['a_mask.tif', 'a_overlay.png', 'a_preview.png']
+
+
+def test_a_mask_of_a_pyramid_level_records_its_downsample(tmp_path):
+    rng = np.random.default_rng(2)
+    full = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    with tifffile.TiffWriter(tmp_path / 'pyramid.tif') as tif:   # level 0 and a level of downsample 2 (SubIFD)
+        tif.write(full, photometric='rgb', tile=(16, 16), subifds=1)
+        tif.write(full[::2, ::2], photometric='rgb', tile=(16, 16), subfiletype=1)
+    items, _ = collect_inputs([str(tmp_path / 'pyramid.tif')])
+    for downsample in (2.0, 1.0):
+        segment_images(red_threshold_segmenter([]), items, str(tmp_path / f'out{downsample:g}'), mode='whole',
+                       downsample=downsample)
+        with tifffile.TiffFile(tmp_path / f'out{downsample:g}' / 'pyramid_mask.tif') as tif:
+            page = tif.pages[0]
+            assert page.shape == (64 // downsample, 96 // downsample)
+            numerator, denominator = page.tags['XResolution'].value
+            assert numerator / denominator == page.tags['YResolution'].value[0] / page.tags['YResolution'].value[1]
+            assert numerator / denominator == pytest.approx(1 / downsample)   # map pixels per full-size pixel
+            assert page.tags['ResolutionUnit'].value == 1                      # none: the unit is a full-size pixel
+            assert page.description.endswith(f'downsample {downsample:g}')

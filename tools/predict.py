@@ -37,9 +37,11 @@ file of a detection run holds its feature pyramid only (``export_onnx.py --featu
     python tools/predict.py runs/det_demo scenes/ --out boxes/                         # auto: tiles above 4 MP
     python tools/predict.py runs/det_demo aerial.png --out boxes/ --mode slide --window 1024 --stride 768
 
-An image that cannot be read is reported by name and skipped; the others are still predicted. Exit status: 0 when
-every image was predicted, 1 when some were skipped, 2 when nothing could run (no model, a stale ONNX file, no
-images).
+An image that cannot be read is reported by name and skipped, also one that opens but fails half way through its
+rows (a truncated TIFF; its partial files are removed): the others are still predicted and the skipped ones are
+listed at the end. Exit status: 0 when every image was predicted, 1 when some were skipped, 2 when nothing could
+run (no model, a stale ONNX file, no images), 130 after Ctrl-C (one line: how many images were written; the one in
+progress leaves no files).
 The library: linvit.predict.
 """
 import argparse
@@ -55,6 +57,7 @@ from linvit.predict import (
     MASK_FORMATS,
     OVERLAY_MIN_SCORE,
     PREDICT_MODES,
+    PredictionInterrupted,
     classify_images,
     collect_inputs,
     detect_images,
@@ -62,6 +65,9 @@ from linvit.predict import (
     segment_images,
     write_predictions,
 )
+
+#: the exit status after Ctrl-C (128 + SIGINT, as shells report it)
+INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +141,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except PredictionInterrupted as stop:  # Ctrl-C in a segmentation batch: what is complete stays
+        print(f"\ninterrupted: {stop}", file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print(f"\ninterrupted before the predictions were complete; files already in {args.out or 'place'} stay",
+              file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == '__main__':

@@ -49,7 +49,9 @@ is gathered on the way; ``write_preview_png`` colours it, ``write_overlay_png`` 
 reads band by band and box-averages to the preview's size.
 
 Errors are one line naming the file: ``ValueError`` for a file that cannot be read or written as asked,
-``ImportError`` for a missing optional library (naming the pip command).
+``ImportError`` for a missing optional library (naming the pip command). A file that opens but fails while its rows
+are decoded (truncated, damaged tiles) raises ``ImageReadError`` (a ``ValueError``) from ``read``, whatever the
+decoder raised, so that a batch can skip that one image and go on.
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ from PIL import Image
 
 from .folder import composite_on_black, load_rgb, readable_extensions, to_rgb_array, to_uint8
 
-__all__ = ['ImageSource', 'open_image', 'large_image_extensions', 'ClassMapWriter', 'GeoReference',
-           'write_preview_png', 'write_overlay_png']
+__all__ = ['ImageSource', 'ImageReadError', 'open_image', 'large_image_extensions', 'ClassMapWriter',
+           'GeoReference', 'write_preview_png', 'write_overlay_png']
 
 _logger = logging.getLogger(__name__)
 
@@ -148,6 +150,10 @@ def _geo_reference(page, width: int, height: int) -> GeoReference | None:
 
 # ---------------------------------------------------------------------------------------------------- sources
 
+class ImageReadError(ValueError):
+    """Rows of an opened image could not be read: a truncated file, damaged tiles, a failing decoder."""
+
+
 class ImageSource:
     """A readable image, possibly far larger than memory, read lazily in bands of rows.
 
@@ -169,7 +175,12 @@ class ImageSource:
                              f"0 <= y0 <= y1 <= {self.height} (its height)")
         if y0 == y1:
             return np.zeros((0, self.width, 3), dtype=np.uint8)
-        return self._read(int(y0), int(y1))
+        try:
+            return self._read(int(y0), int(y1))
+        except (ImageReadError, MemoryError):
+            raise
+        except Exception as err:  # decoders raise many types on damaged data (zlib.error, OSError, ...)
+            raise ImageReadError(f"cannot read rows {y0}..{y1} of {self.path}: {type(err).__name__}: {err}") from None
 
     def _read(self, y0: int, y1: int) -> np.ndarray:
         raise NotImplementedError
@@ -244,7 +255,7 @@ def _codec_error(path: str, err: Exception) -> Exception:
     if 'imagecodecs' in text:
         return ImportError(f"{path} is compressed with a codec that needs imagecodecs ({text.strip(chr(39))}): "
                            f"pip install imagecodecs")
-    return ValueError(f"cannot decode {path}: {type(err).__name__}: {text}")
+    return ImageReadError(f"cannot decode {path}: {type(err).__name__}: {text}")
 
 
 class _TiffSource(ImageSource):
@@ -356,11 +367,13 @@ class _TiffSource(ImageSource):
                 sh, sw = min(segment.shape[0], self.height - y), min(segment.shape[1], self.width - x)
                 target = slice(plane, plane + 1) if self._planar else slice(None)
                 out[y - h0:y - h0 + sh, x:x + sw, target] = segment[:sh, :sw]
+        except ImageReadError:
+            raise
         except (ImportError, ValueError) as err:
             raise _codec_error(self.path, err) from None
         except Exception as err:  # zlib.error, TiffFileError, ... on damaged data
-            raise ValueError(f"cannot decode rows {h0}..{h0 + rows} of {self.path}: {type(err).__name__}: {err}") \
-                from None
+            raise ImageReadError(f"cannot decode rows {h0}..{h0 + rows} of {self.path}: {type(err).__name__}: "
+                                 f"{err}") from None
         return out
 
     def _read_segment(self, offset: int, count: int) -> bytes | None:
@@ -371,7 +384,8 @@ class _TiffSource(ImageSource):
             fh.seek(offset)
             data = fh.read(count)
         if len(data) != count:
-            raise ValueError(f"{self.path} is truncated: {count} bytes expected at offset {offset}, got {len(data)}")
+            raise ImageReadError(f"{self.path} is truncated: {count} bytes expected at offset {offset}, got "
+                                 f"{len(data)}")
         return data
 
     def _colour_samples(self) -> int:
@@ -541,6 +555,10 @@ class ClassMapWriter:
         num_classes: class ids are 0 .. num_classes - 1; stored as uint8 up to 256 classes, else uint16 (<= 65536).
         tile: the TIFF tile side (a multiple of 16, as TIFF requires).
         georef: ``source.georef`` of a GeoTIFF input; written scaled to this map's size.
+        downsample: ``source.downsample`` of the level the map was predicted on: one map pixel covers downsample x
+            downsample pixels of the full-size image. Recorded in the file, so that the map can be placed on the
+            full-resolution image: as its resolution (XResolution = YResolution = 1 / downsample pixels per
+            full-size pixel, ResolutionUnit none) and in its ImageDescription ('..., downsample 4').
         preview_side: the longer side of ``preview`` at most.
 
     ``write_rows(y0, rows)`` takes class ids [n, width] for rows y0 .. y0 + n - 1, any n, y0 the first row not yet
@@ -550,7 +568,7 @@ class ClassMapWriter:
     """
 
     def __init__(self, path: str | os.PathLike, height: int, width: int, num_classes: int, tile: int = 256,
-                 georef: GeoReference | None = None, preview_side: int = 1024):
+                 georef: GeoReference | None = None, downsample: float = 1.0, preview_side: int = 1024):
         path = os.fspath(path)
         tifffile = _import_tifffile(path)
         if height < 1 or width < 1:
@@ -561,6 +579,8 @@ class ClassMapWriter:
             raise ValueError(f"{path}: the tile side must be a positive multiple of 16 (TIFF), got {tile}")
         if preview_side < 1:
             raise ValueError(f"{path}: preview_side must be >= 1, got {preview_side}")
+        if not downsample >= 1:
+            raise ValueError(f"{path}: downsample must be >= 1 (1: full size), got {downsample}")
         if georef is not None and not isinstance(georef, GeoReference):
             raise ValueError(f"{path}: georef must be an ImageSource's georef (a GeoReference) or None, "
                              f"got {type(georef).__name__}")
@@ -581,7 +601,8 @@ class ClassMapWriter:
         extratags = georef.for_size(width, height).extratags() if georef is not None else []
         options = dict(shape=(height, width), dtype=self.dtype, tile=(tile, tile), compression='zlib',
                        photometric='minisblack', metadata=None, extratags=extratags,
-                       description=f'linvit class map, {num_classes} classes')
+                       resolution=(1 / downsample, 1 / downsample), resolutionunit='NONE',
+                       description=f'linvit class map, {num_classes} classes, downsample {downsample:g}')
         self._thread = threading.Thread(target=self._write, args=(tifffile, options), daemon=True,
                                         name='ClassMapWriter')
         self._thread.start()

@@ -6,7 +6,6 @@ the same data, or from the formula by hand.
 """
 import importlib.util
 import sys
-import time
 import tracemalloc
 import types
 
@@ -418,7 +417,6 @@ def big_pixels(y: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 def test_ten_thousand_pixel_bigtiff_read_band_by_band(tmp_path):
     side, tile = 10_000, 512
-    start = time.perf_counter()
 
     def tiles():
         for ty in range(0, side, tile):
@@ -445,4 +443,3 @@ def test_ten_thousand_pixel_bigtiff_read_band_by_band(tmp_path):
         finally:
             tracemalloc.stop()
     assert peak < 100e6, f'{peak / 1e6:.0f} MB to read a band of 30 MB of a 300 MB image'
-    assert time.perf_counter() - start < 60
