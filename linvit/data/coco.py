@@ -11,8 +11,15 @@ ids 1, 2, 3, 5, ... become 1, 2, 3, 4, ...: the label torchvision's detectors ta
 the crowd flags. Everything the annotation file promises is checked when it is read, each problem one line naming
 the file, the entry and what was expected: the file and folder, the JSON, the three lists, duplicate ids,
 annotations of unknown images or categories, boxes that are not four finite numbers or have negative sides, and
-image files that are not there. Boxes of zero width or height (COCO has a few) are kept out of training and
-listed in ``CocoSplit.degenerate`` for the caller to report, never dropped silently.
+image files that are not there or whose size (read from the file's header, EXIF orientation applied, without
+decoding the pixels) is not the ``width`` and ``height`` the file gives them: the boxes are in those pixels. Boxes of
+zero width or height (COCO has a few) are kept out of training and listed in ``CocoSplit.degenerate`` for the caller
+to report, never dropped silently.
+
+``CocoSplit.annotation_file`` is where the split was read from: evaluation scores against that file itself
+(``linvit.engine.metrics.coco_file_metrics``: its crowds, areas and ids), and ``category_ids`` maps labels back to
+the file's category ids. ``read_coco_categories`` and ``read_coco_images`` read just the categories or the image
+entries of an annotation file (a run's recorded ids; prediction with ``--annotations``).
 
 Instance masks (Mask R-CNN): ``read_coco_split(root, split, masks=True)`` also checks every object's
 ``segmentation`` (polygons: lists of at least 3 x, y points; or a run-length encoding of the image's size), and
@@ -32,7 +39,7 @@ import numpy as np
 from .base import DataError
 
 __all__ = ['CocoImage', 'CocoSplit', 'read_coco_split', 'annotation_file', 'check_same_categories',
-           'instance_masks']
+           'instance_masks', 'read_coco_categories', 'read_coco_images', 'upright_size']
 
 #: the keys every entry of each list must have
 _IMAGE_KEYS = ('id', 'file_name', 'width', 'height')
@@ -40,6 +47,8 @@ _ANNOTATION_KEYS = ('id', 'image_id', 'category_id', 'bbox')
 _CATEGORY_KEYS = ('id', 'name')
 #: how many missing files a message names before it counts the rest
 _NAMED = 3
+#: the EXIF tag of the image's orientation
+_EXIF_ORIENTATION = 0x0112
 
 
 @dataclass(frozen=True)
@@ -59,11 +68,13 @@ class CocoImage:
 @dataclass(frozen=True)
 class CocoSplit:
     """A split: its images (in the annotation file's order), the class names (label i names class_names[i - 1]),
-    the COCO category id of each label, and the annotation ids of zero-size boxes left out."""
+    the COCO category id of each label (label i is category_ids[i - 1]), the annotation ids of zero-size boxes left
+    out, and the annotation file it was read from."""
     images: list[CocoImage]
     class_names: list[str]
     category_ids: list[int]
     degenerate: list[int] = field(default_factory=list)
+    annotation_file: str = ''
 
 
 def annotation_file(root: str | os.PathLike, split: str) -> Path:
@@ -126,6 +137,29 @@ def _check_files(images: list[CocoImage], folder: Path, path: Path) -> None:
         raise DataError(f"{len(missing)} image(s) of {path} are not in {folder}: {named}{more}")
 
 
+def upright_size(path: str | os.PathLike) -> tuple[int, int]:
+    """(width, height) of the image file as ``linvit.data.folder.load_rgb`` decodes it (EXIF orientation applied),
+    read from its header only."""
+    from PIL import Image
+    with Image.open(path) as image:
+        width, height = image.size
+        # orientations 5..8 turn the stored image by 90 degrees
+        return (height, width) if image.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8) else (width, height)
+
+
+def _check_sizes(images: list[CocoImage], path: Path) -> None:
+    """DataError naming the first image whose file is not the size the annotation file gives it (its boxes are in
+    the annotation's pixels: a larger file would train on misplaced boxes, a smaller one loses them)."""
+    wrong = [(image, size) for image in images
+             if (size := upright_size(image.path)) != (image.width, image.height)]
+    if wrong:
+        image, (width, height) = wrong[0]
+        more = f" ({len(wrong) - 1} more image(s) differ too)" if len(wrong) > 1 else ''
+        raise DataError(f"{image.path} is width {width}, height {height}, but {path} gives it width {image.width}, "
+                        f"height {image.height} (image id {image.image_id!r}); its boxes are in the annotation's "
+                        f"pixels: fix the entry or the file{more}")
+
+
 def _check_segmentation(path: Path, annotation: dict[str, Any], image: dict[str, Any]) -> None:
     """A mask the decoder takes: polygons (a list of lists of x, y numbers, at least 3 points each) or a
     run-length encoding {'size': [height, width] of the image, 'counts': a list or a string}."""
@@ -184,7 +218,29 @@ def read_coco_split(root: str | os.PathLike, split: str, masks: bool = False) ->
                                                 bool(annotation.get('iscrowd', 0)), annotation.get('segmentation')))
     images = [_image(folder, image, objects[image['id']]) for image in content['images']]
     _check_files(images, folder, path)
-    return CocoSplit(images, [str(c['name']) for c in categories], [c['id'] for c in categories], degenerate)
+    _check_sizes(images, path)
+    return CocoSplit(images, [str(c['name']) for c in categories], [c['id'] for c in categories], degenerate,
+                     str(path))
+
+
+def read_coco_categories(path: str | os.PathLike) -> list[tuple[int, str]]:
+    """(id, name) of every category of the annotation file ``path``, by id; DataError (one line) for a file that is
+    not a COCO annotation file or has no categories."""
+    path = Path(path)
+    content = _load_json(path, path.parent.parent)
+    _check_entries(path, 'categories', content['categories'], _CATEGORY_KEYS)
+    if not content['categories']:
+        raise DataError(f"{path} has no categories; a detection set needs at least one class")
+    return sorted((category['id'], str(category['name'])) for category in content['categories'])
+
+
+def read_coco_images(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The 'images' entries ({'id', 'file_name', 'width', 'height', ...}) of the annotation file ``path``, checked
+    as ``read_coco_split`` checks them."""
+    path = Path(path)
+    content = _load_json(path, path.parent.parent)
+    _check_entries(path, 'images', content['images'], _IMAGE_KEYS)
+    return content['images']
 
 
 def _image(folder: Path, entry: dict[str, Any], found: list[tuple[tuple[float, ...], int, bool, Any]]

@@ -7,11 +7,15 @@ with the image and kept or dropped with its box.
 Augmentation is albumentations' with its box parameters (``A.BboxParams`` in pixels, boxes clipped to the image and
 dropped only when the crop leaves none of them): training resizes the longer side to ``img_size``, applies ViTDet's
 large-scale jitter (a random rescale by ``scale_range``, then a random ``img_size`` crop of the padded result) and a
-horizontal flip; evaluation only resizes the longer side and pads to a square at the bottom and the right, so a box
-maps back to the original image by one scale factor.
+horizontal flip; evaluation only resizes the longer side and pads to a square at the bottom and the right, so a
+detection maps back to the original image by the resize's scale in each axis (``evaluation_size``,
+``to_original_pixels``).
 
-COCO's crowd regions (``iscrowd``) are not objects to find: they are left out of the training targets, as
-torchvision's reference scripts do, and COCOeval ignores them at evaluation.
+A COCO set's targets also carry the image's id in its annotation file, 'image_id' (int64 []), and its size there,
+'orig_size' (int64 [2]: height, width): evaluation scores the detections, mapped back to those pixels, against the
+annotation file itself (``linvit.engine.metrics.coco_file_metrics``). COCO's crowd regions (``iscrowd``) are not
+objects to find: they are left out of the training targets, as torchvision's reference scripts do, and stay in the
+annotation file that evaluation reads, where COCOeval ignores the detections that fall on them.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from .folder import load_rgb
 from .synthetic_seg import SHAPE_KINDS, ShapesLayout, render_shapes, shape_pixels
 
 __all__ = ['build_detection_transforms', 'KeyedDetectionDataset', 'CocoDetectionSet', 'SyntheticShapesDetection',
-           'DETECTION_SHAPE_CLASSES', 'DETECTION_DATASET_BUILDERS', 'build_detection_datasets']
+           'DETECTION_SHAPE_CLASSES', 'DETECTION_DATASET_BUILDERS', 'build_detection_datasets', 'evaluation_size',
+           'to_original_pixels']
 
 Target = dict[str, torch.Tensor]
 
@@ -57,18 +62,45 @@ def build_detection_transforms(img_size: int, mean: Sequence[float], std: Sequen
                                                      clip=True, min_area=1.0))
 
 
+def evaluation_size(height: int, width: int, img_size: int) -> tuple[int, int]:
+    """(height, width) of a height x width image after evaluation's resize of its longer side to ``img_size``,
+    before the padding: albumentations' ``LongestMaxSize`` rounding."""
+    scale = img_size / max(height, width)
+    return max(1, round(height * scale)), max(1, round(width * scale))
+
+
+def to_original_pixels(found: Target, height: int, width: int, img_size: int) -> Target:
+    """One image's detections on its evaluation input (``build_detection_transforms(train=False)`` at ``img_size``)
+    in the pixels of the height x width original: 'boxes' [N, 4] scaled in each axis by original / resized (float64
+    on the way, so a box maps back as exactly as the resize mapped it), 'masks' [N, 1, S, S] probabilities cropped to
+    the resized part and resized bilinearly to [N, 1, height, width]; 'labels' and 'scores' as they are."""
+    resized_h, resized_w = evaluation_size(height, width, img_size)
+    scale = torch.tensor([width / resized_w, height / resized_h] * 2, dtype=torch.float64, device=found['boxes'].device)
+    mapped = {**found, 'boxes': (found['boxes'].double() * scale).to(found['boxes'].dtype)}
+    if 'masks' in found:
+        masks = found['masks'][:, :, :resized_h, :resized_w].float()
+        mapped['masks'] = (torch.nn.functional.interpolate(masks, size=(height, width), mode='bilinear',
+                                                           align_corners=False) if len(masks) else
+                           masks.new_zeros(0, 1, height, width))
+    return mapped
+
+
 class KeyedDetectionDataset(KeyedImageDataset):
     """Base class: ``dataset[key] -> (image float32 [3, S, S], {'boxes': float32 [N, 4], 'labels': int64 [N]})``
     for ``key`` = index or (index, seed); the transform is seeded by ``sample_seed(index, seed)`` as for the other
     tasks. Subclasses implement ``load(index) -> (image uint8 [H, W, 3], boxes float32 [N, 4] xyxy pixels, labels
     int64 [N] 1..K, masks uint8 [N, H, W] or None)`` and ``describe()``; ``masks``: they load the masks and the
-    targets carry them."""
+    targets carry them. ``annotation_file``: the COCO file the set was read from (None: the targets are the whole
+    ground truth), ``category_ids``: the category id of each label (label i is category_ids[i - 1])."""
+
+    annotation_file: str | None = None
 
     def __init__(self, transform: A.Compose, class_names: Sequence[str], num_samples: int, masks: bool = False
                  ) -> None:
         super().__init__(transform, class_names, targets=())
         self.num_samples = int(num_samples)
         self.masks = bool(masks)
+        self.category_ids = list(range(1, len(class_names) + 1))
 
     def __len__(self) -> int:
         return self.num_samples
@@ -86,7 +118,11 @@ class KeyedDetectionDataset(KeyedImageDataset):
             all_masks = torch.stack([torch.as_tensor(m) for m in out['masks']]) if len(out['masks']) else \
                 torch.zeros(0, *out['image'].shape[-2:], dtype=torch.uint8)
             target['masks'] = all_masks[torch.as_tensor(kept)].to(torch.uint8)
-        return out['image'], target
+        return out['image'], {**target, **self.identity(index)}
+
+    def identity(self, index: int) -> Target:
+        """What a target carries besides its objects (a COCO set: the image's id and size in its annotation file)."""
+        return {}
 
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         raise NotImplementedError
@@ -111,6 +147,14 @@ class CocoDetectionSet(KeyedDetectionDataset):
     def __init__(self, split: CocoSplit, transform: A.Compose, masks: bool = False) -> None:
         super().__init__(transform, split.class_names, len(split.images), masks)
         self.split = split
+        self.annotation_file = split.annotation_file or None
+        self.category_ids = list(split.category_ids)
+
+    def identity(self, index: int) -> Target:
+        """'image_id' (int64 []) and 'orig_size' (int64 [2]: height, width), as the annotation file gives them."""
+        entry = self.split.images[index]
+        return {'image_id': torch.tensor(entry.image_id, dtype=torch.int64),
+                'orig_size': torch.tensor([entry.height, entry.width], dtype=torch.int64)}
 
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         entry = self.split.images[index]

@@ -60,7 +60,8 @@ import torch.distributed as dist
 from .distributed import distributed_running
 
 __all__ = ['Meter', 'topk_correct', 'ClassificationMeter', 'confusion_matrix', 'SegmentationMeter', 'NextPatchMeter',
-           'coco_box_metrics', 'DetectionMeter', 'COCO_BOX_METRICS', 'MASK_PREFIX', 'mask_rles']
+           'coco_box_metrics', 'DetectionMeter', 'COCO_BOX_METRICS', 'MASK_PREFIX', 'mask_rles', 'coco_file_metrics',
+           'coco_ground_truth', 'COCO_MAX_DETECTIONS']
 
 Counters = Dict[str, torch.Tensor]
 
@@ -483,6 +484,8 @@ COCO_BOX_METRICS = ('ap', 'ap50', 'ap75', 'ap_small', 'ap_medium', 'ap_large')
 MASK_PREFIX = 'mask_'
 #: a detector's mask probabilities at or above this are the object's pixels (torchvision's Mask R-CNN convention)
 MASK_THRESHOLD = 0.5
+#: COCOeval's default maxDets[-1]: the detections of an image and class that AP counts
+COCO_MAX_DETECTIONS = 100
 #: one image's objects: 'boxes' [N, 4] (x1, y1, x2, y2 in pixels), 'labels' [N] (classes 1..K, as torchvision's
 #: detectors and linvit.data.detection give them), for detections 'scores' [N]; with masks, 'masks': their COCO
 #: run-length encodings (``mask_rles``), one per object
@@ -502,14 +505,16 @@ def mask_rles(masks: torch.Tensor) -> List[Dict[str, Any]]:
     return mask_utils.encode(np.asfortranarray(pixels.transpose(1, 2, 0))) if len(pixels) else []
 
 
-def _objects(image: Boxes, iou_type: str) -> List[Dict[str, Any]]:
-    """One image's objects as COCO annotation fields: bbox, or segmentation and its area; category_id = label."""
-    labels = image['labels'].tolist()
+def _objects(image: Boxes, iou_type: str, category_ids: Optional[Sequence[int]] = None) -> List[Dict[str, Any]]:
+    """One image's objects as COCO annotation fields: bbox, or segmentation and its area; category_id the label, or
+    ``category_ids[label - 1]``."""
+    labels = [int(label) if category_ids is None else int(category_ids[label - 1])
+              for label in image['labels'].tolist()]
     if iou_type == 'bbox':
-        return [{'category_id': int(label), 'bbox': box, 'area': box[2] * box[3]}
+        return [{'category_id': label, 'bbox': box, 'area': box[2] * box[3]}
                 for box, label in zip(_xywh(image['boxes']), labels)]
     from pycocotools import mask as mask_utils
-    return [{'category_id': int(label), 'segmentation': rle, 'area': float(mask_utils.area(rle))}
+    return [{'category_id': label, 'segmentation': rle, 'area': float(mask_utils.area(rle))}
             for rle, label in zip(image['masks'], labels)]
 
 
@@ -535,68 +540,127 @@ def _coco_ground_truth(targets: Sequence[Boxes], images: List[Dict[str, Any]], n
             'categories': [{'id': c} for c in range(1, num_classes + 1)]}
 
 
-def _coco_detections(detections: Sequence[Boxes], iou_type: str) -> List[Dict[str, Any]]:
+def _coco_detections(detections: Sequence[Boxes], iou_type: str, image_ids: Sequence[Any],
+                     category_ids: Optional[Sequence[int]] = None) -> List[Dict[str, Any]]:
+    """COCO results rows {image_id, category_id, bbox or segmentation, area, score} of each image's detections."""
     return [{**fields, 'image_id': image_id, 'score': float(score)}
-            for image_id, found in enumerate(detections, start=1)
-            for fields, score in zip(_objects(found, iou_type), found['scores'].tolist())]
+            for image_id, found in zip(image_ids, detections)
+            for fields, score in zip(_objects(found, iou_type, category_ids), found['scores'].tolist())]
+
+
+def _quietly_evaluated(ground_truth: Any, found: List[Dict[str, Any]], iou_type: str, max_detections: int,
+                       image_ids: Optional[Sequence[Any]] = None) -> Any:
+    """COCOeval of the results rows ``found`` against the pycocotools COCO ``ground_truth``, evaluated, accumulated
+    and summarised (its printing swallowed), with ``max_detections`` as maxDets[-1] and, when given, only the images
+    ``image_ids``."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
+        results = ground_truth.loadRes(found) if found else COCO()
+        if not found:  # loadRes refuses an empty list: no detection scores 0 where there is ground truth
+            results.dataset = {'images': ground_truth.dataset['images'], 'annotations': [],
+                               'categories': ground_truth.dataset['categories']}
+            results.createIndex()
+        evaluation = COCOeval(ground_truth, results, iou_type)
+        # COCOeval sorts maxDets and evaluates at the largest: [1, 10, M], or [1, M, M] below 10
+        evaluation.params.maxDets = [1, min(10, int(max_detections)), int(max_detections)]
+        if image_ids is not None:
+            evaluation.params.imgIds = sorted(set(image_ids))
+        evaluation.evaluate()
+        evaluation.accumulate()
+        evaluation.summarize()
+    return evaluation
+
+
+def _metrics_of(evaluation: Any, class_names: Sequence[str], images: int) -> Dict[str, Any]:
+    """metrics.json's names for COCOeval's AP (stats[0:6]) and each class's AP."""
+    stats = list(evaluation.stats[:6])
+    # COCOeval.summarize reads stats[0] at maxDets=100 whatever params.maxDets says (-1 when 100 is not among
+    # them); the others at maxDets[-1]: stats[0] the same way, as COCOeval's own _summarize computes it
+    stats[0] = _mean_precision(evaluation.eval['precision'][:, :, :, 0, -1])
+    metrics: Dict[str, Any] = {name: _coco_value(value) for name, value in zip(COCO_BOX_METRICS, stats)}
+    metrics['per_class_ap'] = _per_class_ap(evaluation, class_names)
+    metrics['images'] = images
+    return metrics
 
 
 def coco_box_metrics(detections: Sequence[Boxes], targets: Sequence[Boxes], class_names: Sequence[str],
-                     iou_type: str = 'bbox') -> Dict[str, Any]:
-    """COCO AP (pycocotools' COCOeval, its default parameters: IoU 0.50:0.95, up to 100 detections per image and
-    class, small / medium / large by area) of ``detections`` against ``targets``, one entry of each per image,
-    labels 1..K naming ``class_names[label - 1]``. ``iou_type`` 'bbox' matches boxes; 'segm' matches the 'masks'
-    (run-length encodings, ``mask_rles``) and sizes objects by their mask's area.
+                     iou_type: str = 'bbox', max_detections: int = COCO_MAX_DETECTIONS) -> Dict[str, Any]:
+    """COCO AP (pycocotools' COCOeval: IoU 0.50:0.95, small / medium / large by area, up to ``max_detections``
+    detections per image and class: COCOeval's maxDets[-1]) of ``detections`` against ``targets``, one entry of each
+    per image, labels 1..K naming ``class_names[label - 1]``. The targets are the whole ground truth: no crowds, and
+    objects sized by their boxes in the pixels given (for a COCO annotation file's own crowds, areas and ids:
+    ``coco_file_metrics``). ``iou_type`` 'bbox' matches boxes; 'segm' matches the 'masks' (run-length encodings,
+    ``mask_rles``) and sizes objects by their mask's area.
 
     Returns {'ap', 'ap50', 'ap75', 'ap_small', 'ap_medium', 'ap_large': floats, 'per_class_ap': {name: AP over IoU
     0.50:0.95}, 'images': count}. Where COCO has nothing to average (no ground truth of that class or size) the value
     is NaN (COCOeval's -1); no detection at all scores 0 where there is ground truth."""
     from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
 
     if len(detections) != len(targets):
         raise ValueError(f"coco_box_metrics: {len(detections)} images of detections for {len(targets)} of targets")
     ground_truth = COCO()
     ground_truth.dataset = _coco_ground_truth(targets, _coco_images(targets, detections), len(class_names), iou_type)
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress
+    with contextlib.redirect_stdout(io.StringIO()):
         ground_truth.createIndex()
-        found = _coco_detections(detections, iou_type)
-        results = ground_truth.loadRes(found) if found else COCO()
-        if not found:
-            results.dataset = {'images': ground_truth.dataset['images'], 'annotations': [],
-                               'categories': ground_truth.dataset['categories']}
-            results.createIndex()
-        evaluation = COCOeval(ground_truth, results, iou_type)
-        evaluation.evaluate()
-        evaluation.accumulate()
-        evaluation.summarize()
-    metrics: Dict[str, Any] = {name: _coco_value(value) for name, value in zip(COCO_BOX_METRICS, evaluation.stats)}
-    metrics['per_class_ap'] = _per_class_ap(evaluation, class_names)
-    metrics['images'] = len(targets)
-    return metrics
+    found = _coco_detections(detections, iou_type, range(1, len(detections) + 1))
+    return _metrics_of(_quietly_evaluated(ground_truth, found, iou_type, max_detections), class_names, len(targets))
+
+
+def coco_ground_truth(annotation_file: str) -> Any:
+    """pycocotools' COCO of ``annotation_file``, with an 'area' for every annotation that has none: its box's
+    (COCOeval sizes objects by 'area'; it is what COCO's loadRes gives a result without one)."""
+    from pycocotools.coco import COCO
+    with contextlib.redirect_stdout(io.StringIO()):
+        ground_truth = COCO(annotation_file)
+    for annotation in ground_truth.dataset['annotations']:
+        if 'area' not in annotation:
+            annotation['area'] = annotation['bbox'][2] * annotation['bbox'][3]
+    return ground_truth
+
+
+def coco_file_metrics(annotation_file: str, detections: Sequence[Boxes], image_ids: Sequence[Any],
+                      class_names: Sequence[str], category_ids: Sequence[int], iou_type: str = 'bbox',
+                      max_detections: int = COCO_MAX_DETECTIONS, ground_truth: Any = None) -> Dict[str, Any]:
+    """COCOeval of ``detections`` (one per image of ``image_ids``, the annotation file's image ids; boxes and masks
+    in the image's own pixels, as the file's width and height give them; labels 1..K, label i being category
+    ``category_ids[i - 1]`` named ``class_names[i - 1]``) against the annotation file itself: its crowds are ignore
+    regions, its objects sized by their 'area' (``coco_ground_truth``), AP over the evaluated images only. What
+    pycocotools gives for the file and a results file of these detections; the same keys as ``coco_box_metrics``.
+    ``ground_truth``: the file already loaded by ``coco_ground_truth`` (boxes and masks read it once)."""
+    if len(detections) != len(image_ids):
+        raise ValueError(f"coco_file_metrics: {len(detections)} images of detections for {len(image_ids)} image ids")
+    ground_truth = ground_truth if ground_truth is not None else coco_ground_truth(annotation_file)
+    found = _coco_detections(detections, iou_type, image_ids, category_ids)
+    evaluation = _quietly_evaluated(ground_truth, found, iou_type, max_detections, image_ids)
+    return _metrics_of(evaluation, class_names, len(set(image_ids)))
 
 
 def _coco_value(value: float) -> float:
     return math.nan if value < 0 else float(value)
 
 
+def _mean_precision(values: np.ndarray) -> float:
+    """The mean of a COCOeval precision table's defined entries (-1 marks the undefined), or -1 with none."""
+    values = values[values > -1]
+    return float(values.mean()) if values.size else -1.0
+
+
 def _per_class_ap(evaluation: Any, class_names: Sequence[str]) -> Dict[str, float]:
-    """Each class's AP over the IoU thresholds (all areas, 100 detections): the mean of its precision table's
-    defined entries, as COCOeval.summarize averages them over classes."""
+    """Each class's AP over the IoU thresholds (all areas, maxDets[-1] detections): the mean of its precision
+    table's defined entries, as COCOeval.summarize averages them over classes. Classes in the order of COCOeval's
+    category ids (sorted), which is the labels' order."""
     precision = evaluation.eval['precision']  # [IoU thresholds, recall points, classes, areas, max detections]
-    per_class = {}
-    for index, name in enumerate(class_names):
-        values = precision[:, :, index, 0, -1]
-        values = values[values > -1]
-        per_class[str(name)] = float(values.mean()) if values.size else math.nan
-    return per_class
+    return {str(name): _coco_value(_mean_precision(precision[:, :, index, 0, -1]))
+            for index, name in enumerate(class_names)}
 
 
 class DetectionMeter(Meter):
     """COCO box AP over many batches, and mask AP when the detections and targets have masks. Unlike the other
     meters it keeps every image's objects on the host (COCO's matching is a host computation over variable-length
     lists): ``update`` copies the boxes to the CPU and run-length encodes the masks, ``reduce_`` gathers them from
-    every process (all_gather_object), ``compute`` runs ``coco_box_metrics`` once (twice with masks).
+    every process (all_gather_object), ``compute`` runs COCOeval once (twice with masks).
 
         meter = DetectionMeter(class_names)
         meter.update(detector(images), targets)   # lists of {'boxes' [N, 4] xyxy, 'labels' [N] 1..K(, 'scores' [N])
@@ -605,10 +669,20 @@ class DetectionMeter(Meter):
         meter.reduce_()
         meter.compute()                           # {'ap': .., 'ap50': .., ..., 'per_class_ap': {name: ..}, 'images'}
                                                   # (, 'mask_ap', 'mask_ap50', ..., 'mask_per_class_ap')
+
+    Two kinds of ground truth. Without ``annotation_file`` the targets are it (``coco_box_metrics``: the built-in
+    shapes). With it, the ground truth is that COCO annotation file (``coco_file_metrics``: its crowds, areas, ids):
+    each target needs only its 'image_id' (the file's), and the detections must be in the image's own pixels, labels
+    1..K mapped to ``category_ids``; an image met twice (a sampler's padded duplicate) counts once.
+    ``max_detections``: COCOeval's maxDets[-1], the detections of each image and class that AP counts.
     """
 
-    def __init__(self, class_names: Sequence[str]) -> None:
+    def __init__(self, class_names: Sequence[str], max_detections: int = COCO_MAX_DETECTIONS,
+                 annotation_file: Optional[str] = None, category_ids: Optional[Sequence[int]] = None) -> None:
         self.class_names = list(class_names)
+        self.max_detections = int(max_detections)
+        self.annotation_file = annotation_file
+        self.category_ids = list(category_ids) if category_ids is not None else list(range(1, len(class_names) + 1))
         super().__init__()
 
     def reset(self) -> None:
@@ -622,18 +696,20 @@ class DetectionMeter(Meter):
     @torch.no_grad()
     def update(self, detections: Sequence[Boxes], targets: Sequence[Boxes],
                valid: Optional[Sequence[bool]] = None) -> None:
-        """Add one batch: per image, the detector's boxes (with 'scores') and the ground truth; ``valid`` False marks
-        a sampler's padded duplicate, left out."""
+        """Add one batch: per image, the detector's boxes (with 'scores') and the ground truth (with an annotation
+        file: its 'image_id'); ``valid`` False marks a sampler's padded duplicate, left out."""
         self._check_open()
         if len(detections) != len(targets):
             raise ValueError(f"DetectionMeter.update: {len(detections)} images of detections for {len(targets)} of "
                              f"targets")
         keep = [True] * len(targets) if valid is None else [bool(v) for v in valid]
+        target_keys = ('image_id',) if self.annotation_file else ('boxes', 'labels')
         for found, target, kept in zip(detections, targets, keep):
             if kept:
                 self._detections.append(_on_host(found, ('boxes', 'labels', 'scores'),
                                                  lambda masks: masks[:, 0] >= MASK_THRESHOLD))
-                self._targets.append(_on_host(target, ('boxes', 'labels'), lambda masks: masks))
+                self._targets.append(_on_host(target, target_keys, lambda masks: masks,
+                                              with_masks=not self.annotation_file))
 
     @torch.no_grad()
     def reduce_(self, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -651,17 +727,32 @@ class DetectionMeter(Meter):
     def compute(self) -> Dict[str, Any]:
         if not self._targets:
             return {**{name: math.nan for name in COCO_BOX_METRICS}, 'per_class_ap': {}, 'images': 0}
-        metrics = coco_box_metrics(self._detections, self._targets, self.class_names)
-        if all('masks' in image for image in (*self._detections, *self._targets)):
-            masks = coco_box_metrics(self._detections, self._targets, self.class_names, iou_type='segm')
-            metrics.update({MASK_PREFIX + name: masks[name] for name in (*COCO_BOX_METRICS, 'per_class_ap')})
+        with_masks = all('masks' in image for image in self._detections) and (
+            self.annotation_file is not None or all('masks' in image for image in self._targets))
+        iou_types = ('bbox', 'segm') if with_masks else ('bbox',)
+        scores = self._file_metrics(iou_types) if self.annotation_file else [
+            coco_box_metrics(self._detections, self._targets, self.class_names, iou_type, self.max_detections)
+            for iou_type in iou_types]
+        metrics = scores[0]
+        if with_masks:
+            metrics.update({MASK_PREFIX + name: scores[1][name] for name in (*COCO_BOX_METRICS, 'per_class_ap')})
         return metrics
 
+    def _file_metrics(self, iou_types: Sequence[str]) -> List[Dict[str, Any]]:
+        """``coco_file_metrics`` for each IoU type, each image once (the first time it was met)."""
+        first: Dict[int, Boxes] = {}
+        for found, target in zip(self._detections, self._targets):
+            first.setdefault(int(target['image_id']), found)
+        ground_truth = coco_ground_truth(self.annotation_file)
+        return [coco_file_metrics(self.annotation_file, list(first.values()), list(first), self.class_names,
+                                  self.category_ids, iou_type, self.max_detections, ground_truth)
+                for iou_type in iou_types]
 
-def _on_host(image: Boxes, keys: Sequence[str], binary: Any) -> Boxes:
-    """``image``'s ``keys`` on the CPU, and its masks (when it has them) made binary by ``binary`` and run-length
-    encoded: a few bytes per object instead of a full-size mask."""
+
+def _on_host(image: Boxes, keys: Sequence[str], binary: Any, with_masks: bool = True) -> Boxes:
+    """``image``'s ``keys`` on the CPU, and its masks (when it has them and ``with_masks``) made binary by
+    ``binary`` and run-length encoded: a few bytes per object instead of a full-size mask."""
     kept = {key: image[key].detach().cpu() for key in keys}
-    if 'masks' in image:
+    if with_masks and 'masks' in image:
         kept['masks'] = mask_rles(binary(image['masks']))
     return kept

@@ -98,3 +98,25 @@ def test_repeated_ids_and_no_categories_are_refused(tmp_path):
     _write_set(tmp_path, annotations=[], categories=[])
     with pytest.raises(DataError, match='has no categories'):
         read_coco_split(tmp_path, 'val')
+
+
+@pytest.mark.parametrize('size', [(80, 60), (20, 15)])
+def test_an_image_whose_size_is_not_the_annotations_is_one_line_naming_both(tmp_path, size):
+    """Twice as large (boxes would land on the wrong pixels) or half as large (the boxes leave the image): refused
+    when the split is read, naming the image, the annotation file and both sizes."""
+    path = _write_set(tmp_path)
+    Image.new('RGB', size).save(tmp_path / 'val' / 'sub' / 'b.png')
+    with pytest.raises(DataError) as error:
+        read_coco_split(tmp_path, 'val')
+    message = str(error.value)
+    assert '\n' not in message and str(tmp_path / 'val' / 'sub' / 'b.png') in message and str(path) in message
+    assert 'width 40, height 30' in message and f'width {size[0]}, height {size[1]}' in message
+
+
+def test_exif_rotated_images_are_measured_upright(tmp_path):
+    """A JPEG stored 30 x 40 with EXIF orientation 6 (rotated 90 degrees) is 40 x 30 as it loads: it matches."""
+    _write_set(tmp_path, images=('a.png', 'sub/b.jpg'))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.new('RGB', (30, 40)).save(tmp_path / 'val' / 'sub' / 'b.jpg', exif=exif)
+    assert [(i.width, i.height) for i in read_coco_split(tmp_path, 'val').images] == [(40, 30), (40, 30)]

@@ -90,3 +90,23 @@ def test_the_built_in_shapes_are_boxed_by_kind_and_repeat_for_a_key():
     other = SyntheticShapesDetection(8, 64, seed=3, split='val',
                                      transform=build_detection_transforms(64, ZERO_MEAN, UNIT_STD, train=False))
     assert not np.array_equal(other.load(0)[0], dataset.load(0)[0])
+
+
+@pytest.mark.parametrize('height, width', [(240, 320), (400, 200), (180, 480), (101, 37), (7, 999), (64, 64)])
+def test_the_evaluation_size_is_the_pipelines_and_detections_map_back_to_the_original(height, width):
+    """evaluation_size against albumentations' own resize of an image; a box on the evaluation image, mapped back,
+    frames the same pixels of the original; masks come back at the original size."""
+    import albumentations as A
+
+    from linvit.data.detection import evaluation_size, to_original_pixels
+    resized = A.LongestMaxSize(max_size=64)(image=np.zeros((height, width, 3), dtype=np.uint8))['image']
+    assert evaluation_size(height, width, 64) == resized.shape[:2]
+    rh, rw = resized.shape[:2]
+    found = {'boxes': torch.tensor([[0.0, 0.0, rw, rh], [rw / 4, rh / 2, rw / 2, rh]]), 'labels': torch.tensor([1, 2]),
+             'scores': torch.tensor([0.9, 0.5]), 'masks': torch.zeros(2, 1, 64, 64)}
+    found['masks'][0, 0, :rh, :rw] = 1  # the whole image, none of the padding
+    back = to_original_pixels(found, height, width, 64)
+    torch.testing.assert_close(back['boxes'], torch.tensor([[0.0, 0.0, width, height],
+                                                            [width / 4, height / 2, width / 2, height]]))
+    assert back['masks'].shape == (2, 1, height, width) and bool((back['masks'][0] >= 0.5).all())
+    assert back['labels'].tolist() == [1, 2]
