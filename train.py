@@ -33,11 +33,12 @@ from linvit.engine import ConfigError, NonFiniteLossError, RunInterrupted
 from linvit.engine.checkpoint import CheckpointError
 from linvit.engine.commands import evaluate_saved, resume_run, start_run
 from linvit.engine.distributed import cleanup_distributed
+from linvit.engine.trainer import RunTerminated
 
 #: exit status of an expected failure: the command line or a config is wrong / a file, the data or the run is
 EXIT_CONFIG, EXIT_FAILURE = 2, 1
-#: exit status after Ctrl-C (128 + SIGINT), as shells report it
-EXIT_INTERRUPTED = 130
+#: exit status after Ctrl-C (128 + SIGINT) and after SIGTERM (128 + SIGTERM), as shells report them
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,10 +106,10 @@ def main(argv=None) -> int:
     except (DataError, CheckpointError, NonFiniteLossError, FileNotFoundError) as error:
         print(f"train.py: error: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt as interrupt:  # Ctrl-C: where the run stands instead of a traceback
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM: where the run stands instead of a traceback
         said = one_line(interrupt) if isinstance(interrupt, RunInterrupted) else 'interrupted'
         print(f"train.py: {said}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(interrupt, RunTerminated) else EXIT_INTERRUPTED
     finally:  # the process group (torchrun) ends with the run, whatever the outcome
         cleanup_distributed()
     if rank0:

@@ -17,10 +17,11 @@ from typing import Any, Dict, Optional, Sequence
 from omegaconf import DictConfig
 
 from .checkpoint import Checkpoint, CheckpointError
-from .config import ConfigError, RunConfig, config_from_yaml, differing_keys, load_config
+from .config import ConfigError, RunConfig, check_runs_here, config_from_yaml, differing_keys, load_config
+from .distributed import broadcast_from_main, elastic_attempt, setup_distributed
 from .evaluation import evaluate
 from .run_dir import RunDir
-from .run_files import WeightsMismatchError, find_run_files, saved_config_text
+from .run_files import WeightsMismatchError, find_run_files, restart_continues, saved_config_text
 from .tasks import architecture_keys
 from .trainer import train
 
@@ -33,8 +34,19 @@ _UNUSED_WITH_WEIGHTS = ('model.pretrained_file=null', 'model.pretrained=false')
 
 
 def start_run(config_file: Optional[str], overrides: Sequence[str], overwrite: bool = False) -> Dict[str, Any]:
-    """A new run of the config file with the overrides (``overwrite``: replace a run in its output_dir)."""
-    return train(load_config(config_file, overrides), overwrite=overwrite)
+    """A new run of the config file with the overrides (``overwrite``: replace a run in its output_dir). Under
+    ``torchrun --max-restarts``, a restart of the launch that started the run in output_dir continues that run from
+    its latest checkpoint, as torchrun's elastic agent expects (``restart_continues``: rank 0 decides for all)."""
+    cfg = load_config(config_file, overrides)
+    if elastic_attempt():
+        check_runs_here(cfg)
+        info = setup_distributed(cfg.device)
+        continues, why = broadcast_from_main(restart_continues(cfg.output_dir) if info.is_main else None)
+        if info.is_main:
+            _logger.info("%s", why)
+        if continues:
+            return resume_run(cfg.output_dir, config_file, overrides)
+    return train(cfg, overwrite=overwrite)
 
 
 def resume_run(path: str, config_file: Optional[str], overrides: Sequence[str]) -> Dict[str, Any]:

@@ -8,6 +8,7 @@
 A run directory (written by rank 0 only; ``linvit.engine.trainer`` fills it, ``run_files`` finds and clears it):
 
     config.yaml          the resolved config
+    launch.json          which torchrun launch started the run (its restarts continue it: run_files.restart_continues)
     train.log            linvit's, timm's and Python's warnings' log records
     metrics.csv          a train row every train.log_every steps, a val row at each evaluation
     metrics.json         the final evaluation (a staged run: the task's report)
@@ -38,6 +39,8 @@ class RunDir:
     path: str  # the run folder (cfg.output_dir)
 
     CONFIG: ClassVar[str] = 'config.yaml'
+    #: the torchrun launch that started the run (its elastic restarts continue it rather than being refused)
+    LAUNCH: ClassVar[str] = 'launch.json'
     LOG: ClassVar[str] = 'train.log'
     METRICS_CSV: ClassVar[str] = 'metrics.csv'
     METRICS_JSON: ClassVar[str] = 'metrics.json'
@@ -71,6 +74,11 @@ class RunDir:
     def config(self) -> str:
         """config.yaml: the resolved config."""
         return self.join(self.CONFIG)
+
+    @property
+    def launch(self) -> str:
+        """launch.json: which torchrun launch started the run."""
+        return self.join(self.LAUNCH)
 
     @property
     def log(self) -> str:

@@ -6,6 +6,7 @@ These need no model registry or task, so everything that builds models (the task
 ``linvit.engine.loading``'s ``load_trained``) can use them without importing each other.
 """
 import fnmatch
+import json
 import logging
 import math
 import os
@@ -20,10 +21,12 @@ from timm.layers import resample_abs_pos_embed
 from ..data import image_size
 from .checkpoint import Checkpoint, CheckpointError, load_safetensors
 from .config import ConfigError, config_from_yaml
+from .distributed import elastic_attempt, elastic_launch
 from .run_dir import RunDir
 
 __all__ = ['RunDir', 'RUN_WEIGHTS', 'RUN_DERIVED', 'RUN_STAGES', 'RUN_ENTRIES', 'RUN_RESULTS', 'RunExistsError',
-           'run_entries_in', 'run_results_in', 'claim_run_dir', 'remove_unstarted_run', 'RunFiles',
+           'run_entries_in', 'run_results_in', 'claim_run_dir', 'remove_unstarted_run', 'mark_launch',
+           'restart_continues', 'RunFiles',
            'find_run_files', 'saved_config_text', 'SavedWeights', 'read_weights', 'load_weights',
            'resample_position_embeddings', 'trained_img_size', 'WeightsMismatchError']
 
@@ -40,9 +43,9 @@ RUN_DERIVED = (RunDir.ONNX, RunDir.FEATURES_ONNX, RunDir.HUB, f'{RunDir.EVALUATI
 RUN_STAGES = RunDir.STAGES
 #: what train.py writes into a run directory (a staged run adds its stage folders and its state <task>.json), and
 #: what is derived from it: the entries a replaced run takes along. Names or fnmatch patterns.
-RUN_ENTRIES = (RunDir.CONFIG, RunDir.LOG, RunDir.METRICS_CSV, RunDir.METRICS_JSON, RunDir.LAST, RunDir.LAST_SHARDS,
-               RunDir.BEST, RunDir.WEIGHTS, RunDir.CURVES, RunDir.PICTURES, RunDir.TENSORBOARD, 'linearize.json',
-               *RUN_STAGES, *RUN_DERIVED)
+RUN_ENTRIES = (RunDir.CONFIG, RunDir.LAUNCH, RunDir.LOG, RunDir.METRICS_CSV, RunDir.METRICS_JSON, RunDir.LAST,
+               RunDir.LAST_SHARDS, RunDir.BEST, RunDir.WEIGHTS, RunDir.CURVES, RunDir.PICTURES, RunDir.TENSORBOARD,
+               'linearize.json', *RUN_STAGES, *RUN_DERIVED)
 #: the entries that make a folder hold a run: something to resume or a result, of its own or in a stage folder (the
 #: rest alone, a staged run's state included, is what a run that stopped before its first checkpoint leaves:
 #: nothing that --resume could continue)
@@ -121,6 +124,43 @@ def remove_unstarted_run(directory: str, created: bool) -> None:
     _remove_entries(directory, run_entries_in(directory))
     if created and not os.listdir(directory):
         os.rmdir(directory)
+
+
+def mark_launch(directory: str) -> None:
+    """Record in ``directory`` (launch.json) the torchrun launch that started its run (``elastic_launch``), so that
+    the launch's restarts continue the run instead of refusing the folder; nothing outside torchrun."""
+    launch = elastic_launch()
+    if launch is None:
+        return
+    with open(RunDir(directory).launch, 'w', encoding='utf-8') as f:
+        json.dump({'launch': launch}, f)
+        f.write('\n')
+
+
+def _launch_of(directory: str) -> Optional[str]:
+    """The launch launch.json names (None: no file, or one a crash left unreadable)."""
+    try:
+        with open(RunDir(directory).launch, encoding='utf-8') as f:
+            return json.load(f).get('launch')
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def restart_continues(directory: str) -> Tuple[bool, str]:
+    """(whether this new run is torchrun restarting the launch that started the run in ``directory``, which then
+    continues from its latest checkpoint; why). torchrun's elastic agent starts the same command again after a
+    worker died (TORCHELASTIC_RESTART_COUNT > 0) and expects it to continue its own run; any other run in the folder
+    is refused as before. Rank 0's answer is the one to follow (``broadcast_from_main``)."""
+    attempt = elastic_attempt()
+    if not attempt:
+        return False, 'not a torchrun restart'
+    if _launch_of(directory) != elastic_launch():
+        return False, (f"torchrun restart {attempt}, but {directory} holds the run of another launch (its "
+                       f"{RunDir.LAUNCH} names {_launch_of(directory)!r}, this launch is {elastic_launch()!r})")
+    if not run_results_in(directory):
+        return False, f"torchrun restart {attempt}: the run stopped before its first checkpoint, it starts again"
+    return True, (f"torchrun restart {attempt} of launch {elastic_launch()}: the run in {directory} continues from "
+                  f"its latest checkpoint")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """What a run records as it trains (rank 0 only): the run directory's ``config.yaml`` and ``train.log``,
 ``metrics.csv`` and TensorBoard (``RunLog``), ``metrics.json``, and the window of training each train row sums up.
 
-    with run_directory(cfg, info) as log_file:     # config.yaml written, train.log receives linvit's and timm's log
+    with run_directory(cfg, info):                 # train.log receives linvit's and timm's log
+        write_config(cfg, info)                    # config.yaml, once the run is set up
         log = RunLog(RunDir(cfg.output_dir), CSV_BASE_COLUMNS + ('top1', 'top5'), enabled=info.is_main)
         log.row({'epoch': 0, 'step': 10, 'split': 'train', 'loss': 0.7, ...})     # metrics.csv + TensorBoard
         log.picture('val/predictions', RunDir(cfg.output_dir).picture('val', 10), 10)
@@ -25,7 +26,7 @@ from .config import config_to_yaml
 from .distributed import DistInfo
 from .run_dir import RunDir
 
-__all__ = ['RunLog', 'CSV_BASE_COLUMNS', 'TrainWindow', 'run_directory', 'write_json', 'format_metrics',
+__all__ = ['RunLog', 'CSV_BASE_COLUMNS', 'TrainWindow', 'run_directory', 'write_config', 'write_json', 'format_metrics',
            'peak_memory_mib']
 
 #: the columns of metrics.csv before the task's metric columns
@@ -52,7 +53,7 @@ class RunLog:
         if not self.enabled or not os.path.exists(self.csv_path):
             return
         with open(self.csv_path, newline='') as f:
-            rows = [row for row in csv.DictReader(f) if int(row['step']) <= step]
+            rows = [row for row in csv.DictReader(f) if _step_of(row) <= step]
         with atomic_write(self.csv_path, mode='w') as f:
             writer = csv.DictWriter(f, fieldnames=self.columns)
             writer.writeheader()
@@ -85,6 +86,14 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _step_of(row: Dict[str, Any]) -> float:
+    """The step of a metrics.csv row; infinite for a row a killed process left unfinished (dropped on resume)."""
+    try:
+        return int(row['step'])
+    except (TypeError, ValueError):
+        return math.inf
 
 
 class TrainWindow:
@@ -131,8 +140,9 @@ def peak_memory_mib(device: torch.device) -> float:
 
 @contextlib.contextmanager
 def run_directory(cfg: DictConfig, info: DistInfo) -> Iterator[None]:
-    """On rank 0: create ``cfg.output_dir``, write its config.yaml and send linvit's, timm's and Python's warnings'
-    log records to its train.log while the block runs. Other ranks write nothing."""
+    """On rank 0: create ``cfg.output_dir`` and send linvit's, timm's and Python's warnings' log records to its
+    train.log while the block runs. Other ranks write nothing. Its config.yaml is written by ``write_config`` once
+    the run is set up: a run refused on the way (a resumed one too) leaves the config.yaml it found."""
     if not info.is_main:
         yield
         return
@@ -144,13 +154,18 @@ def run_directory(cfg: DictConfig, info: DistInfo) -> Iterator[None]:
     for name in _LOGGERS:
         logging.getLogger(name).addHandler(handler)
     try:
-        with atomic_write(files.config, mode='w') as f:
-            f.write(config_to_yaml(cfg))
         yield
     finally:
         for name in _LOGGERS:
             logging.getLogger(name).removeHandler(handler)
         handler.close()
+
+
+def write_config(cfg: DictConfig, info: DistInfo) -> None:
+    """The resolved config as the run directory's config.yaml (rank 0; atomic)."""
+    if info.is_main:
+        with atomic_write(RunDir(cfg.output_dir).config, mode='w') as f:
+            f.write(config_to_yaml(cfg))
 
 
 def write_json(path: str, values: Dict[str, Any]) -> None:

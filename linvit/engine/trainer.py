@@ -34,7 +34,15 @@ from tqdm import tqdm
 from ..data import LayoutError
 from .checkpoint import Checkpoint, Progress, atomic_write, save_model_safetensors
 from .config import ConfigError, check_runs_here, config_to_yaml
-from .distributed import DistInfo, all_reduce_max, all_reduce_mean, barrier, setup_distributed
+from .distributed import (
+    TERMINATION,
+    DistInfo,
+    SigtermReceived,
+    all_reduce_max,
+    all_reduce_mean,
+    barrier,
+    setup_distributed,
+)
 from .evaluation import evaluated_meter, save_prediction_picture
 from .parallel import save_sharded
 from .run import (
@@ -52,11 +60,11 @@ from .run import (
     use_threads,
 )
 from .run_dir import RunDir
-from .run_files import claim_run_dir, remove_unstarted_run, run_entries_in, run_results_in
-from .run_log import CSV_BASE_COLUMNS, RunLog, TrainWindow, format_metrics, run_directory, write_json
+from .run_files import claim_run_dir, mark_launch, remove_unstarted_run, run_entries_in, run_results_in
+from .run_log import CSV_BASE_COLUMNS, RunLog, TrainWindow, format_metrics, run_directory, write_config, write_json
 from .tasks import StagedRun, Task, build_task
 
-__all__ = ['train', 'fit', 'NonFiniteLossError', 'RunInterrupted', 'RunOutcome']
+__all__ = ['train', 'fit', 'NonFiniteLossError', 'RunInterrupted', 'RunTerminated', 'RunOutcome']
 
 _logger = logging.getLogger('linvit.train')
 
@@ -67,6 +75,11 @@ class NonFiniteLossError(RuntimeError):
 
 class RunInterrupted(KeyboardInterrupt):
     """Training stopped by Ctrl-C (SIGINT); the one-line message says what is kept and the command that continues."""
+
+
+class RunTerminated(RunInterrupted):
+    """Training stopped by SIGTERM (a scheduler's or torchrun's): at a step boundary with a checkpoint of that step,
+    or, where none could be written, saying why; the one-line message says what is kept and how to continue."""
 
 
 @dataclass(frozen=True)
@@ -91,13 +104,17 @@ def train(cfg: DictConfig, resume: Union[bool, Checkpoint] = False, overwrite: b
     """
     check_runs_here(cfg)
     try:
-        staged = build_task(cfg).staged_run()
-        if staged is not None:
-            return _train_stages(staged, resume=bool(resume), overwrite=overwrite)
-        checkpoint = Checkpoint.load(RunDir(cfg.output_dir).last) if resume is True else resume or None
-        outcome = _train_run(cfg, checkpoint, overwrite)
+        with TERMINATION.handling():  # SIGTERM: a checkpoint at the next step boundary (fit), then RunTerminated
+            staged = build_task(cfg).staged_run()
+            if staged is not None:
+                return _train_stages(staged, resume=bool(resume), overwrite=overwrite)
+            checkpoint = Checkpoint.load(RunDir(cfg.output_dir).last) if resume is True else resume or None
+            outcome = _train_run(cfg, checkpoint, overwrite)
     except RunInterrupted:
         raise
+    except SigtermReceived as why:
+        raise RunTerminated(f"terminated by {why}: no checkpoint was written then; "
+                            f"{_interrupted(cfg.output_dir).partition(': ')[2]}") from None
     except KeyboardInterrupt:
         raise RunInterrupted(_interrupted(cfg.output_dir)) from None
     if setup_distributed(cfg.device).is_main:
@@ -233,6 +250,7 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
         log = RunLog(run.files, CSV_BASE_COLUMNS + tuple(run.task.metric_columns), info.is_main)
         try:
             progress = Progress() if checkpoint is None else _resume(run, training, log, checkpoint)
+            write_config(cfg, info)  # the run is set up: a refused one (resumed too) keeps the config.yaml it found
             return fit(run, training, log, progress)
         finally:
             log.close()
@@ -243,6 +261,9 @@ def _claim_run_dir(output_dir: str, info: DistInfo, overwrite: bool) -> None:
     found, results = run_entries_in(output_dir), run_results_in(output_dir)
     barrier()  # every process has looked before the main one writes
     claim_run_dir(output_dir, found, results, overwrite, info.is_main)
+    if info.is_main:
+        os.makedirs(output_dir, exist_ok=True)
+        mark_launch(output_dir)  # under torchrun: its restarts continue this run (commands.start_run)
 
 
 @contextmanager
@@ -292,8 +313,22 @@ def fit(run: Run, training: Training, log: RunLog, progress: Progress) -> RunOut
     """Train from ``progress`` (a new run's, or a resumed one's) to ``training.stop_at``: a train row every
     train.log_every steps, a checkpoint every train.checkpoint_every steps and after every epoch, an evaluation
     every train.eval_every epochs and at the end. Returns the outcome, with the final evaluation."""
+    watch = _LossWatch(run.info.device, run.files.last, saved_step=progress.step or None)
+    with TERMINATION.deferred():  # SIGTERM from here on: agreed at a step boundary, a checkpoint, RunTerminated
+        metrics, evaluated_step = _steps(run, training, log, progress, watch)
+    if evaluated_step != progress.step:
+        metrics, improved = _evaluate_and_record(run, training, log, progress)
+        if improved:
+            _save_checkpoint(run, training, progress, also_best=True)
+    final = _finish(run, training, progress, metrics)
+    return RunOutcome(final, progress.step, training.total_steps, stopped_early=progress.step < training.total_steps)
+
+
+def _steps(run: Run, training: Training, log: RunLog, progress: Progress,
+           watch: '_LossWatch') -> Tuple[Optional[Dict[str, Any]], int]:
+    """The epochs of ``fit`` up to ``training.stop_at``; returns the last evaluation's metrics and its step (None,
+    -1 when none ran)."""
     cfg, info, every = run.cfg, run.info, run.cfg.train
-    watch = _LossWatch(info.device, run.files.last, saved_step=progress.step or None)
     evaluated_step, metrics = -1, None
     while progress.step < training.stop_at:
         # ------------------------------------------------------------ data: this epoch, from where it stopped
@@ -334,6 +369,9 @@ def fit(run: Run, training: Training, log: RunLog, progress: Progress) -> RunOut
                     watch.raise_if_diverged()
                     _save_checkpoint(run, training, progress)
                     watch.saved_step = progress.step
+                # ---------------------------------------------------- SIGTERM: every process stops at this step
+                if TERMINATION.agreed():
+                    _stop_terminated(run, training, progress, watch)
                 if progress.step >= training.stop_at:
                     break
         finally:
@@ -353,12 +391,20 @@ def fit(run: Run, training: Training, log: RunLog, progress: Progress) -> RunOut
         # ------------------------------------------------------------ the checkpoint of the epoch (or the stop)
         _save_checkpoint(run, training, progress, also_best=improved)
         watch.saved_step = progress.step
-    if evaluated_step != progress.step:
-        metrics, improved = _evaluate_and_record(run, training, log, progress)
-        if improved:
-            _save_checkpoint(run, training, progress, also_best=True)
-    final = _finish(run, training, progress, metrics)
-    return RunOutcome(final, progress.step, training.total_steps, stopped_early=progress.step < training.total_steps)
+        if TERMINATION.agreed():  # a SIGTERM during the evaluation: this checkpoint is the one to continue from
+            _stop_terminated(run, training, progress, watch)
+    return metrics, evaluated_step
+
+
+def _stop_terminated(run: Run, training: Training, progress: Progress, watch: '_LossWatch') -> None:
+    """Every process agreed to stop for SIGTERM at this step: checkpoint it (unless it just was), then
+    RunTerminated with the line that continues the run."""
+    watch.raise_if_diverged()  # a diverged run keeps its last good checkpoint instead
+    if watch.saved_step != progress.step:
+        _save_checkpoint(run, training, progress)
+    folder = run.cfg.output_dir
+    raise RunTerminated(f"terminated by SIGTERM at step {progress.step}: {run.files.last} holds it; continue with: "
+                        f"train.py --resume {folder} (under torchrun --max-restarts, a restart continues by itself)")
 
 
 class _LossWatch:

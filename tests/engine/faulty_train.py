@@ -1,0 +1,36 @@
+"""train.py with a fault injected right after its first checkpoint, for the tests of SIGTERM and elastic restarts
+(``tests/engine/test_faults.py``). Run as train.py is, with FAULT=<what>:<rank> in the environment:
+
+    term        SIGTERM to this process (a scheduler's signal)
+    term-agent  SIGTERM to the parent, torchrun's agent (which forwards it to every worker)
+    kill        SIGKILL to this process (a worker that dies: torchrun restarts the worker group)
+
+Only the process of that RANK, in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0 or unset), faults, once.
+"""
+import os
+import runpy
+import signal
+import sys
+
+from linvit.engine import trainer
+
+_SIGNALS = {'term': signal.SIGTERM, 'term-agent': signal.SIGTERM, 'kill': signal.SIGKILL}
+_save_checkpoint = trainer._save_checkpoint
+_faulted = []
+
+
+def _save_then_fault(*args, **kwargs):
+    _save_checkpoint(*args, **kwargs)
+    what, _, rank = os.environ['FAULT'].partition(':')
+    first_attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
+    if _faulted or not first_attempt or os.environ.get('RANK', '0') != rank:
+        return
+    _faulted.append(what)
+    os.kill(os.getppid() if what == 'term-agent' else os.getpid(), _SIGNALS[what])
+
+
+trainer._save_checkpoint = _save_then_fault
+if __name__ == '__main__':
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.argv[0] = os.path.join(root, 'train.py')
+    runpy.run_path(sys.argv[0], run_name='__main__')
