@@ -25,17 +25,23 @@ included) is skipped and reported as (path, reason); the others are still predic
 
 Detection (a PyTorch run) also runs each image at its own resolution, read by ``load_rgb``: 'whole' (one forward) up
 to ``max_pixels``, else 'slide': overlapping tiles whose boxes are merged (``linvit.inference.detect_tiled``: each
-tile keeps the boxes centred in the part it owns, then class-wise NMS), with a bar over the tiles. It writes
-``detections.json``, a COCO-format file (images by file name, the run's classes as categories 1..K, every
-detection as an annotation with its score: ``pycocotools.coco.COCO`` and annotation tools read it), and
-``<name>_overlay.png``, the boxes scored at least ``min_score`` drawn in their class colours.
+tile keeps the boxes centred in the part it owns, then class-wise NMS), with a bar over the tiles. Tiles are the
+largest within ``max_pixels`` (``detection_tile``) unless a ``window`` is given. Each forward keeps at most
+``max_detections`` boxes (the run's detection.detections_per_image by default), and a forward that reaches the cap
+is reported in one line. It writes ``detections.json``, a COCO-format file: images by file name, or by their id and
+file_name in the set's annotation file (``annotations``); the run's classes as categories under the data set's own
+ids (the run's detection.category_ids; 1..K for the built-in shapes); every detection as an annotation with its
+score, boxes in the image's pixels (``pycocotools.coco.COCO`` and annotation tools read it, and
+``COCO(annotation file).loadRes(its 'annotations')`` scores it), and ``<name>_overlay.png``, the boxes scored at
+least ``min_score`` drawn in their class colours.
 """
 import csv
 import json
+import math
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -67,7 +73,7 @@ __all__ = ['Predictor', 'torch_predictor', 'onnx_predictor', 'load_predictor', '
            'classify_images', 'write_predictions', 'segment_image', 'segment_images', 'save_mask_png',
            'PREDICTION_FIELDS', 'PREDICT_MODES', 'MASK_FORMATS', 'choose_mode', 'bounded_unavailable',
            'detect_images', 'detect_image', 'choose_detection_mode', 'DETECTIONS_FILE', 'OVERLAY_MIN_SCORE',
-           'PredictionInterrupted']
+           'PredictionInterrupted', 'detection_tile']
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 Skipped = List[Tuple[str, str]]  # (path, reason)
@@ -509,29 +515,41 @@ def choose_detection_mode(height: int, width: int, requested: str, max_pixels: i
     return 'slide', f"{height * width:,} pixels > --max-pixels {max_pixels:,}"
 
 
-def detect_image(predictor: Predictor, image: torch.Tensor, mode: str, window: int, stride: int, batch_size: int = 8,
-                 progress: Optional[Callable[[int], None]] = None) -> Dict[str, torch.Tensor]:
+def detection_tile(height: int, width: int, max_pixels: int, multiple: int) -> Tuple[int, int]:
+    """(tile height, tile width) for an image of height x width when no --window is given: the largest tile whose
+    forward, like a whole image's, stays within ``max_pixels`` pixels, so that tiles are few and large. A square of
+    the largest multiple of ``multiple`` whose area fits; a side of the image shorter than that square is taken
+    whole, and the other side grows as far as the budget allows (a strip). Never larger than the image."""
+    side = max(multiple, math.isqrt(max_pixels) // multiple * multiple)
+    if height >= side and width >= side:
+        return side, side
+    if height < side:
+        return height, min(width, max(multiple, max_pixels // height // multiple * multiple))
+    return min(height, max(multiple, max_pixels // width // multiple * multiple)), width
+
+
+def detect_image(predictor: Predictor, image: torch.Tensor, mode: str, tile: Tuple[int, int], overlap: int,
+                 batch_size: int = 8, progress: Optional[Callable[[int], None]] = None) -> Dict[str, torch.Tensor]:
     """The detections on one normalised image [3, H, W]: {'boxes' [N, 4] xyxy pixels, 'scores' [N], 'labels' [N]
-    1..K}. 'whole': one forward; 'slide': tiles of ``window`` px every ``stride`` px (``detect_tiled``), ``batch_size``
-    tiles per forward, ``progress(tiles)`` after each forward."""
+    1..K}. 'whole': one forward; 'slide': tiles of ``tile`` (height, width) px sharing ``overlap`` px with their
+    neighbours (``detect_tiled``), ``batch_size`` tiles per forward, ``progress(tiles)`` after each forward."""
     if mode == 'whole':
         found = predictor.run(image[None])[0]
         if progress:
             progress(1)
         return found
-    if not 0 < stride <= window:
-        raise ValueError(f"--stride {stride} must be in 1..{window} (the --window): tiles must overlap or touch")
-    return detect_tiled(predictor.run, image, window, overlap=window - stride, batch_size=batch_size,
-                        progress=progress)
+    return detect_tiled(predictor.run, image, tile, overlap=overlap, batch_size=batch_size, progress=progress)
 
 
-def _coco_annotations(found: Dict[str, torch.Tensor], image_id: int, first_id: int) -> List[Dict[str, object]]:
-    """One image's detections as COCO annotations: bbox [x, y, width, height] pixels, category_id the label 1..K."""
+def _coco_annotations(found: Dict[str, torch.Tensor], image_id: object, first_id: int,
+                      category_ids: Sequence[int]) -> List[Dict[str, object]]:
+    """One image's detections as COCO annotations: bbox [x, y, width, height] pixels, category_id the data set's id
+    of the label (label i is ``category_ids[i - 1]``)."""
     annotations = []
     for offset, (box, score, label) in enumerate(zip(found['boxes'].tolist(), found['scores'].tolist(),
                                                      found['labels'].tolist())):
         x1, y1, x2, y2 = box
-        annotations.append({'id': first_id + offset, 'image_id': image_id, 'category_id': int(label),
+        annotations.append({'id': first_id + offset, 'image_id': image_id, 'category_id': int(category_ids[label - 1]),
                             'bbox': [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
                             'area': round((x2 - x1) * (y2 - y1), 2), 'score': round(score, 5), 'iscrowd': 0})
     return annotations
@@ -561,44 +579,149 @@ def _draw_detections(image: np.ndarray, found: Dict[str, torch.Tensor], class_na
     return len(boxes)
 
 
+def _category_ids(predictor: Predictor) -> List[int]:
+    """The data set's category id of each of the run's labels (its task's record; 1..K when it has none)."""
+    ids = [int(i) for i in predictor.seg_defaults.get('category_ids') or range(1, len(predictor.class_names) + 1)]
+    if len(ids) != len(predictor.class_names):
+        raise ValueError(f"the run records {len(ids)} category ids (detection.category_ids={ids}) for its "
+                         f"{len(predictor.class_names)} classes {predictor.class_names}")
+    return ids
+
+
+def _annotated_images(annotations: str, items: Sequence[Item], categories: Sequence[Tuple[int, str]]
+                      ) -> Dict[str, Dict[str, object]]:
+    """Each input's entry in the COCO annotation file ``annotations`` (by path: the file's 'file_name' is the end of
+    the input's path), after checking that the file's categories are the run's ``categories`` (id, name); ValueError
+    (one line) for other categories or an input the file does not list."""
+    from .data.coco import read_coco_categories, read_coco_images
+    listed = read_coco_categories(annotations)
+    if listed != sorted(categories):
+        raise ValueError(f"{annotations} lists categories {listed} (id, name) but the run was trained on "
+                         f"{sorted(categories)}: its detections would be scored as other classes")
+    by_name: Dict[str, List[Dict[str, object]]] = {}
+    for entry in read_coco_images(annotations):
+        by_name.setdefault(os.path.basename(str(entry['file_name'])), []).append(entry)
+    found = {}
+    for item in items:
+        path = Path(os.path.abspath(item.path)).as_posix()
+        entry = next((e for e in by_name.get(os.path.basename(item.path), ())
+                      if path.endswith('/' + Path(str(e['file_name'])).as_posix().lstrip('./'))), None)
+        if entry is None:
+            raise ValueError(f"{item.path} is not among the images of {annotations} (no 'file_name' ends its path); "
+                             f"with --annotations, predict that file's images")
+        found[item.path] = entry
+    return found
+
+
+def _check_annotated_size(item: Item, entry: Dict[str, object], annotations: str, height: int, width: int) -> None:
+    """DataError unless the image is the size its annotation entry gives (its boxes are in those pixels)."""
+    if (width, height) != (entry['width'], entry['height']):
+        from .data import DataError
+        raise DataError(f"{item.path} is width {width}, height {height}, but {annotations} gives it width "
+                        f"{entry['width']}, height {entry['height']}: its detections would not be in the "
+                        f"annotations' pixels")
+
+
+@contextmanager
+def _detection_cap(predictor: Predictor, count: Optional[int]) -> Iterator[int]:
+    """The cap on detections per forward while the block runs: ``count``, else the run's own (its model's
+    ``detections_per_img``: detection.detections_per_image); the run's own is back afterwards."""
+    from .models.detection import detection_cap, set_detection_cap
+    model = predictor.model
+    if model is None:
+        yield count or 0
+        return
+    own = detection_cap(model)
+    set_detection_cap(model, count or own)
+    try:
+        yield count or own
+    finally:
+        set_detection_cap(model, own)
+
+
+class _CapCounter:
+    """``predictor.run`` that counts the forwards' images (tiles) and those whose detections reached ``cap``."""
+
+    def __init__(self, run: Callable[[torch.Tensor], List[Dict[str, torch.Tensor]]], cap: int) -> None:
+        self.run, self.cap = run, cap
+        self.images = self.capped = 0
+
+    def __call__(self, images: torch.Tensor) -> List[Dict[str, torch.Tensor]]:
+        found = self.run(images)
+        self.images += len(found)
+        self.capped += sum(bool(self.cap) and len(f['boxes']) >= self.cap for f in found)
+        return found
+
+
+def _tiles(height: int, width: int, window: Optional[int], stride: Optional[int], max_pixels: int,
+           multiple: int) -> Tuple[Tuple[int, int], int]:
+    """(tile (height, width), overlap) of 'slide': ``window`` px squares every ``stride`` px when given, else the
+    largest tile within ``max_pixels`` (``detection_tile``); the stride defaults to 2/3 of the tile's shorter side."""
+    tile = (window, window) if window else detection_tile(height, width, max_pixels, multiple)
+    shorter = min(tile)
+    stride = stride or max(1, shorter * 2 // 3)
+    if not 0 < stride <= shorter:
+        raise ValueError(f"--stride {stride} must be in 1..{shorter} (the tile's side): tiles must overlap or touch")
+    return tile, shorter - stride
+
+
 def detect_images(predictor: Predictor, items: Sequence[Item], out: Optional[str], mode: str = 'auto',
                   window: Optional[int] = None, stride: Optional[int] = None, batch_size: int = 8,
-                  max_pixels: int = DEFAULT_MAX_PIXELS, min_score: float = OVERLAY_MIN_SCORE) -> Tuple[int, Skipped]:
+                  max_pixels: int = DEFAULT_MAX_PIXELS, min_score: float = OVERLAY_MIN_SCORE,
+                  max_detections: Optional[int] = None, annotations: Optional[str] = None) -> Tuple[int, Skipped]:
     """Detect objects in each readable image at its own resolution and write OUT/detections.json (COCO format) and
     OUT/<name>_overlay.png (see the module docstring); returns (how many images were written, [(path, reason)] for
     the unreadable ones).
 
-    mode: 'auto' (``choose_detection_mode``), 'whole' or 'slide'; ``window`` (default: the training size) and
-        ``stride`` (default: 2/3 of the window) place the tiles. ``min_score``: the overlays' threshold.
+    mode: 'auto' (``choose_detection_mode``), 'whole' or 'slide'; ``window`` and ``stride`` place square tiles
+        (default: the largest tile within ``max_pixels``, ``detection_tile``, every 2/3 of its shorter side).
+    max_detections: the most detections one forward (a whole image or a tile) returns (default: the run's
+        detection.detections_per_image); a forward that returns that many is reported in one line on stderr.
+    annotations: the images' COCO annotation file: detections.json then names each image by its id and file_name
+        there (a set scored by COCOeval with that file), after checking the categories and image sizes agree.
+    min_score: the overlays' threshold.
     """
     if not out:
         raise ValueError('detection writes detections.json and overlays: give --out FOLDER')
-    window = window or predictor.img_size[0]
-    stride = stride or max(1, window * 2 // 3)
+    category_ids = _category_ids(predictor)
+    annotated = (_annotated_images(annotations, items, list(zip(category_ids, predictor.class_names)))
+                 if annotations else {})
     transform = build_seg_transforms(None, predictor.img_size[0], predictor.mean, predictor.std, ignore_index=255,
                                      train=False)  # validation's normalisation, at full resolution
     os.makedirs(out, exist_ok=True)
     images: List[Dict[str, object]] = []
-    annotations: List[Dict[str, object]] = []
+    detections: List[Dict[str, object]] = []
     skipped: Skipped = []
-    for item in tqdm(items, desc='detect', unit='img', file=sys.stderr):
-        image = _read_or_skip(item, skipped)
-        if image is None:
-            continue
-        height, width = image.shape[:2]
-        chosen, why = choose_detection_mode(height, width, mode, max_pixels)
-        with tqdm(desc=f'{item.name} ({chosen})', unit='tile', leave=False, file=sys.stderr) as bar:
-            found = detect_image(predictor, transform(image=image)['image'], chosen, window, stride, batch_size,
-                                 bar.update)
-        image_id = len(images) + 1
-        images.append({'id': image_id, 'file_name': item.path, 'width': width, 'height': height})
-        annotations += _coco_annotations(found, image_id, len(annotations) + 1)
-        overlay = os.path.join(out, f"{item.name}_overlay.png")
-        os.makedirs(os.path.dirname(overlay), exist_ok=True)
-        drawn = _draw_detections(image, found, predictor.class_names, min_score, overlay)
-        tqdm.write(f"{item.path}: {width}x{height}, {chosen} ({why}); {len(found['boxes'])} detections, {drawn} "
-                   f"scored >= {min_score:g} drawn in {overlay}", file=sys.stderr)
-    categories = [{'id': index, 'name': name} for index, name in enumerate(predictor.class_names, start=1)]
-    _write_json_atomically({'images': images, 'annotations': annotations, 'categories': categories},
+    with _detection_cap(predictor, max_detections) as cap:
+        for item in tqdm(items, desc='detect', unit='img', file=sys.stderr):
+            image = _read_or_skip(item, skipped)
+            if image is None:
+                continue
+            height, width = image.shape[:2]
+            entry = annotated.get(item.path)
+            if entry is not None:
+                _check_annotated_size(item, entry, str(annotations), height, width)
+            chosen, why = choose_detection_mode(height, width, mode, max_pixels)
+            tile, overlap = _tiles(height, width, window, stride, max_pixels, predictor.multiple)
+            counted = _CapCounter(predictor.run, cap)
+            where = f"{tile[0]}x{tile[1]} px tiles overlapping by {overlap} px" if chosen == 'slide' else 'one forward'
+            with tqdm(desc=f'{item.name} ({chosen})', unit='tile', leave=False, file=sys.stderr) as bar:
+                found = detect_image(replace(predictor, run=counted), transform(image=image)['image'], chosen, tile,
+                                     overlap, batch_size, bar.update)
+            if counted.capped:
+                tqdm.write(f"{item.path}: {counted.capped} of {counted.images} forward(s) returned the cap of {cap} "
+                           f"detections (--max-detections): there may be more objects; raise --max-detections",
+                           file=sys.stderr)
+            image_id = entry['id'] if entry is not None else len(images) + 1
+            images.append({'id': image_id, 'file_name': entry['file_name'] if entry is not None else item.path,
+                           'width': width, 'height': height})
+            detections += _coco_annotations(found, image_id, len(detections) + 1, category_ids)
+            overlay = os.path.join(out, f"{item.name}_overlay.png")
+            os.makedirs(os.path.dirname(overlay), exist_ok=True)
+            drawn = _draw_detections(image, found, predictor.class_names, min_score, overlay)
+            tqdm.write(f"{item.path}: {width}x{height}, {chosen} ({why}; {where}); {len(found['boxes'])} detections, "
+                       f"{drawn} scored >= {min_score:g} drawn in {overlay}", file=sys.stderr)
+    categories = [{'id': category_id, 'name': name} for category_id, name in zip(category_ids, predictor.class_names)]
+    _write_json_atomically({'images': images, 'annotations': detections, 'categories': categories},
                            os.path.join(out, DETECTIONS_FILE))
     return len(images), skipped

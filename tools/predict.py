@@ -28,14 +28,18 @@ input's path below the folder it was found in.
     python tools/predict.py seg.onnx big.png --out masks/ --mode slide --window 512
 
 Detection (a run directory, .pt or .safetensors): each image runs at its own resolution, whole up to
-``--max-pixels`` and in overlapping tiles above (``--mode slide``: ``--window`` px tiles every ``--stride`` px; each
-tile keeps the boxes centred in the part it owns, then class-wise NMS), with a bar over the tiles. ``OUT/
-detections.json`` is COCO-format (images by file name, the run's classes as categories 1..K, each detection an
-annotation with its score) and ``OUT/<name>_overlay.png`` draws the boxes scored at least ``--min-score``. The ONNX
-file of a detection run holds its feature pyramid only (``export_onnx.py --features``): predict with the run.
+``--max-pixels`` and in overlapping tiles above (``--mode slide``: the largest tiles within ``--max-pixels``, or
+``--window`` px tiles every ``--stride`` px; each tile keeps the boxes centred in the part it owns, then class-wise
+NMS), with a bar over the tiles. A forward keeps at most ``--max-detections`` boxes (default: the run's
+detection.detections_per_image) and says so in one line when it reaches that cap. ``OUT/detections.json`` is
+COCO-format (images by file name, or with ``--annotations FILE`` by their id in that COCO file; the categories with
+the data set's own ids, as the run recorded them; each detection an annotation with its score, in the image's
+pixels) and ``OUT/<name>_overlay.png`` draws the boxes scored at least ``--min-score``. The ONNX file of a detection
+run holds its feature pyramid only (``export_onnx.py --features``): predict with the run.
 
     python tools/predict.py runs/det_demo scenes/ --out boxes/                         # auto: tiles above 4 MP
     python tools/predict.py runs/det_demo aerial.png --out boxes/ --mode slide --window 1024 --stride 768
+    python tools/predict.py runs/coco data/coco/val --out boxes/ --annotations data/coco/annotations/instances_val.json
 
 An image that cannot be read is reported by name and skipped, also one that opens but fails half way through its
 rows (a truncated TIFF; its partial files are removed): the others are still predicted and the skipped ones are
@@ -92,11 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--downsample', type=float, default=1.0,
                         help='segmentation: the pyramid level of a pyramidal TIFF/slide (the largest downsample '
                              'not above this)')
-    parser.add_argument('--window', type=int, help="slide: window side in pixels (default: the run's, else the "
-                                                   "training size)")
+    parser.add_argument('--window', type=int, help="slide: window side in pixels (default: segmentation: the run's, "
+                                                   "else the training size; detection: the largest tile within "
+                                                   "--max-pixels)")
     parser.add_argument('--stride', type=int, help='slide: step between windows (default: 2/3 of the window)')
     parser.add_argument('--batch-size', type=int, default=8, help='images (classification) or windows (slide) per '
                                                                   'forward')
+    parser.add_argument('--max-detections', type=int,
+                        help="detection: the most boxes one forward (a whole image or a tile) keeps (default: the "
+                             "run's detection.detections_per_image); a forward that reaches it is reported")
+    parser.add_argument('--annotations', metavar='FILE',
+                        help="detection: the images' COCO annotation file: detections.json names each image by its "
+                             "id there, ready for COCOeval against that file")
     parser.add_argument('--min-score', type=float, default=OVERLAY_MIN_SCORE,
                         help='detection: overlays draw the boxes scored at least this (detections.json keeps every '
                              'detection with its score)')
@@ -118,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     predictor = load_predictor(args.model, args.device, args.threads)
     if predictor.task == 'detection':
         _, unreadable = detect_images(predictor, items, args.out, args.mode, args.window, args.stride,
-                                      args.batch_size, args.max_pixels, args.min_score)
+                                      args.batch_size, args.max_pixels, args.min_score,
+                                      max_detections=args.max_detections, annotations=args.annotations)
     elif predictor.task == 'segmentation':
         _, unreadable = segment_images(predictor, items, args.out, args.mode, args.window, args.stride,
                                        args.batch_size, args.alpha, args.rows_per_chunk, args.max_pixels,

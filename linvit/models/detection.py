@@ -28,7 +28,7 @@ from torchvision.ops import MultiScaleRoIAlign
 from ..registry import Registry
 from .segmentation import PYRAMID_SCALES, ViTPyramid, pyramid_strides
 
-__all__ = ['PyramidBackbone', 'build_detector', 'DETECTORS', 'pyramid_strides']
+__all__ = ['PyramidBackbone', 'build_detector', 'DETECTORS', 'pyramid_strides', 'detection_cap', 'set_detection_cap']
 
 #: the pyramid levels' names in the ordered dict torchvision's heads read (finest first)
 LEVEL_NAMES = tuple(str(index) for index in range(len(PYRAMID_SCALES)))
@@ -137,3 +137,25 @@ def build_detector(backbone: nn.Module, num_classes: int, detector: str = 'faste
     model.takes_targets = True  # training computes the losses from the targets (linvit.fast.LossGraph)
     model.input_multiple = pyramid.input_multiple  # what image sides the task checks against
     return model
+
+
+def _cap_holder(detector: nn.Module) -> Any:
+    """The module whose ``detections_per_img`` caps a detector's output: the two-stage detectors' box heads
+    (``roi_heads``), the single-stage detector itself."""
+    holder = getattr(detector, 'roi_heads', detector)
+    if not hasattr(holder, 'detections_per_img'):
+        raise ValueError(f"{type(detector).__name__} has no detections_per_img (torchvision's cap on the detections "
+                         f"per image)")
+    return holder
+
+
+def detection_cap(detector: nn.Module) -> int:
+    """How many detections per image ``detector`` returns at most (torchvision's ``detections_per_img``)."""
+    return int(_cap_holder(detector).detections_per_img)
+
+
+def set_detection_cap(detector: nn.Module, count: int) -> None:
+    """Let ``detector`` return up to ``count`` detections per image (the weights are unchanged)."""
+    if count < 1:
+        raise ValueError(f"a detector returns at least 1 detection per image, got a cap of {count}")
+    _cap_holder(detector).detections_per_img = int(count)

@@ -105,7 +105,7 @@ def _linvit(root, results, overrides=()):
                               (r['bbox'] for r in rows)], dtype=torch.float32).reshape(-1, 4)
         found = {'boxes': boxes, 'labels': torch.tensor([label_of[r['category_id']] for r in rows]).long(),
                  'scores': torch.tensor([r['score'] for r in rows], dtype=torch.float32)}
-        task.evaluate_batch(lambda images: [found], image[None], [target], meter)  # a detector that found these
+        task.evaluate_batch(lambda images, found=found: [found], image[None], [target], meter)  # found these
     meter.reduce_()
     return task.final_metrics(meter.compute()), class_names
 

@@ -8,14 +8,18 @@ import pytest
 import timm
 import torch
 from PIL import Image
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
 from safetensors.torch import load_file
 from tiny_run import TINY_DET, TINY_MODEL
 
 import linvit  # noqa: F401  (registers linvit_*)
 from linvit.data.detection import SyntheticShapesDetection, build_detection_transforms
 from linvit.engine import ConfigError, load_config, train
+from linvit.engine.loading import load_trained
 from linvit.engine.metrics import coco_box_metrics
 from linvit.models.detection import build_detector
+from linvit.predict import collect_inputs, detect_images, torch_predictor
 
 
 def test_the_shapes_train_end_to_end_and_the_report_is_the_saved_detectors_ap(tmp_path):
@@ -41,7 +45,12 @@ def test_the_shapes_train_end_to_end_and_the_report_is_the_saved_detectors_ap(tm
     assert metrics['ap50'] == pytest.approx(by_hand['ap50'], abs=1e-9)
 
 
+#: the set's categories: ids with a gap, listed out of order (labels follow the sorted ids: hole 1, panel 2)
+CATEGORIES = [{'id': 7, 'name': 'panel'}, {'id': 3, 'name': 'hole'}]
+
+
 def _coco_folder(root):
+    """Images of 70 x 50 px (evaluated at 64: another scale) with a bright panel (id 7) and a dark hole (id 3)."""
     rng = np.random.default_rng(0)
     (root / 'annotations').mkdir(parents=True)
     for split, count in (('train', 8), ('val', 3)):
@@ -51,25 +60,68 @@ def _coco_folder(root):
             pixels = rng.integers(60, 120, (50, 70, 3)).astype(np.uint8)
             x, y = int(rng.integers(0, 40)), int(rng.integers(0, 25))
             pixels[y:y + 20, x:x + 25] = 250
+            pixels[40:48, 2:12] = 0
             Image.fromarray(pixels).save(root / split / f'{index}.png')
-            images.append({'id': index, 'file_name': f'{index}.png', 'width': 70, 'height': 50})
-            annotations.append({'id': index, 'image_id': index, 'category_id': 7, 'bbox': [x, y, 25, 20],
-                                'iscrowd': 0, 'segmentation': [[x, y, x + 25, y, x + 25, y + 20, x, y + 20]]})
+            images.append({'id': 10 + index, 'file_name': f'{index}.png', 'width': 70, 'height': 50})
+            for category, (bx, by, bw, bh) in ((7, (x, y, 25, 20)), (3, (2, 40, 10, 8))):
+                annotations.append({'id': len(annotations) + 1, 'image_id': 10 + index, 'category_id': category,
+                                    'bbox': [bx, by, bw, bh], 'area': bw * bh, 'iscrowd': 0,
+                                    'segmentation': [[bx, by, bx + bw, by, bx + bw, by + bh, bx, by + bh]]})
         (root / 'annotations' / f'instances_{split}.json').write_text(json.dumps(
-            {'images': images, 'annotations': annotations, 'categories': [{'id': 7, 'name': 'panel'}]}))
+            {'images': images, 'annotations': annotations, 'categories': CATEGORIES}))
+
+
+def _cocoeval_of_saved_weights(run, data):
+    """The run's model.safetensors on the val images at 64 px (evaluation's pipeline), its boxes scaled back to the
+    images' 70 x 50 pixels by hand, labels turned into the file's ids by hand, and COCOeval against the file."""
+    trained = load_trained(str(run))
+    transform = build_detection_transforms(64, trained.mean, trained.std, train=False)
+    results = []
+    for index in range(3):
+        pixels = np.asarray(Image.open(data / 'val' / f'{index}.png').convert('RGB'))
+        with torch.no_grad():
+            found = trained.model(transform(image=pixels, bboxes=np.zeros((0, 4)), labels=[], objects=[])['image']
+                                  [None])[0]
+        for (x1, y1, x2, y2), label, score in zip(found['boxes'].tolist(), found['labels'].tolist(),
+                                                  found['scores'].tolist()):
+            x1, x2, y1, y2 = x1 * 70 / 64, x2 * 70 / 64, y1 * 50 / 46, y2 * 50 / 46  # 70 x 50 was resized to 64 x 46
+            results.append({'image_id': 10 + index, 'category_id': [3, 7][label - 1], 'score': score,
+                            'bbox': [x1, y1, x2 - x1, y2 - y1]})
+    ground_truth = COCO(str(data / 'annotations' / 'instances_val.json'))
+    evaluation = COCOeval(ground_truth, ground_truth.loadRes(results), 'bbox')
+    evaluation.evaluate()
+    evaluation.accumulate()
+    evaluation.summarize()
+    return evaluation.stats
 
 
 @pytest.mark.parametrize('detector', ['retinanet', 'mask_rcnn'])
 def test_a_coco_folder_trains_end_to_end(tmp_path, detector):
-    """A single-stage detector on boxes, and Mask R-CNN on the polygons: its report adds mask AP."""
-    _coco_folder(tmp_path / 'data')
-    metrics = train(load_config(None, [*TINY_MODEL, *TINY_DET, 'data.name=folder', f'data.root={tmp_path / "data"}',
-                                       f'detection.detector={detector}', f'output_dir={tmp_path / "run"}']))
-    assert metrics['images'] == 3 and list(metrics['per_class_ap']) == ['panel']
+    """A single-stage detector on boxes, and Mask R-CNN on the polygons: its report adds mask AP. The report's box AP
+    is COCOeval's on the annotation file for the saved weights' boxes in the images' own pixels; the run records the
+    set's category ids, and its detections.json speaks them (with the file's image ids)."""
+    data, run = tmp_path / 'data', tmp_path / 'run'
+    _coco_folder(data)
+    metrics = train(load_config(None, [*TINY_MODEL, *TINY_DET, 'data.name=folder', f'data.root={data}',
+                                       f'detection.detector={detector}', f'output_dir={run}']))
+    assert metrics['images'] == 3 and list(metrics['per_class_ap']) == ['hole', 'panel']
     assert 0 <= metrics['ap'] <= 1
     masks = detector == 'mask_rcnn'
     assert ('mask_ap' in metrics) == masks and (not masks or 0 <= metrics['mask_ap'] <= 1)
-    assert ('mask_per_class_ap' in json.loads((tmp_path / 'run' / 'metrics.json').read_text())) == masks
+    assert ('mask_per_class_ap' in json.loads((run / 'metrics.json').read_text())) == masks
+    assert 'category_ids:\n  - 3\n  - 7\n' in (run / 'config.yaml').read_text()
+    if masks:
+        return
+    stats = _cocoeval_of_saved_weights(run, data)
+    assert metrics['ap'] == pytest.approx(stats[0], abs=1e-6) and metrics['ap50'] == pytest.approx(stats[1], abs=1e-6)
+
+    items, _ = collect_inputs([str(data / 'val')])
+    detect_images(torch_predictor(str(run)), items, str(tmp_path / 'boxes'),
+                  annotations=str(data / 'annotations' / 'instances_val.json'))
+    written = json.loads((tmp_path / 'boxes' / 'detections.json').read_text())
+    assert sorted((c['id'], c['name']) for c in written['categories']) == [(3, 'hole'), (7, 'panel')]
+    assert sorted(image['id'] for image in written['images']) == [10, 11, 12]
+    assert {a['category_id'] for a in written['annotations']} <= {3, 7} and written['annotations']
 
 
 def test_an_unknown_detector_a_compiled_step_and_the_cache_are_config_errors(tmp_path):

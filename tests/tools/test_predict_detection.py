@@ -64,7 +64,8 @@ def test_large_images_go_in_tiles_and_bad_input_gets_one_line(det_run, tmp_path,
     assert predict_tool.main([str(det_run), str(tmp_path / 'big.png'), str(tmp_path / 'broken.png'), '--out',
                               str(out), '--max-pixels', '10000']) == 1
     err = capsys.readouterr().err
-    assert 'slide (30,000 pixels > --max-pixels 10,000)' in err and 'skipped' in err and 'broken.png' in err
+    assert 'slide (30,000 pixels > --max-pixels 10,000; 96x96 px tiles overlapping by 32 px)' in err
+    assert 'skipped' in err and 'broken.png' in err
     detections = json.loads((out / 'detections.json').read_text())
     assert [image['file_name'] for image in detections['images']] == [str(tmp_path / 'big.png')]
     for annotation in detections['annotations']:
