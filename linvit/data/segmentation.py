@@ -12,8 +12,11 @@ A mask is a single-channel PNG of class ids: mode 'L' (8-bit), 'P' (palette inde
 loss or metric counts. Colour (RGB/RGBA) masks are refused: mapping colours to ids is the user's decision.
 
 Pairing is checked at construction from the file listing (cheap): an image without a mask is an error, a mask
-without an image a warning. What needs decoding (a mask's size and values) is checked when a sample is loaded, and
-is an error naming the file. A file that fails to decode at all is logged, counted in ``num_bad`` and replaced by the
+without an image a warning. Before training (``check_pairs``, which train.py runs when it builds the data) every pair
+of both splits is opened: a mask that is no class-id mode or has another size than its image is an error naming the
+files (read off the headers), and the validation masks are decoded and their values checked too, so that a bad
+validation pair stops the run before its first epoch rather than at its first evaluation. The same checks run again
+when a sample is loaded. A file that fails to decode at all is logged, counted in ``num_bad`` and replaced by the
 next pair, as for classification folders (``max_bad_fraction``).
 
 Class names come from ``root/classes.txt``; else ``data.num_classes`` names them ``class_0`` ...; else the count is
@@ -256,6 +259,48 @@ class SegFolderDataset(KeyedSegDataset):
             return image, self._checked_mask(candidate, image, mode, values)
         raise DataError(f"no image/mask pair under {self.split_dir} could be decoded")
 
+    def check_pairs(self, decode_masks: bool, num_threads: int = 8) -> None:
+        """Check every image/mask pair now rather than when it is first loaded: the files open, the mask's mode is
+        a class-id mode and its size its image's (headers only); ``decode_masks`` also decodes each mask and checks
+        its values (and verifies the image file's checksums), which costs a pass over the masks. A DataError names
+        the first wrong pair; pairs that do not open are skipped and counted as ``load`` does (max_bad_fraction)."""
+        def check(index: int) -> Exception | None:
+            try:
+                self._check_pair(index, decode_masks)
+            except DataError as wrong:
+                return wrong
+            except Exception as err:  # noqa: BLE001 (decoding fails in many ways: see folder.verify_image)
+                return _Undecodable(f"{type(err).__name__}: {err}")
+            return None
+
+        with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
+            found = list(pool.map(check, range(len(self))))
+        wrong = next((problem for problem in found if isinstance(problem, DataError)), None)
+        if wrong is not None:
+            raise DataError(f"{wrong} (found before training, checking every pair under {self.split_dir})")
+        for index, problem in enumerate(found):
+            if problem is not None and index not in self._failed_at_load:
+                self._record_load_failure(index, problem)
+
+    def _check_pair(self, index: int, decode_masks: bool) -> None:
+        """What ``load`` checks of the pair at ``index``, from the file headers (and the mask's pixels with
+        ``decode_masks``)."""
+        image_size = _upright_size(self.image_paths[index], verify=decode_masks)
+        if decode_masks:
+            mode, values = decode_mask(self.mask_paths[index])
+            check_mask_mode(mode, self.mask_paths[index])
+            mask_size = values.shape[1], values.shape[0]
+        else:
+            with Image.open(self.mask_paths[index]) as mask:
+                check_mask_mode(mask.mode, self.mask_paths[index])
+            mask_size = _upright_size(self.mask_paths[index])
+        if mask_size != image_size:
+            raise DataError(f"mask {self.mask_paths[index]} is {mask_size[0]}x{mask_size[1]} (width x height) but its "
+                            f"image {self.image_paths[index]} is {image_size[0]}x{image_size[1]}; a mask must have "
+                            f"its image's size")
+        if decode_masks:
+            check_mask_values(values, self.mask_paths[index], len(self.class_names), self.ignore_index)
+
     def describe(self) -> str:
         shown = ', '.join(self.class_names[:5]) + (', ...' if len(self.class_names) > 5 else '')
         return (f"seg folder {self.split_dir.name}: root={self.split_dir}, {len(self)} image/mask pairs "
@@ -288,6 +333,26 @@ class SegFolderDataset(KeyedSegDataset):
         if fraction > self.max_bad_fraction:
             raise DataError(f"{self.num_bad} of {len(self)} image/mask pairs under {self.split_dir} could not be "
                             f"decoded ({fraction:.2%}), {too_many_bad(self.max_bad_fraction)}")
+
+
+class _Undecodable(Exception):
+    """A file of a pair that PIL cannot open or verify (the reason is the message)."""
+
+
+#: EXIF orientations that turn an image by 90 degrees (its width and height swap once upright)
+_TURNED = frozenset({5, 6, 7, 8})
+
+
+def _upright_size(path: str, verify: bool = False) -> tuple[int, int]:
+    """(width, height) of the image file at ``path`` once upright (EXIF orientation applied, as ``load`` applies
+    it), from its header; ``verify`` also checks the file's checksums (PIL's verify)."""
+    if verify:  # on a file of its own: PIL reads nothing else from a verified image
+        with Image.open(path) as img:
+            img.verify()
+    with Image.open(path) as img:
+        width, height = img.size
+        turned = img.getexif().get(0x0112) in _TURNED
+    return (height, width) if turned else (width, height)
 
 
 # ---------------------------------------------------------------- config -> datasets
@@ -328,6 +393,9 @@ def build_seg_folder(cfg: Any, mean: Sequence[float], std: Sequence[float], with
         train = SegFolderDataset(root / 'train', train_tf, class_names, cfg.ignore_index, cfg.max_bad_fraction)
         class_names = train.class_names
     val = SegFolderDataset(root / 'val', val_tf, class_names, cfg.ignore_index, cfg.max_bad_fraction)
+    if with_train:  # before training, not at the first evaluation an epoch later (evaluating alone loads them all)
+        train.check_pairs(decode_masks=False)
+        val.check_pairs(decode_masks=True)
     if with_train and getattr(cfg, 'cache', False):
         train = _cached_train(cfg, root, train, mean, std)
     return (train if with_train else None), val, class_names

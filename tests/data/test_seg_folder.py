@@ -301,3 +301,43 @@ def test_works_with_the_engine_data_config(tmp_path):
     assert names == ['sky', 'road', 'car'] and len(train) == 2 and len(val) == 1
     image, mask = train[(0, 0)]
     assert image.shape == (3, 8, 8) and set(mask.unique().tolist()) <= {0, 1, 2, IGNORE}
+
+
+# ---------------------------------------------------------------- checked before training
+
+@pytest.mark.parametrize('fault, words', [
+    ('size', ['is 15x12 (width x height) but its image', '16x12']),
+    ('values', ['has values 7 (1 pixels) that are neither class ids 0..2']),
+    ('mode', ["has PIL mode 'RGB'"]),
+])
+def test_a_bad_validation_pair_is_refused_when_the_data_is_built(tmp_path, fault, words):
+    """Before training starts, not at the first evaluation an epoch later."""
+    root = make_root(tmp_path)
+    values = ids(7)
+    values[2, 3] = 7
+    mask = {'size': ids(7, 12, 15), 'values': values, 'mode': rgb(8)}[fault]
+    _, bad = add_pair(root, 'val', 'zz', rgb(9), mask)
+    with pytest.raises(RuntimeError) as err:
+        build_segmentation_datasets(cfg(root), *IDENTITY)
+    message = str(err.value)
+    assert str(bad) in message and all(word in message for word in words), message
+    assert f'found before training, checking every pair under {root / "val"}' in message
+    build_segmentation_datasets(cfg(root), *IDENTITY, with_train=False)  # evaluating alone checks as it loads
+
+
+def test_a_train_mask_of_another_size_is_refused_when_the_data_is_built(tmp_path):
+    root = make_root(tmp_path)
+    _, bad = add_pair(root, 'train', 'zz', rgb(9), ids(7, 12, 15))
+    with pytest.raises(RuntimeError, match=rf'mask {bad} is 15x12 .*\(found before training'):
+        build_segmentation_datasets(cfg(root), *IDENTITY)
+
+
+def test_undecodable_validation_pairs_count_against_max_bad_fraction_before_training(tmp_path, caplog):
+    root = make_root(tmp_path)
+    broken, _ = add_pair(root, 'val', 'zz', rgb(9), ids(9))
+    broken.write_bytes(broken.read_bytes()[:60])  # truncated PNG
+    with pytest.raises(RuntimeError, match=r'1 of 2 image/mask pairs .* could not be decoded'):
+        build_segmentation_datasets(cfg(root), *IDENTITY)
+    with caplog.at_level(logging.WARNING, logger='linvit.data.segmentation'):
+        _, val, _ = build_segmentation_datasets(cfg(root, max_bad_fraction=0.5), *IDENTITY)
+    assert val.num_bad == 1 and str(broken) in caplog.text
