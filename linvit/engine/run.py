@@ -38,7 +38,8 @@ from .tasks import Task, build_task, normalization_of
 from .tasks.base import model_keywords
 
 __all__ = ['Run', 'Training', 'BatchMixer', 'build_run', 'build_training', 'loader', 'batch_on_device', 'use_threads',
-           'seed_everything', 'autocast_factory', 'learning_rate', 'evaluated_model', 'restore', 'checkpoint_of']
+           'seed_everything', 'autocast_factory', 'learning_rate', 'evaluated_model', 'restore', 'checkpoint_of',
+           'GlobalBatch', 'resumed_batch']
 
 _logger = logging.getLogger('linvit.train')
 
@@ -315,14 +316,77 @@ def restore(run: Run, training: Training, checkpoint: Checkpoint) -> Progress:
         training.optimizer.load_state_dict(checkpoint.optimizer)
     if training.scaler is not None and checkpoint.scaler is not None:
         training.scaler.load_state_dict(checkpoint.scaler)
-    saved_data = checkpoint.world_size // _saved_context(checkpoint.config)
-    if saved_data != training.layout.data and run.info.is_main:
-        _logger.warning("resuming a run of %d data-parallel process(es) on %d: the data order differs from here on",
-                        saved_data, training.layout.data)
+    saved = _saved_batch(checkpoint)
+    now = GlobalBatch(training.layout.data, run.cfg.data.batch_size, training.step.accum_steps)
+    saved_steps = (-(-len(run.train_set) // saved.data) // saved.batch_size) // saved.accum_steps
+    if run.info.is_main and saved.samples != now.samples:  # each step's samples follow from the global batch alone
+        _logger.warning("resuming a run of %s as %s: the data order differs from here on", saved.describe(),
+                        now.describe())
+    if run.info.is_main and saved_steps != training.steps_per_epoch:
+        _logger.warning("resuming a run of %d step(s) per epoch with %d: the learning-rate schedule is re-planned "
+                        "over the new steps", saved_steps, training.steps_per_epoch)
     restore_rng_state(checkpoint.rng)
     progress = Progress(**vars(checkpoint.progress))
+    # the sampler counts micro-batches: the steps done in this epoch, in this run's micro-batches
+    steps_in_epoch = progress.batch_in_epoch // saved.accum_steps
+    progress.batch_in_epoch = min(steps_in_epoch * now.accum_steps, training.batches_per_epoch)
     _schedule_from_config(run, training, checkpoint.config, progress.step)
     return progress
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """How a run's optimizer step gathers its samples: data processes x data.batch_size x train.accum_steps."""
+    data: int  # data-parallel processes (world size / parallel.context)
+    batch_size: int  # per process and micro-batch
+    accum_steps: int
+
+    @property
+    def samples(self) -> int:
+        return self.data * self.batch_size * self.accum_steps
+
+    def describe(self) -> str:
+        return (f"{self.data} data process(es) x data.batch_size={self.batch_size} x train.accum_steps="
+                f"{self.accum_steps} (global batch {self.samples})")
+
+
+def _saved_batch(checkpoint: Checkpoint) -> GlobalBatch:
+    """The global batch of the run that wrote ``checkpoint``, from its config and world size."""
+    values = config_from_yaml(checkpoint.config) if checkpoint.config else {}
+    data, train = values.get('data') or {}, values.get('train') or {}
+    return GlobalBatch(checkpoint.world_size // _saved_context(checkpoint.config), int(data.get('batch_size', 32)),
+                       int(train.get('accum_steps', 1)))
+
+
+def resumed_batch(cfg: DictConfig, checkpoint: Checkpoint, world: int) -> Tuple[GlobalBatch, str]:
+    """(the data.batch_size and train.accum_steps a resumed run trains with on ``world`` processes, why).
+
+    A run resumed on another number of data processes keeps its global batch, and with it its steps per epoch,
+    learning-rate schedule and the samples of each step (the sampler hands out each step's samples by their place
+    in the epoch, whoever draws them): by gradient accumulation (train.accum_steps), else by a smaller per-process
+    batch. Set on the command line, data.batch_size or train.accum_steps win (the schedule is then re-planned, as
+    the log says). A global batch that no whole numbers keep is a ConfigError giving the commands that do."""
+    saved = _saved_batch(checkpoint)
+    data = world // max(1, cfg.parallel.context)
+    asked = GlobalBatch(data, cfg.data.batch_size, cfg.train.accum_steps)
+    if data == saved.data:
+        return asked, 'the same data processes'
+    if (asked.batch_size, asked.accum_steps) != (saved.batch_size, saved.accum_steps):
+        return asked, (f"the command line sets data.batch_size / train.accum_steps: {asked.describe()}, the run had "
+                       f"{saved.describe()}; the schedule follows the new steps per epoch")
+    if saved.samples % (data * saved.batch_size) == 0:
+        kept = GlobalBatch(data, saved.batch_size, saved.samples // (data * saved.batch_size))
+        return kept, f"keeps the global batch of {saved.describe()} as {kept.describe()}"
+    if saved.samples % (data * saved.accum_steps) == 0:
+        kept = GlobalBatch(data, saved.samples // (data * saved.accum_steps), saved.accum_steps)
+        return kept, f"keeps the global batch of {saved.describe()} as {kept.describe()}"
+    processes = saved.data * max(1, cfg.parallel.context)
+    launch = f"torchrun --nproc_per_node {processes} " if processes > 1 else ''
+    raise ConfigError(f"resuming a run of {saved.describe()} on {data} data process(es): no whole data.batch_size "
+                      f"and train.accum_steps keep its global batch; resume it on {processes} process(es) "
+                      f"({launch}train.py --resume {cfg.output_dir}), or choose "
+                      f"data.batch_size and train.accum_steps on the command line (a new global batch re-plans the "
+                      f"schedule)")
 
 
 def _saved_context(saved_config: Optional[str]) -> int:

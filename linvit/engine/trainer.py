@@ -28,12 +28,12 @@ from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from ..data import LayoutError
 from .checkpoint import Checkpoint, Progress, atomic_write, save_model_safetensors
-from .config import ConfigError, check_runs_here, config_to_yaml
+from .config import ConfigError, check_runs_here, config_to_yaml, load_config
 from .distributed import (
     TERMINATION,
     DistInfo,
@@ -56,6 +56,7 @@ from .run import (
     learning_rate,
     loader,
     restore,
+    resumed_batch,
     seed_everything,
     use_threads,
 )
@@ -240,6 +241,7 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
         finished = _finished_metrics(cfg, checkpoint.progress)
         if finished is not None:
             return RunOutcome(finished, checkpoint.progress.step, checkpoint.progress.step)
+        cfg = _with_resumed_batch(cfg, checkpoint, info)
     use_threads(cfg.threads, info.device)
     with _nothing_left_if_refused(cfg.output_dir, info), run_directory(cfg, info):
         run = build_run(cfg, info)
@@ -254,6 +256,20 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
             return fit(run, training, log, progress)
         finally:
             log.close()
+
+
+def _with_resumed_batch(cfg: DictConfig, checkpoint: Checkpoint, info: DistInfo) -> DictConfig:
+    """``cfg`` with the data.batch_size and train.accum_steps that keep the resumed run's global batch on these
+    processes (``resumed_batch``), said in the log when they change."""
+    batch, why = resumed_batch(cfg, checkpoint, info.world_size)
+    if (batch.batch_size, batch.accum_steps) == (cfg.data.batch_size, cfg.train.accum_steps):
+        if info.is_main and why.startswith('the command line'):
+            _logger.warning("resuming: %s", why)
+        return cfg
+    if info.is_main:
+        _logger.info("resuming on %d process(es): %s", info.world_size, why)
+    return load_config(None, [f'data.batch_size={batch.batch_size}', f'train.accum_steps={batch.accum_steps}'],
+                       base=OmegaConf.to_container(cfg))
 
 
 def _claim_run_dir(output_dir: str, info: DistInfo, overwrite: bool) -> None:

@@ -15,6 +15,8 @@ import pytest
 from tiny_run import TINY_MODEL, TINY_RUN
 
 from linvit.engine import Checkpoint
+from linvit.engine.config import ConfigError, config_to_yaml
+from linvit.engine.run import resumed_batch
 from linvit.engine.run_dir import RunDir
 from linvit.engine.run_files import restart_continues
 
@@ -152,3 +154,50 @@ def test_sigterm_outside_the_steps_stops_at_once_and_says_no_checkpoint_was_writ
                                   f"checkpoint was written then; nothing to resume in {cfg.output_dir}; the same "
                                   f"command starts the run again in that folder")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is train's only
+
+
+@pytest.mark.integration
+def test_a_two_process_fsdp_run_resumed_on_one_keeps_its_global_batch_and_ends_as_uninterrupted(uninterrupted,
+                                                                                                 tmp_path):
+    run = tmp_path / 'run'
+    first = _run(*_torchrun(FAULTY, *CONFIG, 'parallel.fsdp=true', f'output_dir={run}'), fault='term:1')
+    assert f"train.py: terminated by SIGTERM at step 3: {run}/last.pt holds it" in first.stderr, first.stderr[-3000:]
+    assert Checkpoint.load(run / 'last.pt').sharded == 'last.dcp/step000003'
+    resumed = _run('train.py', '--resume', str(run))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ('resuming on 1 process(es): keeps the global batch of 2 data process(es) x data.batch_size=8 x '
+            'train.accum_steps=1 (global batch 16) as 1 data process(es) x data.batch_size=8 x train.accum_steps=2 '
+            '(global batch 16)') in resumed.stderr
+    assert 'differs' not in resumed.stderr and 're-planned' not in resumed.stderr
+    _assert_same_run(run, uninterrupted['two'])  # FSDP steps equal DDP's (test_parallel)
+
+
+@pytest.mark.parametrize('saved, world, overrides, kept', [
+    ((2, 8, 1), 2, [], (8, 1)),                                        # the same processes: as configured
+    ((2, 8, 1), 1, [], (8, 2)),                                        # fewer: accumulation keeps 16
+    ((4, 8, 1), 1, [], (8, 4)),
+    ((1, 8, 2), 2, [], (8, 1)),                                        # more: less accumulation
+    ((1, 8, 1), 2, [], (4, 1)),                                        # more, none to drop: a smaller batch
+    ((2, 8, 1), 1, ['data.batch_size=4'], (4, 1)),                     # the command line wins
+])
+def test_a_resumed_run_keeps_its_global_batch_on_other_processes(tiny_config, saved, world, overrides, kept):
+    data, batch, accum = saved
+    run_cfg = tiny_config(f'data.batch_size={batch}', f'train.accum_steps={accum}')
+    checkpoint = Checkpoint(model={}, config=config_to_yaml(run_cfg), world_size=data)
+    cfg = tiny_config(f'data.batch_size={batch}', f'train.accum_steps={accum}', *overrides)
+    got, why = resumed_batch(cfg, checkpoint, world)
+    assert (got.batch_size, got.accum_steps) == kept, why
+    if not overrides:
+        assert got.data * got.batch_size * got.accum_steps == data * batch * accum
+
+
+def test_a_global_batch_no_whole_numbers_keep_is_refused_with_the_command_that_keeps_it(tiny_config):
+    run_cfg = tiny_config('data.batch_size=3')
+    checkpoint = Checkpoint(model={}, config=config_to_yaml(run_cfg), world_size=1)
+    with pytest.raises(ConfigError) as refused:
+        resumed_batch(run_cfg, checkpoint, 2)
+    assert str(refused.value) == (
+        f"resuming a run of 1 data process(es) x data.batch_size=3 x train.accum_steps=1 (global batch 3) on 2 data "
+        f"process(es): no whole data.batch_size and train.accum_steps keep its global batch; resume it on 1 "
+        f"process(es) (train.py --resume {run_cfg.output_dir}), or choose data.batch_size and train.accum_steps on "
+        f"the command line (a new global batch re-plans the schedule)")

@@ -224,4 +224,6 @@ def test_resuming_warns_only_when_the_data_order_changes(runs, monkeypatch, capl
     _restored_alone(runs['context'], monkeypatch, 'parallel.context=1')
     assert 'data order differs' not in caplog.text
     _restored_alone(runs['ddp'], monkeypatch)  # 2 data replicas on 1
-    assert 'resuming a run of 2 data-parallel process(es) on 1: the data order differs' in caplog.text
+    assert ('resuming a run of 2 data process(es) x data.batch_size=8 x train.accum_steps=1 (global batch 16) as 1 '
+            'data process(es) x data.batch_size=8 x train.accum_steps=1 (global batch 8): the data order differs'
+            ) in caplog.text
