@@ -605,7 +605,7 @@ def _annotated_images(annotations: str, items: Sequence[Item], categories: Seque
     for item in items:
         path = Path(os.path.abspath(item.path)).as_posix()
         entry = next((e for e in by_name.get(os.path.basename(item.path), ())
-                      if path.endswith('/' + Path(str(e['file_name'])).as_posix().lstrip('./'))), None)
+                      if path.endswith('/' + Path(str(e['file_name'])).as_posix())), None)
         if entry is None:
             raise ValueError(f"{item.path} is not among the images of {annotations} (no 'file_name' ends its path); "
                              f"with --annotations, predict that file's images")

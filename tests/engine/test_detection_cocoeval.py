@@ -166,3 +166,19 @@ def test_max_detections_is_cocoevals_max_dets(tmp_path):
     for name, value in zip(COCO_NAMES, expected):
         assert (math.nan if ours[name] is None else ours[name]) == pytest.approx(value, abs=1e-12, nan_ok=True), name
     assert ours['ap'] < _linvit(tmp_path / 'set', results)[0]['ap']
+
+
+def test_the_config_records_the_sets_category_ids_and_refuses_other_ones(tmp_path):
+    """detection.category_ids defaults to the annotation file's ids (config.yaml holds them resolved); a run whose
+    recorded ids are not the data's is refused in one line (its labels would be scored as other classes)."""
+    from linvit.data import DataError
+    from linvit.engine import config_to_yaml
+    _write_set(tmp_path / 'set')
+    cfg = load_config(None, [*TINY_MODEL, 'task=detection', 'data.name=folder', f'data.root={tmp_path / "set"}'])
+    assert list(cfg.detection.category_ids) == [3, 7, 12] and 'category_ids:\n  - 3\n  - 7\n  - 12\n' in \
+        config_to_yaml(cfg)
+    assert list(load_config(None, [*TINY_MODEL, 'task=detection']).detection.category_ids) == []  # built-in shapes
+    with pytest.raises(DataError, match=r"instances_val.json has category ids \[3, 7, 12\], but "
+                                         r"detection.category_ids=\[1, 2, 3\]") as error:
+        _linvit(tmp_path / 'set', [], ['detection.category_ids=[1,2,3]'])
+    assert '\n' not in str(error.value)
