@@ -1,4 +1,4 @@
-"""A trained run as a timm / Hugging Face model folder, and its upload to the Hub.
+"""A trained run as a timm / Hugging Face model folder, its upload to the Hub, and whether the Hub answers at all.
 
     export = export_hub_folder('runs/cls_demo')          # -> runs/cls_demo/hub/: config.json, model.safetensors,
                                                          #    README.md; checked by loading it back
@@ -21,13 +21,21 @@ name the timm model and the conversion's options; DINOv3, EVA02, PE). A segmenta
 ``SegmentationModel``: backbone, pyramid and head) is not a timm model and is refused in one line that points to
 ONNX export. Every folder is loaded back through ``timm.create_model('local-dir:...')`` and compared with the run's
 model on random images before it replaces anything: a folder that does not rebuild the run is never written.
+
+Pretrained weights from the Hub (``model.pretrained=true``): huggingface_hub retries a request that cannot connect
+with backoff, about a minute before it gives up. ``hub_unreachable_reason`` asks the Hub once, with a short timeout,
+and ``cache_only_if_unreachable`` then loads from the Hugging Face cache alone (as HF_HUB_OFFLINE=1 does): weights in
+the cache load at once, missing ones fail in seconds with the one-line error.
 """
+import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import timm
 import torch
@@ -43,7 +51,12 @@ from .run_dir import RunDir
 from .tasks import TASKS
 
 __all__ = ['HubExport', 'HubExportError', 'HubPushError', 'export_hub_folder', 'push_hub_folder', 'model_card',
-           'HUB_FILES', 'LINEAR_HOST']
+           'HUB_FILES', 'LINEAR_HOST', 'hub_unreachable_reason', 'cache_only_if_unreachable', 'HUB_ANSWER_TIMEOUT_S']
+
+_logger = logging.getLogger('linvit.train')
+
+#: how long the Hub has to answer one request before pretrained weights are taken from the cache only
+HUB_ANSWER_TIMEOUT_S = 3.0
 
 #: the files a hub folder holds (what ``save_for_hf`` writes with safetensors, and the model card)
 CONFIG_JSON, WEIGHTS, MODEL_CARD = 'config.json', 'model.safetensors', 'README.md'
@@ -441,3 +454,52 @@ def push_hub_folder(folder: str, repo_id: str, private: bool = False, token: Opt
         raise HubPushError(f"could not push {folder} to {repo_id} ({reason}): {_LOGIN_HINT}, check the network and "
                            f"that you may write to {repo_id}, then run again") from error
     return str(getattr(commit, 'commit_url', commit))
+
+
+# ---------------------------------------------------------------------------------------------------- reachability
+
+def hub_unreachable_reason(timeout_s: float = HUB_ANSWER_TIMEOUT_S) -> Optional[str]:
+    """Why the Hugging Face Hub (huggingface_hub's endpoint, HF_ENDPOINT) cannot be reached now, or None when it
+    answered one request (any HTTP status) within ``timeout_s`` or HF_HUB_OFFLINE is set (nothing is asked then).
+    The request goes through huggingface_hub's own session (its proxies and headers), in a thread bounded by the
+    timeout, so that a name lookup that hangs bounds it too."""
+    from huggingface_hub import constants, get_session
+
+    if constants.is_offline_mode():
+        return None
+    outcome: Dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            get_session().head(constants.ENDPOINT, timeout=timeout_s)
+            outcome['answered'] = True
+        except Exception as error:  # noqa: BLE001 (httpx, ssl and socket errors: any of them means no answer)
+            outcome['error'] = error
+
+    thread = threading.Thread(target=ask, name='linvit-hub-check', daemon=True)
+    thread.start()
+    thread.join(timeout_s + 0.5)
+    if outcome.get('answered'):
+        return None
+    error = outcome.get('error')
+    detail = f" ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''})" if error else ''
+    return f"the Hugging Face Hub {constants.ENDPOINT} did not answer within {timeout_s:g} s{detail}"
+
+
+@contextlib.contextmanager
+def cache_only_if_unreachable(what: str) -> Iterator[Optional[str]]:
+    """While the block runs, huggingface_hub reads from its cache only (HF_HUB_OFFLINE) if the Hub does not answer
+    (``hub_unreachable_reason``); yields that reason (None: the Hub answered, or offline mode was on already)."""
+    from huggingface_hub import constants
+
+    reason = hub_unreachable_reason()
+    if reason is None:
+        yield None
+        return
+    _logger.warning("%s: %s come from the Hugging Face cache only (as with HF_HUB_OFFLINE=1)", reason, what)
+    previous = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield reason
+    finally:
+        constants.HF_HUB_OFFLINE = previous

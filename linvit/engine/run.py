@@ -7,11 +7,12 @@ between these and a ``Checkpoint``.
     progress = restore(run, training, checkpoint)      # a resumed run: weights, states, RNGs and where it was
     checkpoint = checkpoint_of(run, training, progress)
 """
+import contextlib
 import logging
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -119,8 +120,11 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
     a ConfigError (train.py's one line): those come from the config's model.* / task keys, not from a bug."""
     model_cfg = task.cfg.model
     try:
-        model = task.build_model(num_classes)
-    except ConfigError:
+        with _hub_answers_or_cache(model_cfg) as unreachable:
+            model = task.build_model(num_classes)
+    except ConfigError as error:
+        if unreachable and 'cannot be loaded' in str(error):  # weights_errors' line for weights it could not get
+            raise ConfigError(_not_cached_message(model_cfg.name, str(unreachable))) from error
         raise
     except RuntimeError as error:
         weights = _pretrained_weights(model_cfg)
@@ -139,6 +143,42 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
                           f"{'; ' + close if close else ''} ({error})") from error
     task.check_input_size(model)
     return model
+
+
+class _HubState:
+    """What ``_hub_answers_or_cache`` found: why the Hub could not be reached ('' while it could, or was not asked)."""
+
+    def __init__(self) -> None:
+        self.reason = ''
+
+    def __bool__(self) -> bool:
+        return bool(self.reason)
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@contextlib.contextmanager
+def _hub_answers_or_cache(model_cfg: DictConfig) -> Iterator[_HubState]:
+    """model.pretrained=true of a name whose weights may come from the Hub: ask the Hub once, quickly; if it does not
+    answer, load from the Hugging Face cache only, so that missing weights fail in seconds, not after a minute of
+    huggingface_hub's retries (``linvit.engine.hub.cache_only_if_unreachable``)."""
+    state = _HubState()
+    if not model_cfg.pretrained or str(model_cfg.name).startswith('local-dir:'):
+        yield state
+        return
+    from .hub import cache_only_if_unreachable
+    with cache_only_if_unreachable(f"the pretrained weights of model.name={model_cfg.name!r}") as reason:
+        state.reason = reason or ''
+        yield state
+
+
+def _not_cached_message(model_name: str, unreachable: str) -> str:
+    """One line: the Hub does not answer and the weights are not in the cache; what to do."""
+    from huggingface_hub import constants
+    return (f"model.name={model_name!r}: its pretrained weights are not in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) and {unreachable}: connect once to fill the cache (then HF_HUB_OFFLINE=1 "
+            f"works offline), or use local weights: model.pretrained_file=PATH or model.name=local-dir:FOLDER")
 
 
 def _pretrained_weights(model_cfg: DictConfig) -> str:

@@ -132,6 +132,7 @@ def mark_launch(directory: str) -> None:
     launch = elastic_launch()
     if launch is None:
         return
+    os.makedirs(directory, exist_ok=True)
     with open(RunDir(directory).launch, 'w', encoding='utf-8') as f:
         json.dump({'launch': launch}, f)
         f.write('\n')

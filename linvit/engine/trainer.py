@@ -150,11 +150,12 @@ def _train_stages(staged: StagedRun, resume: bool, overwrite: bool) -> Dict[str,
     stage's weights as the run's model.safetensors. What was measured is kept in <task>.json."""
     cfg, files = staged.config, RunDir(staged.config.output_dir)
     info = setup_distributed(cfg.device)
+    created = not os.path.exists(cfg.output_dir)
     if not resume:
         _claim_run_dir(cfg.output_dir, info, overwrite)
     task = build_task(cfg)
     state_path = files.state(task.name)
-    with _nothing_left_if_refused(cfg.output_dir, info):
+    with _nothing_left_if_refused(cfg.output_dir, info, created):
         state = _train_each_stage(staged, task, state_path, info, resume)
     report = task.report(state, info.is_main)
     barrier()
@@ -235,6 +236,7 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
     """One run into cfg.output_dir: claim the folder (a new run) or find the run finished (a resumed one), set the
     run up from its config, and ``fit``."""
     info = setup_distributed(cfg.device)
+    created = not os.path.exists(cfg.output_dir)
     if checkpoint is None:
         _claim_run_dir(cfg.output_dir, info, overwrite)
     else:
@@ -243,7 +245,7 @@ def _train_run(cfg: DictConfig, checkpoint: Optional[Checkpoint], overwrite: boo
             return RunOutcome(finished, checkpoint.progress.step, checkpoint.progress.step)
         cfg = _with_resumed_batch(cfg, checkpoint, info)
     use_threads(cfg.threads, info.device)
-    with _nothing_left_if_refused(cfg.output_dir, info), run_directory(cfg, info):
+    with _nothing_left_if_refused(cfg.output_dir, info, created), run_directory(cfg, info):
         run = build_run(cfg, info)
         training = build_training(run)
         # per-rank dropout / drop-path / mixup streams; a context group's ranks share one (drop path masks a sample
@@ -278,15 +280,14 @@ def _claim_run_dir(output_dir: str, info: DistInfo, overwrite: bool) -> None:
     barrier()  # every process has looked before the main one writes
     claim_run_dir(output_dir, found, results, overwrite, info.is_main)
     if info.is_main:
-        os.makedirs(output_dir, exist_ok=True)
         mark_launch(output_dir)  # under torchrun: its restarts continue this run (commands.start_run)
 
 
 @contextmanager
-def _nothing_left_if_refused(output_dir: str, info: DistInfo) -> Iterator[None]:
+def _nothing_left_if_refused(output_dir: str, info: DistInfo, created: bool) -> Iterator[None]:
     """A run refused by a check of its config or data layout (ConfigError, LayoutError) before its first result
-    leaves no files behind (config.yaml, an empty train.log), and no folder it created: only the one-line error."""
-    created = not os.path.exists(output_dir)
+    leaves no files behind (config.yaml, an empty train.log), and no folder it ``created`` (looked at before the
+    folder was claimed): only the one-line error."""
     try:
         yield
     except (ConfigError, LayoutError):

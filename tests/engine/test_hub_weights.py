@@ -1,9 +1,12 @@
 """model.pretrained=true: timm's weights of model.name (a pretrained tag, hf-hub:org/name, local-dir:FOLDER) through
 train.py's config and the engine, offline: tiny timm ViTs saved with timm's own ``save_for_hf`` into a folder, or into
 a Hugging Face cache laid out by hand and read under HF_HUB_OFFLINE=1."""
+import http.server
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import timm
@@ -16,6 +19,7 @@ from tiny_run import TINY_RUN, TINY_SEG
 import linvit  # noqa: F401  (registers linvit_* with timm)
 from linvit.engine import ConfigError, build_task, load_config
 from linvit.engine.distributed import setup_distributed
+from linvit.engine.hub import hub_unreachable_reason
 from linvit.engine.run import build_run
 from linvit.engine.tasks import base
 from linvit.engine.tasks.base import create_model_from_config, normalization_of
@@ -247,3 +251,50 @@ def test_a_finished_pretrained_linearization_rebuilds_without_its_teacher(tmp_pa
     cfg = load_config(None, ['model.pretrained=false'], base=OmegaConf.to_container(_linearize(folder, 'all')))
     student = LinearizeTask(cfg).build_model(_classes())  # what loading.py does with a saved config
     assert 'blocks.0.attn.qkv.weight' in student.state_dict()
+
+
+# ------------------------------------------------------------------------------------------------ an unreachable hub
+
+def _closed_port() -> int:
+    """A local port nothing listens on: connecting to it is refused at once, as an unreachable Hub is."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def test_the_hub_check_tells_an_answering_endpoint_from_a_closed_one(monkeypatch):
+    server = http.server.HTTPServer(('127.0.0.1', 0), http.server.BaseHTTPRequestHandler)  # answers 501 to HEAD
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(hf_constants, 'HF_HUB_OFFLINE', False)
+        monkeypatch.setattr(hf_constants, 'ENDPOINT', f'http://127.0.0.1:{server.server_port}')
+        assert hub_unreachable_reason() is None  # any HTTP answer: the Hub is there
+    finally:
+        server.shutdown()
+        server.server_close()
+    closed = f'http://127.0.0.1:{_closed_port()}'
+    monkeypatch.setattr(hf_constants, 'ENDPOINT', closed)
+    reason = hub_unreachable_reason()
+    assert reason.startswith(f'the Hugging Face Hub {closed} did not answer within 3 s (ConnectError: ')
+    monkeypatch.setattr(hf_constants, 'HF_HUB_OFFLINE', True)
+    assert hub_unreachable_reason() is None  # offline: nothing is asked
+
+
+@pytest.mark.integration
+def test_pretrained_weights_from_an_unreachable_hub_fail_in_one_line_without_retries(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key not in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')}
+    env.update(HF_ENDPOINT=f'http://127.0.0.1:{_closed_port()}', HF_HUB_CACHE=str(tmp_path / 'hf_cache'))
+    config = tmp_path / 'empty.yaml'
+    config.write_text('seed: 0\n')
+    result = subprocess.run([sys.executable, 'train.py', '--config', str(config), *TINY_RUN, 'train.max_steps=1',
+                             'model.name=vit_tiny_patch16_224.augreg_in21k_ft_in1k', 'model.pretrained=true',
+                             f'output_dir={tmp_path}/run'], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**env, 'OMP_NUM_THREADS': '1'})
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: config error: model.name='vit_tiny_patch16_224.augreg_in21k_ft_in1k': its "
+                           f"pretrained weights are not in the Hugging Face cache ({tmp_path / 'hf_cache'}) and the "
+                           f"Hugging Face Hub {env['HF_ENDPOINT']} did not answer within 3 s"), last
+    assert 'model.pretrained_file=PATH' in last
+    assert 'Retrying in' not in result.stderr  # huggingface_hub's backoff (about a minute) never started
+    assert not (tmp_path / 'run').exists()
