@@ -94,6 +94,11 @@ def check_layout(cfg: DictConfig, world: int, model: nn.Module, logits_rank: int
 
 def _check_context(cfg: DictConfig, model: nn.Module, logits_rank: int) -> None:
     par = cfg.parallel
+    if logits_rank not in (2, 4):  # the task first: its model (a detector, ...) is no ViT the split could take
+        raise ConfigError(f"parallel.context={par.context}: context parallelism of task={cfg.task!r} (its model "
+                          f"{type(model).__name__}) is not supported; it splits each image's patch rows and the "
+                          f"per-image loss of classification or the per-pixel loss of segmentation over the "
+                          f"processes: use parallel.context=1 (the processes then share the data)")
     reason = context_unsupported_reason(model)
     if reason is not None:
         raise ConfigError(f"parallel.context={par.context} cannot split model.name={cfg.model.name!r}: {reason}")
@@ -102,9 +107,6 @@ def _check_context(cfg: DictConfig, model: nn.Module, logits_rank: int) -> None:
     if par.context > rows:
         raise ConfigError(f"parallel.context={par.context} is more processes than the {rows} patch rows of "
                           f"data.img_size={cfg.data.img_size}: use at most {rows}")
-    if logits_rank not in (2, 4):
-        raise ConfigError(f"parallel.context={par.context}: task={cfg.task!r} has no per-image or per-pixel loss "
-                          f"to split; use parallel.context=1")
     if cfg.get('seg') is not None and logits_rank == 4 and cfg.seg.dice_weight > 0:
         raise ConfigError(f"parallel.context={par.context} splits the loss over pixels; the dice term of "
                           f"seg.dice_weight={cfg.seg.dice_weight} is not split yet: set seg.dice_weight=0")

@@ -13,9 +13,9 @@ import torch.nn as nn
 from ranks import run_ranks
 from references import rel_err
 from safetensors.torch import load_file
-from tiny_run import TINY_MODEL, TINY_SEG
+from tiny_run import TINY_DET, TINY_MODEL, TINY_SEG
 
-from linvit.engine import Checkpoint, load_config
+from linvit.engine import Checkpoint, ConfigError, load_config
 from linvit.engine.distributed import setup_distributed
 from linvit.engine.parallel import Layout, check_layout, checkpointed_blocks, full_weights, parallel_module
 from linvit.engine.run import build_run, build_training, restore
@@ -156,6 +156,16 @@ def test_layouts_that_cannot_run_are_refused_in_one_line(world, overrides, words
     with pytest.raises(ValueError, match=None) as error:
         _check(world, *overrides)
     assert words in str(error.value) and '\n' not in str(error.value)
+
+
+def test_context_parallelism_of_a_detector_is_refused_naming_what_is_unsupported():
+    cfg = load_config(os.path.join(ROOT, 'configs/det_demo.yaml'), [*TINY_MODEL, *TINY_DET, 'parallel.context=2'])
+    task = build_task(cfg)
+    with pytest.raises(ConfigError) as refused:
+        check_layout(cfg, 2, task.build_model(3), task.logits_rank)
+    assert str(refused.value).startswith("parallel.context=2: context parallelism of task='detection' (its model "
+                                         "FasterRCNN) is not supported;")
+    assert 'not a timm ViT' not in str(refused.value) and 'use parallel.context=1' in str(refused.value)
 
 
 def test_train_py_refuses_a_layout_in_one_line(tmp_path):
