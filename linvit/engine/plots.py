@@ -275,10 +275,15 @@ _LEGEND_ALL_UP_TO = 20
 IGNORE_COLOUR = (255, 255, 255)
 
 
+#: classes up to this many get colours chosen to be far apart (CIELAB); above, the extra ones are only distinct
+_SPREAD_CLASSES = 256
+#: the colours the spread ones are chosen from: every 17th level of each channel (16 ** 3 candidates)
+_CANDIDATE_LEVELS = np.arange(0, 256, 17)
+
+
 def _bit_interleaved_colour(index: int) -> Tuple[int, int, int]:
     """PASCAL VOC's colour map: the bits of ``index`` dealt round-robin to R, G, B from the high bit down. A
-    bijection on 0..2**24 - 1, so distinct ids give distinct colours; channels of ids below 4096 are multiples of
-    16, which none of the tab20 colours is in every channel."""
+    bijection on 0..2**24 - 1, so distinct ids give distinct colours."""
     r = g = b = 0
     for shift in range(8):
         r |= ((index >> (3 * shift)) & 1) << (7 - shift)
@@ -287,18 +292,67 @@ def _bit_interleaved_colour(index: int) -> Tuple[int, int, int]:
     return r, g, b
 
 
+def srgb_to_lab(rgb: np.ndarray) -> np.ndarray:
+    """sRGB uint8 [..., 3] -> CIELAB (D65) float64 [..., 3]: Euclidean distance there is the perceived difference
+    (CIE76 delta E; about 2.3 is just noticeable)."""
+    c = np.asarray(rgb, dtype=np.float64) / 255
+    linear = np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+    to_xyz = np.array([[0.4124564, 0.3575761, 0.1804375], [0.2126729, 0.7151522, 0.0721750],
+                       [0.0193339, 0.1191920, 0.9503041]])
+    xyz = linear @ to_xyz.T / np.array([0.95047, 1.0, 1.08883])  # relative to the D65 white
+    f = np.where(xyz > (6 / 29) ** 3, np.cbrt(xyz), xyz / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.stack([116 * f[..., 1] - 16, 500 * (f[..., 0] - f[..., 1]), 200 * (f[..., 1] - f[..., 2])], axis=-1)
+
+
+_spread: Optional[np.ndarray] = None
+
+
+def _spread_colours() -> np.ndarray:
+    """uint8 [_SPREAD_CLASSES - 21, 3]: the colours of classes 21 .. _SPREAD_CLASSES - 1, each the candidate
+    farthest (CIELAB) from black, white (the ignore colour), the tab20 colours and the colours before it: greedy
+    farthest-point sampling, so every prefix is as spread as this greedy choice makes it. Computed once."""
+    global _spread
+    if _spread is None:
+        grid = np.stack(np.meshgrid(_CANDIDATE_LEVELS, _CANDIDATE_LEVELS, _CANDIDATE_LEVELS, indexing='ij'), -1)
+        candidates = grid.reshape(-1, 3)
+        lab = srgb_to_lab(candidates)
+        taken = [(0, 0, 0), (255, 255, 255)] + [_hex_rgb(h) for h in _TAB20_REORDERED]
+        nearest = np.linalg.norm(lab[:, None] - srgb_to_lab(np.array(taken))[None], axis=-1).min(axis=1)
+        chosen = []
+        for _ in range(_SPREAD_CLASSES - len(taken) + 1):  # + 1: white is not a class
+            pick = int(nearest.argmax())
+            chosen.append(candidates[pick])
+            nearest = np.minimum(nearest, np.linalg.norm(lab - lab[pick], axis=-1))
+        _spread = np.asarray(chosen, dtype=np.uint8)
+    return _spread
+
+
+def _hex_rgb(colour: str) -> Tuple[int, int, int]:
+    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
 def class_palette(num_classes: int) -> np.ndarray:
     """Fixed colours per class id, the same in every run: uint8 [num_classes, 3] RGB.
 
     Class 0 is black (often the background); classes 1..20 get matplotlib's tab20 colours (the ten strong ones
-    first); classes from 21 on get PASCAL VOC's bit-interleaved colour of (id - 20). All distinct up to 4116 classes.
-    The default of a dataset without a ``palette`` of its own (see ``plot_segmentation_grid``).
+    first); classes 21..255 get colours chosen far from black, white and every earlier colour in CIELAB (greedy
+    farthest-point: the smallest difference between any two of the first 256 is delta E 13.3, between neighbours
+    18.9; up to 100 classes it is tab20's own 16.6; never white, the ignore colour). Classes from 256 on get PASCAL
+    VOC's bit-interleaved colours in id order, skipping those already used: all distinct up to 2 ** 24 - 257
+    classes, though no longer far apart. The default of a dataset without a ``palette`` of its own (see
+    ``plot_segmentation_grid``).
     """
     if num_classes < 0:
         raise ValueError(f'num_classes must be >= 0, got {num_classes}')
-    colours = [(0, 0, 0)]
-    colours += [tuple(int(h[i:i + 2], 16) for i in (1, 3, 5)) for h in _TAB20_REORDERED]
-    colours += [_bit_interleaved_colour(i - len(colours) + 1) for i in range(len(colours), num_classes)]
+    colours = [(0, 0, 0)] + [_hex_rgb(h) for h in _TAB20_REORDERED]
+    colours += [tuple(int(v) for v in c) for c in _spread_colours()[:max(0, num_classes - len(colours))]]
+    used, index = set(colours) | {IGNORE_COLOUR}, 1
+    while len(colours) < num_classes:
+        colour = _bit_interleaved_colour(index)
+        index += 1
+        if colour not in used:
+            colours.append(colour)
+            used.add(colour)
     return np.asarray(colours[:num_classes], dtype=np.uint8).reshape(num_classes, 3)
 
 
