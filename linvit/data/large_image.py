@@ -30,8 +30,10 @@ Reading (``open_image``; the file's content decides, not its extension):
   PNG or JPEG lazily), upright by EXIF orientation; PIL's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``)
   is lifted for that one open since the user named the file, restored afterwards, and the description says so.
 - Pixels become uint8 RGB by the rules of ``linvit.data.folder.to_rgb_array``: 16-bit scaled v * 255 / 65535
-  (per channel, also for 16-bit RGB), other integer and float data stretched from the min-max of the whole level
-  (one extra pass over the level on the first read, so that every band is scaled alike), grey repeated, alpha
+  (per channel, also for 16-bit RGB), except that data of fewer bits in 16-bit samples is scaled from its own
+  range (12-bit: 0..4095 when the largest sample of the level is below 4096; likewise 8, 10 and 14 bits) with one
+  warning line; other integer and float data stretched from the min-max of the whole level (for these and 16-bit
+  samples one extra pass over the level on the first read, so that every band is scaled alike), grey repeated, alpha
   composited on black (associated alpha is already), CMYK and palette images converted, min-is-white inverted.
   OpenSlide's transparent (empty) regions thus read black too.
 - GeoTIFF: the georeferencing tags (ModelPixelScale, ModelTiepoint, ModelTransformation, GeoKeyDirectory,
@@ -88,6 +90,8 @@ _GEOTIFF_TAGS = {33550: 'ModelPixelScale', 33922: 'ModelTiepoint', 34264: 'Model
 # TIFF photometric interpretations (tifffile.PHOTOMETRIC)
 _MINISWHITE, _MINISBLACK, _RGB, _PALETTE, _SEPARATED, _YCBCR = 0, 1, 2, 3, 5, 6
 _JPEG_COMPRESSIONS = frozenset({6, 7, 33007, 34892})
+#: bit depths that 16-bit samples may hold (the fewest that hold the largest sample is taken)
+_CONTAINED_BITS = (8, 10, 12, 14, 16)
 
 
 def large_image_extensions() -> frozenset[str]:
@@ -258,6 +262,11 @@ def _codec_error(path: str, err: Exception) -> Exception:
     return ImageReadError(f"cannot decode {path}: {type(err).__name__}: {text}")
 
 
+def _scale_16_bit(values: np.ndarray, top: int) -> np.ndarray:
+    """uint16 samples of range 0..top -> uint8, v -> round(v * 255 / top) (``to_uint8``'s rounding for top 65535)."""
+    return ((np.minimum(values, top).astype(np.uint32) * 255 + top // 2) // top).astype(np.uint8)
+
+
 class _TiffSource(ImageSource):
     """A TIFF page read a row of tiles (or a strip) at a time through tifffile's segment decoder."""
 
@@ -392,19 +401,36 @@ class _TiffSource(ImageSource):
         return {_RGB: 3, _YCBCR: 3, _SEPARATED: 4}.get(self._photometric, 1) if self._photometric != _PALETTE else 1
 
     def _level_value_range(self) -> tuple[float, float] | None:
-        """(min, max) of the colour samples of the whole level, for data that is stretched (not 8/16-bit)."""
-        if self._dtype in (np.uint8, np.uint16, np.bool_) or self._colormap is not None:
+        """The range the colour samples are scaled from to 0..255 (the same for every band); None for 8-bit data.
+
+        16-bit integers: 0 .. 2 ** bits - 1 for the fewest bits (8, 10, 12, 14 or 16) that hold the level's largest
+        sample, said in one warning line when fewer than 16: cameras and scanners store 10 to 14-bit data in 16-bit
+        samples, which scaled as 16-bit would read nearly black. Other integer and float data: the level's min-max.
+        Either way one extra pass over the level, on the first read."""
+        if self._dtype in (np.uint8, np.bool_) or self._colormap is not None:
             return None
         if self._value_range is None:
-            low, high, colour = np.inf, -np.inf, self._colour_samples()
-            for row in range(self._seg_rows):
-                values = self._segment_row_raw(row)[..., :colour]
-                if values.dtype.kind == 'f':
-                    values = values[np.isfinite(values)]
-                if values.size:
-                    low, high = min(low, values.min().item()), max(high, values.max().item())
-            self._value_range = (low, high) if low <= high else (0.0, 0.0)
+            low, high = self._level_min_max()
+            if self._dtype == np.uint16:
+                bits = next(b for b in _CONTAINED_BITS if high < 2 ** b)
+                self._value_range = (0.0, float(2 ** bits - 1))
+                if bits < 16:
+                    _logger.warning("%s: its 16-bit samples are all below %d (largest %d): read as %d-bit data, "
+                                    "0..%d scaled to 0..255", self.path, 2 ** bits, high, bits, 2 ** bits - 1)
+            else:
+                self._value_range = (low, high) if low <= high else (0.0, 0.0)
         return self._value_range
+
+    def _level_min_max(self) -> tuple[float, float]:
+        """(min, max) of the finite colour samples of the whole level ((inf, -inf) when there are none)."""
+        low, high, colour = np.inf, -np.inf, self._colour_samples()
+        for row in range(self._seg_rows):
+            values = self._segment_row_raw(row)[..., :colour]
+            if values.dtype.kind == 'f':
+                values = values[np.isfinite(values)]
+            if values.size:
+                low, high = min(low, values.min().item()), max(high, values.max().item())
+        return low, high
 
     def _to_rgb(self, raw: np.ndarray) -> np.ndarray:
         """uint8 [h, w, 3] RGB from native samples [h, w, samples], by the rules of ``to_rgb_array``."""
@@ -419,7 +445,8 @@ class _TiffSource(ImageSource):
         if colour.dtype != np.uint8:
             if colour.dtype.kind == 'f' and value_range is not None:     # NaN, inf: the lowest value
                 colour = np.where(np.isfinite(colour), colour, value_range[0])
-            colour = to_uint8(colour, value_range or (0, 65535))
+            colour = _scale_16_bit(colour, int(value_range[1])) if colour.dtype == np.uint16 else \
+                to_uint8(colour, value_range)
         if self._photometric == _MINISWHITE:
             colour = 255 - colour
         if self._photometric == _SEPARATED:

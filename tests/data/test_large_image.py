@@ -120,6 +120,29 @@ def test_16_bit_grey_as_to_rgb_array(tmp_path):
         [[255] * 3, [1] * 3, [0] * 3]
 
 
+@pytest.mark.parametrize('bits', [12, 10, 14])
+def test_fewer_bits_in_16_bit_samples_are_scaled_by_their_own_range_with_one_warning(tmp_path, caplog, bits):
+    grey = noise((90, 70), seed=4, dtype=np.uint16, high=2 ** bits)
+    grey[5, 7] = 2 ** bits - 1 - 100 * (bits == 14)   # largest sample below 2 ** bits, above 2 ** (bits - 2)
+    tifffile.imwrite(tmp_path / 'g.tif', grey, tile=(32, 32))
+    with caplog.at_level('WARNING', logger='linvit.data.large_image'), open_image(tmp_path / 'g.tif') as source:
+        rows = read_in_bands(source, 40)
+    expected = np.floor(grey.astype(np.float64) * 255 / (2 ** bits - 1) + 0.5).astype(np.uint8)  # by hand
+    np.testing.assert_array_equal(rows, np.repeat(expected[..., None], 3, axis=2))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == 'WARNING']
+    assert len(warnings) == 1 and f'read as {bits}-bit data' in warnings[0] and 'g.tif' in warnings[0]
+
+
+def test_full_range_16_bit_is_not_rescaled_nor_warned_about(tmp_path, caplog):
+    grey = noise((40, 30), seed=5, dtype=np.uint16, high=65536)
+    grey[0, 0] = 40000
+    tifffile.imwrite(tmp_path / 'g.tif', grey, tile=(16, 16))
+    with caplog.at_level('WARNING', logger='linvit.data.large_image'), open_image(tmp_path / 'g.tif') as source:
+        rows = source.read(0, 40)
+    np.testing.assert_array_equal(rows[..., 0], ((grey.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8))
+    assert not [r for r in caplog.records if r.levelname == 'WARNING']
+
+
 def test_float_is_stretched_by_the_range_of_the_whole_image(tmp_path):
     """A band holding only part of the range scales as the whole image does (not by its own min-max)."""
     values = np.linspace(-5, 20, 80 * 50, dtype=np.float32).reshape(80, 50)
