@@ -52,9 +52,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-import torch
-
-from linvit.bench.cli import HelpFormatter
+from linvit.bench.cli import HelpFormatter, measurement_threads, threads_arg
 from linvit.models.bounded import DEFAULT_ROWS_PER_CHUNK
 from linvit.predict import (
     DEFAULT_MAX_PIXELS,
@@ -113,20 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
                              'detection with its score)')
     parser.add_argument('--alpha', type=float, default=0.5, help='segmentation: opacity of the class colours')
     parser.add_argument('--device', default='cpu', help="PyTorch models: torch device, e.g. 'cpu' or 'cuda'")
-    parser.add_argument('--threads', type=int, help="threads for PyTorch or onnxruntime (default: torch's)")
+    parser.add_argument('--threads', type=threads_arg, default='auto',
+                        help="threads for PyTorch or onnxruntime: a number, or 'auto': the cores other processes "
+                             "leave free when it starts (1-minute load average), at most one per core, as the "
+                             "profiler chooses them. More threads than free cores wait for the busy ones at every op")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = measurement_threads(args.threads, args.device).apply()
+    print(f"torch threads: {threads.note()}", file=sys.stderr)
     items, skipped = collect_inputs(args.inputs)
     for path, reason in skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
     if not items:
         print(f"error: no images found in {' '.join(args.inputs)}", file=sys.stderr)
         return 2
-    predictor = load_predictor(args.model, args.device, args.threads)
+    predictor = load_predictor(args.model, args.device, threads.threads)
     if predictor.task == 'detection':
         _, unreadable = detect_images(predictor, items, args.out, args.mode, args.window, args.stride,
                                       args.batch_size, args.max_pixels, args.min_score,
