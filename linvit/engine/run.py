@@ -409,7 +409,7 @@ def resumed_batch(cfg: DictConfig, checkpoint: Checkpoint, world: int) -> Tuple[
     saved = _saved_batch(checkpoint)
     data = world // max(1, cfg.parallel.context)
     asked = GlobalBatch(data, cfg.data.batch_size, cfg.train.accum_steps)
-    if data == saved.data:
+    if data == saved.data or world % max(1, cfg.parallel.context):  # (a layout that cannot run is refused later)
         return asked, 'the same data processes'
     if (asked.batch_size, asked.accum_steps) != (saved.batch_size, saved.accum_steps):
         return asked, (f"the command line sets data.batch_size / train.accum_steps: {asked.describe()}, the run had "

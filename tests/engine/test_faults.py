@@ -201,3 +201,15 @@ def test_a_global_batch_no_whole_numbers_keep_is_refused_with_the_command_that_k
         f"process(es): no whole data.batch_size and train.accum_steps keep its global batch; resume it on 1 "
         f"process(es) (train.py --resume {run_cfg.output_dir}), or choose data.batch_size and train.accum_steps on "
         f"the command line (a new global batch re-plans the schedule)")
+
+
+def test_a_refused_resume_leaves_the_runs_config_yaml_as_it_was(tiny_config):
+    from linvit.engine import train
+
+    cfg = tiny_config('train.max_steps=2')
+    train(cfg)
+    saved = (RunDir(cfg.output_dir).config, RunDir(cfg.output_dir).metrics_csv)
+    before = [open(path, encoding='utf-8').read() for path in saved]
+    with pytest.raises(ConfigError, match='parallel.context=2 does not divide the 1 process'):
+        train(tiny_config('train.max_steps=null', 'parallel.context=2'), resume=True)  # refused by the layout check
+    assert [open(path, encoding='utf-8').read() for path in saved] == before
