@@ -8,6 +8,8 @@
     python train.py --eval-only runs/cls_demo                          # ... the run's model.safetensors
     python train.py --eval-only best.pt --config configs/seg_folder.yaml data.root=photos/   # on other data
     torchrun --nproc_per_node 2 train.py --config ...                  # several processes (DDP)
+    torchrun --standalone --nproc_per_node 2 --max-restarts 1 train.py --config ... output_dir=runs/x
+                                                                       # a dead worker: restarted, the run continues
 
 Saved weights are rebuilt as they were trained: with --resume / --eval-only the model keys (model.*), the task and
 its head (seg.head, ...) and the training size (data.img_size) come from the checkpoint unless set on the command
@@ -16,11 +18,18 @@ data.img_size resamples the position embedding (as timm does for pretrained weig
 
 A new run never writes into a folder that holds another run: train.py refuses, and offers --resume, another
 output_dir or --overwrite (which deletes that run's files first). Resuming a finished run says so and writes nothing.
+The exception is torchrun restarting its own workers (--max-restarts, TORCHELASTIC_RESTART_COUNT > 0): the launch
+that started the run in output_dir (launch.json) continues it from its latest checkpoint, as torchrun expects.
+A run resumed on another number of processes keeps its global batch (gradient accumulation) and schedule.
+
+SIGTERM (what SLURM, Kubernetes and torchrun send before killing a job) saves a checkpoint at the next step boundary,
+the same step on every process, and ends with the line that continues the run; outside the training steps, or at a
+second SIGTERM, it stops at once and says that no checkpoint was written then.
 
 Exit status: 0 done; 2 the command line or a config file is wrong (unknown key, model or task, a bad value, an
 architecture change the weights do not fit); 1 a file or the data is wrong (missing, not a checkpoint, unreadable
-images) or the training loss diverged; 130 interrupted (Ctrl-C: the line says what is kept and how to continue).
-Each of these ends with one line on stderr; a traceback means a bug.
+images) or the training loss diverged; 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM): the line says what is
+kept and how to continue. Each of these ends with one line on stderr; a traceback means a bug.
 """
 import argparse
 import logging
