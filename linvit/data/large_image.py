@@ -83,7 +83,7 @@ _OPENSLIDE_EXTENSIONS = frozenset({'.svs', '.ndpi', '.scn', '.bif', '.tif', '.ti
 _OPENSLIDE_INSTALL = 'pip install openslide-python openslide-bin'
 _LEVEL_TOLERANCE = 1.01       # a level of downsample 4.03 serves a request of 4 (odd level sizes round)
 _OPENSLIDE_COLUMNS = 8192     # read_region width per call (its buffer is w * h * 4 bytes)
-_OVERLAY_BAND_BYTES = 64 << 20
+_OVERLAY_BAND_BYTES = 16 << 20
 _GEOTIFF_TAGS = {33550: 'ModelPixelScale', 33922: 'ModelTiepoint', 34264: 'ModelTransformation',
                  34735: 'GeoKeyDirectory', 34736: 'GeoDoubleParams', 34737: 'GeoAsciiParams'}
 
@@ -786,8 +786,8 @@ def write_overlay_png(source: ImageSource, preview: np.ndarray, path: str | os.P
                       alpha: float = 0.5) -> None:
     """The image of ``source`` at the preview's size (box average, read band by band), classes blended in.
 
-    Each pixel is (1 - alpha) * image + alpha * class colour. Memory: a band of source rows (about 64 MB) and
-    the preview-sized result; the image is never read whole.
+    Each pixel is (1 - alpha) * image + alpha * class colour. Memory: a band of source rows (about 16 MB), its
+    row sums (as large) and the preview-sized result; the image is never read whole.
     """
     path = os.fspath(path)
     preview = np.asarray(preview)
@@ -806,11 +806,11 @@ def write_overlay_png(source: ImageSource, preview: np.ndarray, path: str | os.P
         while j < ph and ends[j] - starts[i] <= rows_per_band:
             j += 1
         band = source.read(int(starts[i]), int(ends[j - 1]))
-        if ph > source.height:      # more preview rows than image rows: nearest
-            row_sums, row_counts = band[starts[i:j] - starts[i]].astype(np.uint64), np.ones(j - i, dtype=np.int64)
-        else:
-            row_sums = np.add.reduceat(band, starts[i:j] - starts[i], axis=0, dtype=np.uint64)
-            row_counts = ends[i:j] - starts[i:j]
+        # a sum per preview row: a reduction casts to uint64 in small buffers, where reduceat would cast the band
+        # (8 bytes per sample: 8x the band's memory)
+        row_sums = np.stack([band[a:b].sum(axis=0, dtype=np.uint64) for a, b in
+                             zip(starts[i:j] - starts[i], ends[i:j] - starts[i])])    # [j - i, width, 3]
+        row_counts = ends[i:j] - starts[i:j]
         sums, col_counts = _box_sums(row_sums, pw, axis=1)
         image[i:j] = sums / (row_counts[:, None, None] * col_counts[None, :, None])
         i = j

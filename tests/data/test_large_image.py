@@ -429,6 +429,25 @@ def test_preview_and_overlay_pngs(tmp_path, monkeypatch):
         write_preview_png(preview + 1, tmp_path / 'p.png', PALETTE)
 
 
+def test_overlay_memory_is_a_few_bands_not_eight_times_one(tmp_path, monkeypatch):
+    image = noise((1200, 1000, 3), seed=14)
+    tifffile.imwrite(tmp_path / 'a.tif', image, photometric='rgb', tile=(64, 64))
+    band_bytes = 3 * 1000 * 240
+    monkeypatch.setattr(large_image, '_OVERLAY_BAND_BYTES', band_bytes)          # bands of 240 rows, 720 kB
+    preview = noise((100, 83), seed=15, high=4)                                  # boxes of 12 x 12 pixels
+    with open_image(tmp_path / 'a.tif') as source:
+        source.read(0, 64)                                                       # the reader's cached tile row
+        tracemalloc.start()
+        try:
+            write_overlay_png(source, preview, tmp_path / 'o.png', PALETTE)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    # the band, its row sums (uint64, one row per 12), the reader's tile row (64 rows), the preview-sized arrays;
+    # summing the band as uint64 at once would take 8 band sizes
+    assert peak < 4 * band_bytes, f"{peak / band_bytes:.1f} band sizes"
+
+
 # ------------------------------------------------------------------------------------------------ 10,000 x 10,000
 
 def big_pixels(y: np.ndarray, x: np.ndarray) -> np.ndarray:
