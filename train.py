@@ -8,28 +8,19 @@
     python train.py --eval-only runs/cls_demo                          # ... the run's model.safetensors
     python train.py --eval-only best.pt --config configs/seg_folder.yaml data.root=photos/   # on other data
     torchrun --nproc_per_node 2 train.py --config ...                  # several processes (DDP)
-    torchrun --standalone --nproc_per_node 2 --max-restarts 1 train.py --config ... output_dir=runs/x
-                                                                       # a dead worker: restarted, the run continues
+    torchrun --standalone --nproc_per_node 2 --max-restarts 1 train.py ...   # a worker dies: the run continues
 
-Saved weights are rebuilt as they were trained: with --resume / --eval-only the model keys (model.*), the task and
-its head (seg.head, ...) and the training size (data.img_size) come from the checkpoint unless set on the command
-line; a --config file then only says where the data lives and how to evaluate. Evaluating at another
-data.img_size resamples the position embedding (as timm does for pretrained weights).
+Saved weights are rebuilt as they were trained: --resume / --eval-only take the model keys (model.*), the task, its
+head (seg.head, ...) and data.img_size from the checkpoint unless the command line sets them (a --config file says
+where the data lives; another data.img_size resamples the position embedding, as timm does).
 
-A new run never writes into a folder that holds another run: train.py refuses, and offers --resume, another
-output_dir or --overwrite (which deletes that run's files first). Resuming a finished run says so and writes nothing.
-The exception is torchrun restarting its own workers (--max-restarts, TORCHELASTIC_RESTART_COUNT > 0): the launch
-that started the run in output_dir (launch.json) continues it from its latest checkpoint, as torchrun expects.
-A run resumed on another number of processes keeps its global batch (gradient accumulation) and schedule.
+A new run refuses a folder that holds another run (offering --resume, another output_dir or --overwrite), except
+torchrun's restarts of the launch that started it, which continue it. Resuming a finished run writes nothing. SIGTERM
+saves a checkpoint at the next step boundary, the same step on every process (docs/training.md: several processes).
 
-SIGTERM (what SLURM, Kubernetes and torchrun send before killing a job) saves a checkpoint at the next step boundary,
-the same step on every process, and ends with the line that continues the run; outside the training steps, or at a
-second SIGTERM, it stops at once and says that no checkpoint was written then.
-
-Exit status: 0 done; 2 the command line or a config file is wrong (unknown key, model or task, a bad value, an
-architecture change the weights do not fit); 1 a file or the data is wrong (missing, not a checkpoint, unreadable
-images) or the training loss diverged; 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM): the line says what is
-kept and how to continue. Each of these ends with one line on stderr; a traceback means a bug.
+Exit status: 0 done; 2 the command line or a config file is wrong (unknown key, model or task, a bad value, weights
+that do not fit); 1 a file or the data is wrong (missing, not a checkpoint, unreadable images) or the loss diverged;
+130 Ctrl-C and 143 SIGTERM, saying what is kept and how to go on. Each ends with one line; a traceback means a bug.
 """
 import argparse
 import logging
@@ -44,10 +35,9 @@ from linvit.engine.commands import evaluate_saved, resume_run, start_run
 from linvit.engine.distributed import cleanup_distributed
 from linvit.engine.trainer import RunTerminated
 
-#: exit status of an expected failure: the command line or a config is wrong / a file, the data or the run is
-EXIT_CONFIG, EXIT_FAILURE = 2, 1
-#: exit status after Ctrl-C (128 + SIGINT) and after SIGTERM (128 + SIGTERM), as shells report them
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+#: exit status: the command line or a config is wrong / a file, the data or the run is; after Ctrl-C and SIGTERM
+#: (128 + the signal's number, as shells report a process the signal ended)
+EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 1, 130, 143
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from timm.layers import resample_abs_pos_embed
 
 from ..data import image_size
-from .checkpoint import Checkpoint, CheckpointError, load_safetensors
+from .checkpoint import Checkpoint, CheckpointError, atomic_write, load_safetensors
 from .config import ConfigError, config_from_yaml
 from .distributed import elastic_attempt, elastic_launch
 from .run_dir import RunDir
@@ -133,7 +133,7 @@ def mark_launch(directory: str) -> None:
     if launch is None:
         return
     os.makedirs(directory, exist_ok=True)
-    with open(RunDir(directory).launch, 'w', encoding='utf-8') as f:
+    with atomic_write(RunDir(directory).launch, mode='w') as f:
         json.dump({'launch': launch}, f)
         f.write('\n')
 

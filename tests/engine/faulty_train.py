@@ -2,6 +2,8 @@
 (``tests/engine/test_faults.py``). Run as train.py is, with FAULT=<what>:<rank> in the environment:
 
     term        SIGTERM to this process (a scheduler's signal)
+    term-group  SIGTERM to this process's group: itself and its DataLoader workers (SLURM signals them all); start
+                it in a session of its own
     term-agent  SIGTERM to the parent, torchrun's agent (which forwards it to every worker)
     kill        SIGKILL to this process (a worker that dies: torchrun restarts the worker group)
 
@@ -14,7 +16,7 @@ import sys
 
 from linvit.engine import trainer
 
-_SIGNALS = {'term': signal.SIGTERM, 'term-agent': signal.SIGTERM, 'kill': signal.SIGKILL}
+_SIGNALS = {'term': signal.SIGTERM, 'term-agent': signal.SIGTERM, 'term-group': signal.SIGTERM, 'kill': signal.SIGKILL}
 _save_checkpoint = trainer._save_checkpoint
 _faulted = []
 
@@ -26,7 +28,10 @@ def _save_then_fault(*args, **kwargs):
     if _faulted or not first_attempt or os.environ.get('RANK', '0') != rank:
         return
     _faulted.append(what)
-    os.kill(os.getppid() if what == 'term-agent' else os.getpid(), _SIGNALS[what])
+    if what == 'term-group':
+        os.killpg(os.getpgrp(), _SIGNALS[what])
+    else:
+        os.kill(os.getppid() if what == 'term-agent' else os.getpid(), _SIGNALS[what])
 
 
 trainer._save_checkpoint = _save_then_fault

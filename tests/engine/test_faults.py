@@ -203,6 +203,7 @@ def test_a_global_batch_no_whole_numbers_keep_is_refused_with_the_command_that_k
         f"the command line (a new global batch re-plans the schedule)")
 
 
+@pytest.mark.integration
 def test_a_refused_resume_leaves_the_runs_config_yaml_as_it_was(tiny_config):
     from linvit.engine import train
 
