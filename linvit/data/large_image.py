@@ -30,10 +30,11 @@ Reading (``open_image``; the file's content decides, not its extension):
   PNG or JPEG lazily), upright by EXIF orientation; PIL's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``)
   is lifted for that one open since the user named the file, restored afterwards, and the description says so.
 - Pixels become uint8 RGB by the rules of ``linvit.data.folder.to_rgb_array``: 16-bit scaled v * 255 / 65535
-  (per channel, also for 16-bit RGB), except that data of fewer bits in 16-bit samples is scaled from its own
-  range (12-bit: 0..4095 when the largest sample of the level is below 4096; likewise 8, 10 and 14 bits) with one
-  warning line; other integer and float data stretched from the min-max of the whole level (for these and 16-bit
-  samples one extra pass over the level on the first read, so that every band is scaled alike), grey repeated, alpha
+  (per channel, also for 16-bit RGB), except that data of fewer bits in 16-bit samples (TIFF, and 16-bit grey
+  PNGs) is scaled from its own range (12-bit: 0..4095 when the largest sample of the level is below 4096; likewise
+  8, 10 and 14 bits) with one warning line; other integer and float data stretched from the min-max of the whole
+  level (for these and 16-bit TIFF samples one extra pass over the level on the first read, so that every band is
+  scaled alike), grey repeated, alpha
   composited on black (associated alpha is already), CMYK and palette images converted, min-is-white inverted.
   OpenSlide's transparent (empty) regions thus read black too.
 - GeoTIFF: the georeferencing tags (ModelPixelScale, ModelTiepoint, ModelTransformation, GeoKeyDirectory,
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from .folder import composite_on_black, load_rgb, readable_extensions, to_rgb_array, to_uint8
 
@@ -92,6 +93,8 @@ _MINISWHITE, _MINISBLACK, _RGB, _PALETTE, _SEPARATED, _YCBCR = 0, 1, 2, 3, 5, 6
 _JPEG_COMPRESSIONS = frozenset({6, 7, 33007, 34892})
 #: bit depths that 16-bit samples may hold (the fewest that hold the largest sample is taken)
 _CONTAINED_BITS = (8, 10, 12, 14, 16)
+#: PIL's modes of 16-bit grey images ('I': PNG and TIFF reads of older Pillow versions)
+_PIL_16_BIT_GREY = frozenset({'I', 'I;16', 'I;16B', 'I;16L', 'I;16N'})
 
 
 def large_image_extensions() -> frozenset[str]:
@@ -262,6 +265,17 @@ def _codec_error(path: str, err: Exception) -> Exception:
     return ImageReadError(f"cannot decode {path}: {type(err).__name__}: {text}")
 
 
+def _contained_bits(path: str, high: int) -> int:
+    """The fewest bits of ``_CONTAINED_BITS`` that hold ``high``, the largest 16-bit sample of ``path``; said in one
+    warning line when fewer than 16 (cameras and scanners store 10 to 14-bit data in 16-bit samples, which scaled as
+    16-bit data would read nearly black)."""
+    bits = next(b for b in _CONTAINED_BITS if high < 2 ** b)
+    if bits < 16:
+        _logger.warning("%s: its 16-bit samples are all below %d (largest %d): read as %d-bit data, 0..%d scaled to "
+                        "0..255", path, 2 ** bits, high, bits, 2 ** bits - 1)
+    return bits
+
+
 def _scale_16_bit(values: np.ndarray, top: int) -> np.ndarray:
     """uint16 samples of range 0..top -> uint8, v -> round(v * 255 / top) (``to_uint8``'s rounding for top 65535)."""
     return ((np.minimum(values, top).astype(np.uint32) * 255 + top // 2) // top).astype(np.uint8)
@@ -412,11 +426,7 @@ class _TiffSource(ImageSource):
         if self._value_range is None:
             low, high = self._level_min_max()
             if self._dtype == np.uint16:
-                bits = next(b for b in _CONTAINED_BITS if high < 2 ** b)
-                self._value_range = (0.0, float(2 ** bits - 1))
-                if bits < 16:
-                    _logger.warning("%s: its 16-bit samples are all below %d (largest %d): read as %d-bit data, "
-                                    "0..%d scaled to 0..255", self.path, 2 ** bits, high, bits, 2 ** bits - 1)
+                self._value_range = (0.0, float(2 ** _contained_bits(self.path, high) - 1))
             else:
                 self._value_range = (low, high) if low <= high else (0.0, 0.0)
         return self._value_range
@@ -481,6 +491,20 @@ class _TiffSource(ImageSource):
         return out
 
 
+def _fewer_bits_grey(path: str) -> np.ndarray | None:
+    """uint8 [H, W, 3] of a 16-bit grey image whose samples hold fewer bits (``_contained_bits``), scaled from
+    their own range; None for full-range 16-bit data, which ``load_rgb`` scales as such."""
+    with Image.open(path) as img:
+        ImageOps.exif_transpose(img, in_place=True)
+        values = np.asarray(img)
+    if values.size == 0 or values.min() < 0 or values.max() > 65535:
+        return None                                   # not 16-bit data: load_rgb stretches it
+    bits = _contained_bits(path, int(values.max()))
+    if bits == 16:
+        return None
+    return np.repeat(_scale_16_bit(values.astype(np.uint16), 2 ** bits - 1)[..., None], 3, axis=2)
+
+
 class _PilSource(ImageSource):
     """A PNG, JPEG, ... decoded whole by PIL (which cannot read their rows lazily), served in bands of rows."""
 
@@ -491,7 +515,9 @@ class _PilSource(ImageSource):
         try:
             with Image.open(path) as img:
                 fmt = img.format or 'image'
-            self._pixels = load_rgb(path)
+                grey_16_bit = img.mode in _PIL_16_BIT_GREY
+            pixels = _fewer_bits_grey(path) if grey_16_bit else None
+            self._pixels = load_rgb(path) if pixels is None else pixels
         except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ...
             raise ValueError(f"cannot read {path} as an image: {type(err).__name__}: {err}") from None
         finally:

@@ -133,6 +133,17 @@ def test_fewer_bits_in_16_bit_samples_are_scaled_by_their_own_range_with_one_war
     assert len(warnings) == 1 and f'read as {bits}-bit data' in warnings[0] and 'g.tif' in warnings[0]
 
 
+def test_a_12_bit_grey_png_is_scaled_by_its_range_with_one_warning(tmp_path, caplog):
+    grey = noise((30, 20), seed=6, dtype=np.uint16, high=4096)
+    grey[0, 0] = 4000
+    Image.fromarray(grey).save(tmp_path / 'g.png')
+    with caplog.at_level('WARNING', logger='linvit.data.large_image'), open_image(tmp_path / 'g.png') as source:
+        rows = source.read(0, 30)
+    np.testing.assert_array_equal(rows[..., 1], np.floor(grey.astype(np.float64) * 255 / 4095 + 0.5).astype(np.uint8))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == 'WARNING']
+    assert len(warnings) == 1 and 'read as 12-bit data' in warnings[0]
+
+
 def test_full_range_16_bit_is_not_rescaled_nor_warned_about(tmp_path, caplog):
     grey = noise((40, 30), seed=5, dtype=np.uint16, high=65536)
     grey[0, 0] = 40000
