@@ -99,17 +99,18 @@ def build_run(cfg: DictConfig, info: DistInfo, with_train: bool = True) -> Run:
     """The task, its datasets and its model (seeded with cfg.seed, so every rank starts from the same weights);
     with_train=False (evaluating saved weights) builds no training set (``Run.train_set`` is None)."""
     task = build_task(cfg)
-    mean, std = normalization_of(cfg.model.name)
-    train_set, val_set, class_names = task.build_datasets(mean, std, with_train)
-    if info.is_main:
-        if train_set is not None:
-            _logger.info("train data: %s", train_set.describe())
-        _logger.info("val data: %s", val_set.describe())
-        bad = getattr(train_set, 'num_bad', 0) + getattr(val_set, 'num_bad', 0)
-        if bad:
-            _logger.warning("%d unreadable image file(s) skipped (named in the warnings above)", bad)
-    seed_everything(cfg.seed)  # the same initial weights on every rank
-    model = _build_model(task, len(class_names)).to(info.device)
+    with _from_cache_if_hub_unreachable(cfg.model):  # the model's config and weights, when the Hub has them
+        mean, std = normalization_of(cfg.model.name)
+        train_set, val_set, class_names = task.build_datasets(mean, std, with_train)
+        if info.is_main:
+            if train_set is not None:
+                _logger.info("train data: %s", train_set.describe())
+            _logger.info("val data: %s", val_set.describe())
+            bad = getattr(train_set, 'num_bad', 0) + getattr(val_set, 'num_bad', 0)
+            if bad:
+                _logger.warning("%d unreadable image file(s) skipped (named in the warnings above)", bad)
+        seed_everything(cfg.seed)  # the same initial weights on every rank
+        model = _build_model(task, len(class_names)).to(info.device)
     amp_dtype = None if cfg.train.precision == 'float32' else PRECISIONS[cfg.train.precision]
     return Run(cfg=cfg, info=info, task=task, model=model, class_names=class_names, train_set=train_set,
                val_set=val_set, mean=mean, std=std, amp_dtype=amp_dtype, files=RunDir(cfg.output_dir))
@@ -120,11 +121,8 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
     a ConfigError (train.py's one line): those come from the config's model.* / task keys, not from a bug."""
     model_cfg = task.cfg.model
     try:
-        with _hub_answers_or_cache(model_cfg) as unreachable:
-            model = task.build_model(num_classes)
-    except ConfigError as error:
-        if unreachable and 'cannot be loaded' in str(error):  # weights_errors' line for weights it could not get
-            raise ConfigError(_not_cached_message(model_cfg.name, str(unreachable))) from error
+        model = task.build_model(num_classes)
+    except ConfigError:
         raise
     except RuntimeError as error:
         weights = _pretrained_weights(model_cfg)
@@ -145,40 +143,33 @@ def _build_model(task: Task, num_classes: int) -> nn.Module:
     return model
 
 
-class _HubState:
-    """What ``_hub_answers_or_cache`` found: why the Hub could not be reached ('' while it could, or was not asked)."""
-
-    def __init__(self) -> None:
-        self.reason = ''
-
-    def __bool__(self) -> bool:
-        return bool(self.reason)
-
-    def __str__(self) -> str:
-        return self.reason
-
-
 @contextlib.contextmanager
-def _hub_answers_or_cache(model_cfg: DictConfig) -> Iterator[_HubState]:
-    """model.pretrained=true of a name whose weights may come from the Hub: ask the Hub once, quickly; if it does not
-    answer, load from the Hugging Face cache only, so that missing weights fail in seconds, not after a minute of
-    huggingface_hub's retries (``linvit.engine.hub.cache_only_if_unreachable``)."""
-    state = _HubState()
-    if not model_cfg.pretrained or str(model_cfg.name).startswith('local-dir:'):
-        yield state
+def _from_cache_if_hub_unreachable(model_cfg: DictConfig) -> Iterator[None]:
+    """While the block builds a model whose config or weights may come from the Hub (model.pretrained=true, an
+    hf-hub: name), ask the Hub once, quickly; if it does not answer, read them from the Hugging Face cache only
+    (``linvit.engine.hub.cache_only_if_unreachable``), so that what is missing fails in seconds, in one line, rather
+    than after a minute of huggingface_hub's retries."""
+    name = str(model_cfg.name)
+    if not (model_cfg.pretrained or name.startswith('hf-hub:')) or name.startswith('local-dir:'):
+        yield
         return
     from .hub import cache_only_if_unreachable
-    with cache_only_if_unreachable(f"the pretrained weights of model.name={model_cfg.name!r}") as reason:
-        state.reason = reason or ''
-        yield state
+    with cache_only_if_unreachable(f"the config and weights of model.name={name!r}") as unreachable:
+        try:
+            yield
+        except ConfigError as error:
+            if unreachable and 'cannot be loaded' in str(error):  # weights_errors' line for what it could not get
+                raise ConfigError(_not_cached_message(name, unreachable)) from error
+            raise
 
 
 def _not_cached_message(model_name: str, unreachable: str) -> str:
     """One line: the Hub does not answer and the weights are not in the cache; what to do."""
     from huggingface_hub import constants
-    return (f"model.name={model_name!r}: its pretrained weights are not in the Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}) and {unreachable}: connect once to fill the cache (then HF_HUB_OFFLINE=1 "
-            f"works offline), or use local weights: model.pretrained_file=PATH or model.name=local-dir:FOLDER")
+    return (f"model.name={model_name!r}: what it needs from the Hub (config.json, weights) is not in the Hugging Face "
+            f"cache ({constants.HF_HUB_CACHE}) and {unreachable}: connect once to fill the cache (then "
+            f"HF_HUB_OFFLINE=1 works offline), or use local weights: model.pretrained_file=PATH or "
+            f"model.name=local-dir:FOLDER")
 
 
 def _pretrained_weights(model_cfg: DictConfig) -> str:

@@ -281,20 +281,21 @@ def test_the_hub_check_tells_an_answering_endpoint_from_a_closed_one(monkeypatch
 
 
 @pytest.mark.integration
-def test_pretrained_weights_from_an_unreachable_hub_fail_in_one_line_without_retries(tmp_path):
+@pytest.mark.parametrize('name', ['vit_tiny_patch16_224.augreg_in21k_ft_in1k', 'hf-hub:timm/vit_tiny_patch16_224'])
+def test_pretrained_weights_from_an_unreachable_hub_fail_in_one_line_without_retries(tmp_path, name):
     env = {key: value for key, value in os.environ.items() if key not in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')}
     env.update(HF_ENDPOINT=f'http://127.0.0.1:{_closed_port()}', HF_HUB_CACHE=str(tmp_path / 'hf_cache'))
     config = tmp_path / 'empty.yaml'
     config.write_text('seed: 0\n')
     result = subprocess.run([sys.executable, 'train.py', '--config', str(config), *TINY_RUN, 'train.max_steps=1',
-                             'model.name=vit_tiny_patch16_224.augreg_in21k_ft_in1k', 'model.pretrained=true',
+                             f'model.name={name}', 'model.pretrained=true',
                              f'output_dir={tmp_path}/run'], cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**env, 'OMP_NUM_THREADS': '1'})
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("train.py: config error: model.name='vit_tiny_patch16_224.augreg_in21k_ft_in1k': its "
-                           f"pretrained weights are not in the Hugging Face cache ({tmp_path / 'hf_cache'}) and the "
-                           f"Hugging Face Hub {env['HF_ENDPOINT']} did not answer within 3 s"), last
+    assert last.startswith(f"train.py: config error: model.name={name!r}: what it needs from the Hub (config.json, "
+                           f"weights) is not in the Hugging Face cache ({tmp_path / 'hf_cache'}) and the Hugging Face "
+                           f"Hub {env['HF_ENDPOINT']} did not answer within 3 s"), last
     assert 'model.pretrained_file=PATH' in last
     assert 'Retrying in' not in result.stderr  # huggingface_hub's backoff (about a minute) never started
     assert not (tmp_path / 'run').exists()
