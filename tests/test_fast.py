@@ -16,8 +16,7 @@ import torch.nn.functional as F
 import linvit
 from linvit import fast
 from linvit.engine.step import TrainStep, compile_train_step
-from linvit.fast.compiler import _inductor_options
-from linvit.fast.graph_passes import UNFUSE_CPU_BIAS_ADD
+from linvit.fast.compiler import _UNFUSE_CPU_BIAS_ADD, _inductor_options
 from linvit.layers import LinearAttention
 from linvit.ops import list_feature_maps
 
@@ -260,7 +259,7 @@ def test_cpu_bias_add_is_split_off_into_the_following_pointwise_kernel():
 
 def test_inductor_options_respect_a_mode_and_the_users_own_pass():
     assert _inductor_options(None, 'inductor') == {'layout_optimization': False,
-                                                        'post_grad_custom_post_pass': UNFUSE_CPU_BIAS_ADD}
+                                                        'post_grad_custom_post_pass': _UNFUSE_CPU_BIAS_ADD}
     assert _inductor_options('max-autotune', 'inductor') is None  # torch.compile takes mode or options
     assert _inductor_options(None, 'aot_eager') is None
     with torch._inductor.config.patch(post_grad_custom_post_pass=fast.UnfuseCpuBiasAdd()):

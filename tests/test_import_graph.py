@@ -282,12 +282,9 @@ def test_the_layer_check_sees_upward_and_leaf_imports(tmp_path):
         parse_layer_table(doc.replace('`toy.low`, the leaves', 'low things'), 'toy')
 
 
-def test_engine_lists_its_tasks_right_after_import_and_leaves_inductor_unloaded():
-    """A fresh interpreter: importing linvit.engine alone registers every built-in task (other tests import more),
-    and leaves torch._inductor unloaded (it costs every command line about a second; only a compile needs it)."""
-    code = ('import sys, linvit.engine as e; print(sorted(e.TASKS)); print(sorted(t.name for t in e.TASKS.values()));'
-            ' print("torch._inductor" in sys.modules)')
+def test_engine_lists_its_tasks_right_after_import():
+    """A fresh interpreter: importing linvit.engine alone registers every built-in task (other tests import more)."""
+    code = 'import linvit.engine as e; print(sorted(e.TASKS)); print(sorted(t.name for t in e.TASKS.values()))'
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.split('\n')
     expected = str(['autoregressive', 'classification', 'detection', 'linearize', 'segmentation'])
     assert out[0] == expected and out[1] == expected
-    assert out[2] == 'False', 'importing linvit.engine loaded torch._inductor'

@@ -51,17 +51,8 @@ inside the compiled region; the linear-attention core disables autocast itself a
 """
 from .allocator import retain_freed_memory
 from .checks import GraphReport, check_graph_breaks, find_forward_side_effects, find_host_tensors
-from .compiler import RECOMPILE_LIMIT, CompiledModel, LossFn, LossGraph, compile_model
+from .compiler import RECOMPILE_LIMIT, CompiledModel, LossFn, LossGraph, UnfuseCpuBiasAdd, compile_model
 
 __all__ = ['RECOMPILE_LIMIT', 'CompiledModel', 'LossFn', 'LossGraph', 'GraphReport', 'UnfuseCpuBiasAdd',
            'compile_model', 'check_graph_breaks', 'find_host_tensors', 'find_forward_side_effects',
            'retain_freed_memory']
-
-
-def __getattr__(name: str):
-    """``UnfuseCpuBiasAdd`` on first use: its module loads torch._inductor (and dynamo), which ``import linvit``
-    leaves out."""
-    if name == 'UnfuseCpuBiasAdd':
-        from .graph_passes import UnfuseCpuBiasAdd
-        return UnfuseCpuBiasAdd
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

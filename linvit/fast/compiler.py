@@ -10,11 +10,14 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import is_pointwise_use
 
 from ..models.linvit import check_image_size
 from .allocator import retain_freed_memory as _retain_freed_memory
 
-__all__ = ['RECOMPILE_LIMIT', 'LossFn', 'CompiledModel', 'compile_model', 'LossGraph']
+__all__ = ['RECOMPILE_LIMIT', 'LossFn', 'UnfuseCpuBiasAdd', 'CompiledModel', 'compile_model', 'LossGraph']
 
 #: how many static shapes (graphs) one compiled model or train step may hold; dynamo's default is 8
 RECOMPILE_LIMIT = 64
@@ -74,6 +77,50 @@ def _uses_cudagraphs(mode: Optional[str]) -> bool:
     return mode is not None and mode.startswith(_CUDAGRAPH_MODES)
 
 
+class UnfuseCpuBiasAdd(CustomGraphPass):
+    """Inductor post-grad pass: on CPU, ``addmm(bias, a, b)`` whose users are all pointwise becomes ``mm(a, b) + bias``.
+
+    The CPU addmm first broadcasts the bias into its whole output and then accumulates the product onto it (beta=1):
+    one extra write and read of an [N, out] buffer. Split off, the bias add fuses into the pointwise kernel that
+    follows anyway (GELU after fc1, the residual add after proj and fc2), so the pass removes a full memory pass per
+    linear layer; inductor already does this on GPUs. On a 2-core CPU, ViT-S fc1's bias broadcast alone took 19 ms
+    per block at 16k tokens, and whole compiled ViT-S models (linvit, floor, timm softmax) ran 1-8% faster with the
+    pass from 224 to 2048 px. Only float32/float64 addmm with alpha = beta = 1 and a 1-D bias is rewritten: in half
+    precision the fused form rounds once instead of twice.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.find_nodes(op='call_function', target=torch.ops.aten.addmm.default)):
+            if self._rewritable(node):
+                bias, mat1, mat2 = node.args[:3]
+                with graph.inserting_before(node):
+                    product = graph.call_function(torch.ops.aten.mm.default, (mat1, mat2))
+                    product.meta.update(node.meta)
+                    biased = graph.call_function(torch.ops.aten.add.Tensor, (product, bias))
+                    biased.meta.update(node.meta)
+                node.replace_all_uses_with(biased)
+                graph.erase_node(node)
+
+    @staticmethod
+    def _rewritable(node: torch.fx.Node) -> bool:
+        if node.kwargs.get('alpha', 1) != 1 or node.kwargs.get('beta', 1) != 1 or len(node.args) != 3:
+            return False
+        out, bias = node.meta.get('val'), getattr(node.args[0], 'meta', {}).get('val')
+        if not isinstance(out, torch.Tensor) or not isinstance(bias, torch.Tensor):
+            return False
+        if out.device.type != 'cpu' or out.dtype not in (torch.float32, torch.float64) or bias.dtype != out.dtype:
+            return False
+        if bias.dim() != 1 or out.dim() != 2 or bias.shape[0] != out.shape[1]:
+            return False
+        return bool(node.users) and all(is_pointwise_use(user) for user in node.users)
+
+    def uuid(self) -> str:
+        return 'linvit-unfuse-cpu-bias-add-v1'
+
+
+_UNFUSE_CPU_BIAS_ADD = UnfuseCpuBiasAdd()
+
+
 def _inductor_options(mode: Optional[str], backend: Any) -> Optional[Dict[str, Any]]:
     """Per-compile inductor options, unless a mode is given (torch.compile takes a mode or options, not both).
 
@@ -86,13 +133,9 @@ def _inductor_options(mode: Optional[str], backend: Any) -> Optional[Dict[str, A
     """
     if backend != 'inductor' or mode is not None:
         return None
-    # imported here, not at the top: torch._inductor loads dynamo (seconds per process), which only a compile needs
-    from torch._inductor import config as inductor_config
-
-    from .graph_passes import UNFUSE_CPU_BIAS_ADD
     options: Dict[str, Any] = {'layout_optimization': False}
     if inductor_config.post_grad_custom_post_pass is None:
-        options['post_grad_custom_post_pass'] = UNFUSE_CPU_BIAS_ADD
+        options['post_grad_custom_post_pass'] = _UNFUSE_CPU_BIAS_ADD
     return options
 
 
