@@ -85,6 +85,8 @@ MASK_FORMATS = ('auto', 'tiff', 'png')
 TIFF_INPUTS = large_image_extensions() | {'.tif', '.tiff'}
 #: 'auto' runs a model without the state form whole up to this many pixels (2048 x 2048), in windows above
 DEFAULT_MAX_PIXELS = 2048 * 2048
+#: rows of a full-size overlay (PNG outputs) blended at a time
+_OVERLAY_ROWS = 256
 
 #: detection: the COCO-format file of every image's detections, in the output folder
 DETECTIONS_FILE = 'detections.json'
@@ -419,9 +421,13 @@ def _write_png(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, pat
     for y0, ids in bands:
         mask[y0:y0 + len(ids)] = ids
     save_mask_png(mask, paths[0], num_classes)
-    image = source.read(0, source.height).astype(np.float32) / 255
-    overlay = overlay_mask(image, mask, palette, alpha=alpha)
-    Image.fromarray((overlay * 255).round().clip(0, 255).astype(np.uint8)).save(paths[1])
+    overlay = np.empty((source.height, source.width, 3), dtype=np.uint8)
+    for y0 in range(0, source.height, _OVERLAY_ROWS):  # blended in floats a band at a time: 60 bytes a pixel
+        rows = slice(y0, min(y0 + _OVERLAY_ROWS, source.height))
+        blended = overlay_mask(source.read(rows.start, rows.stop).astype(np.float32) / 255, mask[rows], palette,
+                               alpha=alpha)
+        overlay[rows] = (blended * 255).round().clip(0, 255).astype(np.uint8)
+    Image.fromarray(overlay).save(paths[1])
     return mask
 
 

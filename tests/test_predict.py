@@ -221,3 +221,15 @@ def test_a_mask_of_a_pyramid_level_records_its_downsample(tmp_path):
             assert numerator / denominator == pytest.approx(1 / downsample)   # map pixels per full-size pixel
             assert page.tags['ResolutionUnit'].value == 1                      # none: the unit is a full-size pixel
             assert page.description.endswith(f'downsample {downsample:g}')
+
+
+def test_a_full_size_overlay_is_blended_band_by_band_as_a_whole_one(tmp_path, monkeypatch):
+    image = np.random.default_rng(3).integers(0, 256, (21, 35, 3), dtype=np.uint8)
+    items, _ = collect_inputs([str(save_image(tmp_path / 'scan.png', image))])
+    monkeypatch.setattr(linvit.predict, '_OVERLAY_ROWS', 8)                 # bands of 8, 8 and 5 rows
+    segment_images(red_threshold_segmenter([]), items, str(tmp_path / 'out'), mode='whole', alpha=0.25)
+    classes = (image[..., 0] > 127.5).astype(int)
+    palette = np.array([[0, 0, 0], [31, 119, 180]], dtype=np.float64)     # class_palette(2): black, tab10 blue
+    expected = 0.75 * image + 0.25 * palette[classes]
+    overlay = np.asarray(Image.open(tmp_path / 'out' / 'scan_overlay.png')).astype(np.float64)
+    assert np.abs(overlay - expected).max() <= 0.5 + 1e-6
