@@ -2,7 +2,11 @@
 check the same kernel code a GPU compiles. Set before any kernel module is imported: Triton reads it when it
 decorates a kernel. On a machine with CUDA the kernels compile for the GPU and the CUDA-only tests run too."""
 import os
+import shutil
+from pathlib import Path
+from typing import Callable
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -16,3 +20,37 @@ if _XDIST_WORKERS > 1:
     _THREADS = max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)
     os.environ['OMP_NUM_THREADS'] = str(_THREADS)
     torch.set_num_threads(_THREADS)
+
+
+# ---------------------------------------------------------------------------------------------------- shared runs
+
+def _shared_runs_folder(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """One folder for the whole session: under pytest-xdist the workers' base folders share a parent."""
+    base = tmp_path_factory.getbasetemp()
+    return (base if worker_id == 'master' else base.parent) / 'shared_runs'
+
+
+@pytest.fixture(scope='session')
+def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Callable[[str, Path], Path]:
+    """``shared_run(name, dest)``: a copy in ``dest`` of the finished run ``tiny_run.SHARED_RUNS[name]``, trained once
+    per test session however many modules and pytest-xdist workers ask for it (the first trains it under a file
+    lock, the others wait and copy). Each caller gets its own copy, so a test may write into its run."""
+    from filelock import FileLock
+    from tiny_run import SHARED_RUNS
+
+    from linvit.engine import load_config, train
+
+    folder = _shared_runs_folder(tmp_path_factory, worker_id)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def copy(name: str, dest: Path) -> Path:
+        trained, done = folder / name, folder / f'{name}.done'
+        with FileLock(str(folder / f'{name}.lock')):
+            if not done.exists():
+                shutil.rmtree(trained, ignore_errors=True)
+                train(load_config(None, [*SHARED_RUNS[name], f'output_dir={trained}']))
+                done.touch()
+        shutil.copytree(trained, dest)
+        return dest
+
+    return copy

@@ -14,3 +14,15 @@ TINY_DET = ['task=detection', 'data.img_size=64', 'data.batch_size=4', 'data.num
             'data.synthetic.train_size=16', 'data.synthetic.val_size=6', 'train.epochs=2', 'train.log_every=1',
             'train.warmup_epochs=0.5', 'train.lr=1e-3', 'device=cpu', 'detection.neck_dim=32',
             'detection.score_thresh=0.0']
+
+#: a tiny softmax ViT (timm's), the teacher the linearization tests start from
+TEACHER_MODEL = ['model.name=vit_tiny_patch16_224', 'model.kwargs.depth=2', 'model.kwargs.embed_dim=48',
+                 'model.kwargs.num_heads=3', 'model.kwargs.patch_size=8']
+
+#: the finished runs several test modules read, trained once per test session (tests/conftest.py ``shared_run``)
+SHARED_RUNS = {
+    'cls': [*TINY_MODEL, *TINY_RUN, 'train.epochs=1'],
+    'cls_ema': [*TINY_MODEL, *TINY_RUN, 'train.epochs=1', 'train.ema=true', 'train.ema_decay=0.5'],
+    'seg': [*TINY_MODEL, *TINY_SEG, 'train.epochs=1'],
+    'teacher': [*TEACHER_MODEL, *TINY_RUN],
+}

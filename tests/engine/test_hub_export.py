@@ -15,7 +15,7 @@ import torch
 import yaml
 from huggingface_hub.errors import OfflineModeIsEnabled
 from safetensors.torch import load_file
-from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
+from tiny_run import TEACHER_MODEL, TINY_MODEL, TINY_RUN
 
 import linvit
 from linvit.engine import RunDir, load_config, train
@@ -27,17 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'export_hub.py'
 #: the tiny run's model, written out by hand from TINY_MODEL / TINY_RUN (not read from the run)
 TINY_KWARGS = dict(depth=2, embed_dim=48, num_heads=3, patch_size=8, img_size=32)
-TEACHER_MODEL = ['model.name=vit_tiny_patch16_224', 'model.kwargs.depth=2', 'model.kwargs.embed_dim=48',
-                 'model.kwargs.num_heads=3', 'model.kwargs.patch_size=8']
 
 
 @pytest.fixture(scope='module')
-def cls_run(tmp_path_factory):
+def cls_run(tmp_path_factory, shared_run):
     """A finished tiny classification run with EMA weights (model.safetensors holds the EMA, not the raw model)."""
-    out = tmp_path_factory.mktemp('hub_cls') / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'train.epochs=1', 'train.ema=true', 'train.ema_decay=0.5',
-                             f'output_dir={out}']))
-    return out
+    return shared_run('cls_ema', tmp_path_factory.mktemp('hub_cls') / 'run')
 
 
 @pytest.fixture(scope='module')
@@ -47,10 +42,10 @@ def cls_export(cls_run, tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def lin_run(tmp_path_factory):
+def lin_run(tmp_path_factory, shared_run):
     """A tiny softmax ViT teacher and its linearization (hedgehog feature map), both trained through train()."""
     base = tmp_path_factory.mktemp('hub_lin')
-    train(load_config(None, [*TEACHER_MODEL, *TINY_RUN, 'train.epochs=1', f'output_dir={base / "teacher"}']))
+    shared_run('teacher', base / 'teacher')
     train(load_config(None, [*TINY_RUN, 'task=linearize', f'linearize.teacher={base / "teacher"}',
                              f'output_dir={base / "lin"}', 'linearize.speed=false', 'train.epochs=1']))
     return base / 'lin'
@@ -254,9 +249,8 @@ def test_a_folder_whose_model_differs_from_the_run_is_never_written(lin_run, tmp
 
 # ---------------------------------------------------------------------------------------------------- refusals
 
-def test_a_segmentation_run_is_refused_in_one_line(tmp_path):
-    run = tmp_path / 'seg'
-    train(load_config(None, [*TINY_MODEL, *TINY_SEG, 'train.epochs=1', f'output_dir={run}']))
+def test_a_segmentation_run_is_refused_in_one_line(tmp_path, shared_run):
+    run = shared_run('seg', tmp_path / 'seg')
     with pytest.raises(HubExportError, match='is not a timm model') as error:
         export_hub_folder(str(run))
     message = str(error.value)

@@ -13,7 +13,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from tiny_run import TINY_RUN, TINY_SEG
+from tiny_run import TEACHER_MODEL, TINY_RUN, TINY_SEG
 
 import linvit
 from linvit.engine import Checkpoint, ConfigError, load_config, train
@@ -22,18 +22,14 @@ from linvit.engine.tasks.distillation import DistillationLoss
 from linvit.engine.tasks.linearize import STAGE_DIRS, LinearizeTask, resolve_teacher
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TEACHER_MODEL = ['model.name=vit_tiny_patch16_224', 'model.kwargs.depth=2', 'model.kwargs.embed_dim=48',
-                 'model.kwargs.num_heads=3', 'model.kwargs.patch_size=8']
 #: 2 blocks x 3 heads x (8 x 8 weight + 8 bias) per block: the hedgehog maps' tensors
 MAP_KEYS = sorted(f'blocks.{b}.attn.feature_map.{p}' for b in range(2) for p in ('weight', 'bias'))
 
 
 @pytest.fixture(scope='module')
-def teacher_dir(tmp_path_factory):
+def teacher_dir(tmp_path_factory, shared_run):
     """A softmax ViT trained for 2 epochs through train() on the tiny synthetic task: a run directory."""
-    out = tmp_path_factory.mktemp('teacher') / 'run'
-    train(load_config(None, [*TEACHER_MODEL, *TINY_RUN, f'output_dir={out}']))
-    return str(out)
+    return str(shared_run('teacher', tmp_path_factory.mktemp('teacher') / 'run'))
 
 
 def lin_config(teacher_dir, out, *overrides):

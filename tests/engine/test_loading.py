@@ -10,22 +10,16 @@ from safetensors.torch import load_file, save_file
 from timm.models.vision_transformer import checkpoint_filter_fn
 from tiny_run import TINY_MODEL, TINY_SEG
 
-from linvit.engine import load_config, train
+from linvit.engine import load_config
 from linvit.engine.checkpoint import load_checkpoint
 from linvit.engine.loading import WeightsMismatchError, load_trained, load_weights, resample_position_embeddings
 from linvit.engine.tasks.segmentation import create_segmentation_model
 
 
 @pytest.fixture(scope='module')
-def ema_run(tmp_path_factory):
+def ema_run(tmp_path_factory, shared_run):
     """A finished tiny classification run with EMA weights (so model and EMA weights differ)."""
-    from tiny_run import TINY_MODEL, TINY_RUN
-
-    from linvit.engine import load_config
-    out = tmp_path_factory.mktemp('loading') / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'train.epochs=1', 'train.ema=true', 'train.ema_decay=0.5',
-                             f'output_dir={out}']))
-    return out
+    return shared_run('cls_ema', tmp_path_factory.mktemp('loading') / 'run')
 
 
 def _same_weights(model, weights):

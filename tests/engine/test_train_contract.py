@@ -17,11 +17,11 @@ import torch.nn as nn
 from PIL import Image
 from safetensors.torch import save_file
 from timm.models.vision_transformer import checkpoint_filter_fn
-from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
+from tiny_run import TINY_MODEL, TINY_RUN
 from torch.utils.data import DataLoader, Dataset
 
 from linvit.data import DataError
-from linvit.engine import config_from_yaml, evaluate, load_config, train
+from linvit.engine import config_from_yaml, evaluate, load_config
 from linvit.engine.checkpoint import load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,19 +50,15 @@ def _metrics(path):
 
 
 @pytest.fixture(scope='module')
-def cls_run(tmp_path_factory):
+def cls_run(tmp_path_factory, shared_run):
     """A finished tiny classification run (32 px, patch 8: a 4x4 grid of position embeddings)."""
-    out = tmp_path_factory.mktemp('contract') / 'cls'
-    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'train.epochs=1', f'output_dir={out}']))
-    return out
+    return shared_run('cls', tmp_path_factory.mktemp('contract') / 'cls')
 
 
 @pytest.fixture(scope='module')
-def seg_run(tmp_path_factory):
+def seg_run(tmp_path_factory, shared_run):
     """A finished tiny segmentation run trained at data.img_size=32 on the built-in shapes."""
-    out = tmp_path_factory.mktemp('contract') / 'seg'
-    train(load_config(None, [*TINY_MODEL, *TINY_SEG, 'train.epochs=1', f'output_dir={out}']))
-    return out
+    return shared_run('seg', tmp_path_factory.mktemp('contract') / 'seg')
 
 
 # ------------------------------------------------------------------------------------------- one-line failures

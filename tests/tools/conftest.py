@@ -68,11 +68,6 @@ def context_demo_tool() -> ModuleType:
 
 
 @pytest.fixture(scope='module')
-def seg_run(tmp_path_factory) -> Path:
-    """A tiny segmentation run trained for one epoch (tiny_run's TINY_MODEL + TINY_SEG), one per test module."""
-    from tiny_run import TINY_MODEL, TINY_SEG
-
-    from linvit.engine import load_config, train
-    out = tmp_path_factory.mktemp('seg') / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_SEG, 'train.epochs=1', f'output_dir={out}']))
-    return out
+def seg_run(tmp_path_factory, shared_run) -> Path:
+    """A tiny segmentation run trained for one epoch (tiny_run's SHARED_RUNS['seg']), a copy per test module."""
+    return shared_run('seg', tmp_path_factory.mktemp('seg') / 'run')
