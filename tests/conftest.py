@@ -1,6 +1,9 @@
 """Without a GPU, run linvit's Triton kernels through Triton's interpreter (CPU tensors, numpy), so the kernel tests
 check the same kernel code a GPU compiles. Set before any kernel module is imported: Triton reads it when it
-decorates a kernel. On a machine with CUDA the kernels compile for the GPU and the CUDA-only tests run too."""
+decorates a kernel. On a machine with CUDA the kernels compile for the GPU and the CUDA-only tests run too.
+
+Also here: the small runs several modules read, trained once per session (``shared_run``), and the ``integration``
+marker on every test that trains or starts interpreters (docs/testing.md: the quick subset leaves them out)."""
 import os
 import shutil
 from pathlib import Path
@@ -54,3 +57,15 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Call
         return dest
 
     return copy
+
+
+#: fixtures that train a run: a test that uses one is an integration test (``-m "not integration"`` leaves it out)
+TRAINING_FIXTURES = frozenset({'shared_run', 'tiny_config', 'seg_run', 'seg_config', 'ema_run', 'teacher_dir'})
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Mark integration tests: a module that trains or starts interpreters declares it (``pytestmark``); a test
+    elsewhere that uses a training fixture is marked here."""
+    for item in items:
+        if TRAINING_FIXTURES & set(getattr(item, 'fixturenames', ())):
+            item.add_marker(pytest.mark.integration)

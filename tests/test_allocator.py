@@ -47,6 +47,7 @@ def _env_without_thresholds() -> dict:
     return {k: v for k, v in os.environ.items() if k not in GLIBC_THRESHOLD_ENV}
 
 
+@pytest.mark.integration
 def test_freed_memory_is_kept_after_the_call():
     result = _run_refaults(_env_without_thresholds())
     pages = 16 * 2 ** 20 * 4 // 4096
@@ -56,6 +57,7 @@ def test_freed_memory_is_kept_after_the_call():
 
 
 @pytest.mark.parametrize('name', GLIBC_THRESHOLD_ENV)
+@pytest.mark.integration
 def test_thresholds_from_the_environment_are_left_alone(name):
     result = _run_refaults({**_env_without_thresholds(), name: str(2 ** 20)})
     assert not result['applied'] and not result['retaining']

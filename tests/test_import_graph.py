@@ -282,6 +282,7 @@ def test_the_layer_check_sees_upward_and_leaf_imports(tmp_path):
         parse_layer_table(doc.replace('`toy.low`, the leaves', 'low things'), 'toy')
 
 
+@pytest.mark.integration
 def test_engine_lists_its_tasks_right_after_import():
     """A fresh interpreter: importing linvit.engine alone registers every built-in task (other tests import more)."""
     code = 'import linvit.engine as e; print(sorted(e.TASKS)); print(sorted(t.name for t in e.TASKS.values()))'

@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import linvit
+
+pytestmark = pytest.mark.integration  # trains or starts interpreters
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT_CHECK = "import linvit, timm; print(linvit.__file__); print(timm.is_model('linvit_tiny_patch16_224'))"

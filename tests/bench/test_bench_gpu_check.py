@@ -155,6 +155,7 @@ def test_a_section_process_reads_the_settings_it_is_given(tmp_path):
     assert given == plan.CheckSettings(**{**vars(settings), 'deadline': 123.5})
 
 
+@pytest.mark.integration
 def test_the_module_imports_without_the_training_stack():
     """The kernel sections must run where albumentations, omegaconf or pydantic failed to install."""
     code = ("import sys; import linvit.bench.gpu_check; "

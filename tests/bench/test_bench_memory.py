@@ -24,6 +24,7 @@ print(json.dumps({'base': watch.base, **result}))
 
 
 @pytest.mark.skipif(not os.path.exists('/proc/self/clear_refs'), reason='needs Linux /proc to restart the peak')
+@pytest.mark.integration
 def test_the_peak_is_the_timed_calls_own_not_the_warm_ups():
     """A warm-up that held 400 MiB (a compile, a first-call cache) and freed it leaves no trace in the peak.
 

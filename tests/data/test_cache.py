@@ -207,6 +207,7 @@ def test_per_sample_seeds_keep_the_steps_of_the_per_image_path_independent():
     assert abs(brightness[flipped].mean() - brightness[~flipped].mean()) < 0.05
 
 
+@pytest.mark.integration
 def test_train_py_trains_from_the_cache_and_the_next_run_decodes_nothing(tmp_path, caplog):
     import pickle
 
@@ -284,6 +285,7 @@ def test_segmentation_training_runs_from_the_cache_and_its_key_covers_the_masks(
     assert again.cache.folder != train.cache.folder and not again.cache.masks[0].any()
 
 
+@pytest.mark.integration
 def test_a_resumed_run_on_the_cache_follows_the_same_trajectory(tmp_path):
     """The device augmentation's parameters come from the sample keys: an interrupted and resumed run takes the same
     crops, flips and colours, so the same losses, as one that ran through."""

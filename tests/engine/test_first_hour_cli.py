@@ -19,6 +19,8 @@ import torch
 from PIL import Image
 from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [*TINY_MODEL, *TINY_RUN]
 CLS = ['--config', 'configs/cls_demo.yaml', *TINY]

@@ -23,6 +23,8 @@ from linvit.engine import hub as hub_module
 from linvit.engine.checkpoint import load_checkpoint
 from linvit.engine.hub import HubExportError, HubPushError, export_hub_folder, push_hub_folder
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'export_hub.py'
 #: the tiny run's model, written out by hand from TINY_MODEL / TINY_RUN (not read from the run)

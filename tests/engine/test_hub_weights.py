@@ -104,6 +104,7 @@ def _assert_same(state, saved, skip=()):
 
 # ---------------------------------------------------------------------------------------------------- local-dir:
 
+@pytest.mark.integration
 def test_local_dir_weights_load_exactly_and_train_a_step(tmp_path):
     folder = tmp_path / 'tiny'
     saved = _save(folder, _classes())
@@ -161,6 +162,7 @@ def test_segmentation_backbone_loads_the_folders_weights(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- hf-hub:
 
+@pytest.mark.integration
 def test_hf_hub_name_from_the_offline_cache_loads_and_trains(offline_cache, tmp_path):
     saved = _cache(offline_cache, _classes())
     model, mean, std = _built(f'model.name=hf-hub:{REPO}', 'model.pretrained=true')
@@ -172,6 +174,7 @@ def test_hf_hub_name_from_the_offline_cache_loads_and_trains(offline_cache, tmp_
     assert saved_cfg.model.name == f'hf-hub:{REPO}' and saved_cfg.model.pretrained
 
 
+@pytest.mark.integration
 def test_hf_hub_name_absent_offline_is_one_line_exit_2(offline_cache, tmp_path):
     result = _train_py(tmp_path, 'model.name=hf-hub:someorg/absent', 'model.pretrained=true')
     assert result.returncode == 2, result.stderr[-3000:]
@@ -282,6 +285,7 @@ def test_the_hub_check_tells_an_answering_endpoint_from_a_closed_one(monkeypatch
 
 @pytest.mark.integration
 @pytest.mark.parametrize('name', ['vit_tiny_patch16_224.augreg_in21k_ft_in1k', 'hf-hub:timm/vit_tiny_patch16_224'])
+@pytest.mark.integration
 def test_pretrained_weights_from_an_unreachable_hub_fail_in_one_line_without_retries(tmp_path, name):
     env = {key: value for key, value in os.environ.items() if key not in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')}
     env.update(HF_ENDPOINT=f'http://127.0.0.1:{_closed_port()}', HF_HUB_CACHE=str(tmp_path / 'hf_cache'))

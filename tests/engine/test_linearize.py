@@ -21,6 +21,8 @@ from linvit.engine.loading import load_trained
 from linvit.engine.tasks.distillation import DistillationLoss
 from linvit.engine.tasks.linearize import STAGE_DIRS, LinearizeTask, resolve_teacher
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: 2 blocks x 3 heads x (8 x 8 weight + 8 bias) per block: the hedgehog maps' tensors
 MAP_KEYS = sorted(f'blocks.{b}.attn.feature_map.{p}' for b in range(2) for p in ('weight', 'bias'))

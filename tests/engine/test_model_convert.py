@@ -18,6 +18,7 @@ SMALL = ['model.kwargs.depth=2', 'model.kwargs.embed_dim=48', 'model.kwargs.num_
 
 @pytest.mark.parametrize('name, patch, size, other', [('vit_small_patch16_dinov3', 8, 32, (40, 56)),
                                                       ('vit_small_patch14_dinov2', 7, 35, (42, 28))])
+@pytest.mark.integration
 def test_a_converted_backbone_segments_at_any_multiple_of_its_patch(tmp_path, name, patch, size, other):
     out = tmp_path / 'run'
     train(load_config(None, [f'model.name={name}', *SMALL, f'model.kwargs.patch_size={patch}',
@@ -39,6 +40,7 @@ def test_a_converted_backbone_segments_at_any_multiple_of_its_patch(tmp_path, na
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.integration
 def test_softmax_weights_load_before_the_conversion(tmp_path):
     """model.pretrained_file holds a softmax checkpoint; the converted model keeps every tensor of it."""
     softmax = timm.create_model('vit_small_patch16_dinov3', depth=2, embed_dim=48, num_heads=3, patch_size=8,
@@ -56,6 +58,7 @@ def test_softmax_weights_load_before_the_conversion(tmp_path):
         torch.testing.assert_close(trained[key], value, msg=key)
 
 
+@pytest.mark.integration
 def test_bad_conversions_are_one_line_config_errors(tmp_path):
     base = ['model.name=vit_small_patch16_dinov3', *SMALL, 'model.kwargs.patch_size=8', *TINY_RUN,
             f'output_dir={tmp_path / "run"}']

@@ -22,6 +22,8 @@ from linvit.engine.run import build_run, build_training, restore
 from linvit.engine.tasks import build_task
 from linvit.models.context import RowShards
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEG = ['--config', 'configs/seg_demo.yaml', *TINY_MODEL, *TINY_SEG, 'data.synthetic.val_size=3']
 

@@ -5,6 +5,7 @@ import fnmatch
 import os
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from linvit.engine import RunDir, train
@@ -16,6 +17,7 @@ def _val_steps(csv_path):
         return [int(row['step']) for row in csv.DictReader(f) if row['split'] == 'val']
 
 
+@pytest.mark.integration
 def test_a_finished_run_holds_exactly_the_files_its_run_dir_names(tiny_config, tmp_path):
     cfg = tiny_config('train.pictures=true', 'train.epochs=1')
     # under a process group of the caller's (one gloo rank): train() uses it and leaves it up, since a caller may

@@ -110,6 +110,7 @@ def two_runs_task():
     TASKS.unregister(_TwoRuns.name)
 
 
+@pytest.mark.integration
 def test_a_staged_task_runs_through_train_without_the_loop_knowing(two_runs_task, tmp_path, caplog):
     cfg = load_config(None, [*TINY_MODEL, *TINY_RUN, 'task=test_two_runs', f'output_dir={tmp_path / "run"}'])
     with caplog.at_level(logging.INFO, logger='linvit'):

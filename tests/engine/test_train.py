@@ -15,6 +15,8 @@ from linvit.engine.checkpoint import load_checkpoint
 from linvit.engine.tasks.classification import ClassificationTask
 from linvit.engine.trainer import NonFiniteLossError
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 
 def _rows(run_dir, split):
     with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:

@@ -24,6 +24,8 @@ from linvit.engine.tasks.autoregressive import (
 )
 from linvit.engine.tasks.classification import ClassificationTask
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 CONFIGS = os.path.join(os.path.dirname(__file__), '..', '..', 'configs')
 AR = ['task=autoregressive', 'data.aug.hflip=0', 'train.epochs=1', 'train.max_steps=3']
 

@@ -11,6 +11,8 @@ import pytest
 import torch.distributed as dist
 from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [*TINY_MODEL, *TINY_RUN]
 

@@ -24,6 +24,8 @@ from linvit.data import DataError
 from linvit.engine import config_from_yaml, evaluate, load_config
 from linvit.engine.checkpoint import load_checkpoint
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLS_DEMO = os.path.join(ROOT, 'configs', 'cls_demo.yaml')
 

@@ -21,6 +21,8 @@ from linvit.engine.metrics import coco_box_metrics
 from linvit.models.detection import build_detector
 from linvit.predict import collect_inputs, detect_images, torch_predictor
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 
 def test_the_shapes_train_end_to_end_and_the_report_is_the_saved_detectors_ap(tmp_path):
     out = tmp_path / 'run'

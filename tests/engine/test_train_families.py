@@ -9,6 +9,8 @@ import linvit
 from linvit.engine import train
 from linvit.layers import ATTENTION_FAMILIES
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 
 @pytest.mark.parametrize('family', [name for name in linvit.list_attention_families() if name != 'linear'])
 def test_a_config_selects_the_family_and_trains(tiny_config, family):

@@ -15,6 +15,8 @@ from tiny_run import TINY_MODEL, TINY_SEG
 from linvit.engine import evaluate, load_config, train
 from linvit.engine.tasks.segmentation import create_segmentation_model
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 
 @pytest.fixture
 def seg_config(tmp_path):

@@ -124,6 +124,7 @@ def test_a_toy_family_converts_a_timm_vit_and_loads_a_softmax_checkpoint(toy):
     assert torch.equal(fresh.blocks[0].attn.qkv.weight, softmax_state['blocks.0.attn.qkv.weight'])
 
 
+@pytest.mark.integration
 def test_a_toy_family_is_selected_by_a_training_config(toy, tmp_path):
     from safetensors.torch import load_file
 

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts an interpreter that compiles for two GPU targets
+
 # the largest dynamic shared memory one block may use (CUDA programming guide: 227 KiB on sm_90, 163 KiB on sm_80)
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 KERNELS = {'_key_pass', '_query_pass', '_grad_query', '_grad_key'}

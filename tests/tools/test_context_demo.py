@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-pytestmark = pytest.mark.compiler
+pytestmark = [pytest.mark.compiler, pytest.mark.integration]  # integration: trains or starts interpreters
 
 
 def test_whole_and_windows_are_scored_and_drawn(seg_run, context_demo_tool, capsys):

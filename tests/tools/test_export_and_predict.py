@@ -19,7 +19,7 @@ from linvit.engine import load_config, train
 from linvit.engine.tasks.segmentation import create_segmentation_model
 from linvit.export import read_metadata
 
-pytestmark = pytest.mark.compiler
+pytestmark = [pytest.mark.compiler, pytest.mark.integration]  # integration: trains or starts interpreters
 
 
 @pytest.fixture(scope='module')

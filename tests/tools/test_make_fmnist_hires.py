@@ -13,6 +13,8 @@ import pytest
 
 from linvit.data.fmnist_hires import CLASS_NAMES
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'make_fmnist_hires.py'
 
 

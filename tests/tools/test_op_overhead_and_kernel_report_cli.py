@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import TOOLS_DIR, load_tool
 from references import rel_err
@@ -37,6 +38,7 @@ def test_op_overhead_tool_prints_its_table(capsys):
         assert r[6].strip() == '-'  # no GPU kernels on a CPU
 
 
+@pytest.mark.integration
 def test_kernel_report_tool_prints_registers_spills_and_dot_types():
     env = {**os.environ, 'TRITON_INTERPRET': '0'}
     command = [sys.executable, str(TOOLS_DIR / 'kernel_report.py'), '--targets', '90', '--widths', '64',

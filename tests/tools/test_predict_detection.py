@@ -14,6 +14,8 @@ from linvit.data.synthetic_seg import render_shapes
 from linvit.engine import load_config, train
 from linvit.engine.loading import load_trained
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 
 @pytest.fixture(scope='module')
 def det_run(tmp_path_factory):

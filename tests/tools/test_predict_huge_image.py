@@ -13,7 +13,7 @@ from linvit.engine import load_config, train
 from linvit.engine.loading import load_trained
 from linvit.inference import whole_inference
 
-pytestmark = pytest.mark.compiler
+pytestmark = [pytest.mark.compiler, pytest.mark.integration]  # integration: trains or starts interpreters
 
 #: patch 32 keeps the 10,000 px image at 313 x 313 tokens and its finest pyramid level at 1250 x 1250
 SEG_RUN = [*TINY_MODEL, *TINY_SEG, 'model.kwargs.patch_size=32', 'data.img_size=64', 'train.epochs=1']

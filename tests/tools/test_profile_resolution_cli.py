@@ -147,6 +147,7 @@ def test_printed_table_and_csv_are_the_scripted_throughputs(prof, tmp_path, caps
     assert 'time growth 32 -> 64 px (4x tokens): linvit 3.00x, floor 4.00x, softmax 10.00x' in table
 
 
+@pytest.mark.integration
 def test_the_preset_tool_runs_as_a_script(tmp_path):
     """profile_forward.py starts as a script from any folder (it imports only linvit, profile_resolution.py's options
     included) and explains itself; the other tools' imports are checked by loading them in test_tool_help.py."""

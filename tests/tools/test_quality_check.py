@@ -20,6 +20,8 @@ from linvit.bench.quality import data, plan, recipe, report, results, runner
 from linvit.bench.quality.job import Job
 from linvit.engine import config_to_yaml, load_config
 
+pytestmark = pytest.mark.integration  # trains or starts interpreters
+
 CONFIGS = Path(__file__).resolve().parents[2] / 'configs'  # train.py's recipes, in the checkout
 CUT_RUN = 'small/high/softmax'  # the quick run stops this one a second after it started
 

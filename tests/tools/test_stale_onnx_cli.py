@@ -13,7 +13,7 @@ from tiny_run import TINY_MODEL, TINY_RUN
 from linvit.engine import load_config, train
 from linvit.export import read_metadata
 
-pytestmark = pytest.mark.compiler
+pytestmark = [pytest.mark.compiler, pytest.mark.integration]  # integration: trains or starts interpreters
 
 
 def _image(path, height: int, width: int, seed: int = 0):
