@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from cli import run_train_py
 from PIL import Image
 from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
@@ -28,9 +29,8 @@ SEG = ['--config', 'configs/seg_demo.yaml', *TINY_MODEL, *TINY_SEG]
 
 
 def _run(*args):
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=env)
+    """train.py ARGS as a user runs it (in this process: tests/cli.py)."""
+    return run_train_py(*args)
 
 
 def _ok(result):

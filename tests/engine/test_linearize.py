@@ -5,13 +5,12 @@ import csv
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from cli import run_train_py
 from safetensors.torch import load_file, save_file
 from tiny_run import TEACHER_MODEL, TINY_RUN, TINY_SEG
 
@@ -23,7 +22,6 @@ from linvit.engine.tasks.linearize import STAGE_DIRS, LinearizeTask, resolve_tea
 
 pytestmark = pytest.mark.integration  # trains or starts interpreters
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: 2 blocks x 3 heads x (8 x 8 weight + 8 bias) per block: the hedgehog maps' tensors
 MAP_KEYS = sorted(f'blocks.{b}.attn.feature_map.{p}' for b in range(2) for p in ('weight', 'bias'))
 
@@ -197,8 +195,7 @@ def test_resume_in_the_middle_of_a_stage_reproduces_the_losses(teacher_dir, tmp_
     with pytest.raises(Crash):
         train(lin_config(teacher_dir, tmp_path / 'cut', *overrides))
     monkeypatch.undo()
-    resumed = subprocess.run([sys.executable, 'train.py', '--resume', str(tmp_path / 'cut')], cwd=REPO,
-                             capture_output=True, text=True)
+    resumed = run_train_py('--resume', str(tmp_path / 'cut'))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     for directory in STAGE_DIRS.values():
         assert _train_losses(tmp_path / 'cut' / directory) == _train_losses(tmp_path / 'whole' / directory)
@@ -260,15 +257,12 @@ def test_a_pooled_teacher_without_class_token_is_linearized_as_it_was_built(tmp_
 
 
 def test_a_linear_teacher_or_a_missing_one_is_a_clear_error(teacher_dir, tmp_path):
-    missing = subprocess.run([sys.executable, 'train.py', '--config', 'configs/linearize_cls_fmnist.yaml',
-                              f'output_dir={tmp_path / "x"}', 'linearize.teacher=null'], cwd=REPO,
-                             capture_output=True, text=True)
+    missing = run_train_py('--config', 'configs/linearize_cls_fmnist.yaml', f'output_dir={tmp_path / "x"}',
+                           'linearize.teacher=null')
     assert missing.returncode == 2 and 'linearize.teacher' in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
-    absent = subprocess.run([sys.executable, 'train.py', '--config', 'configs/linearize_cls_fmnist.yaml',
-                             f'output_dir={tmp_path / "x"}', f'linearize.teacher={tmp_path / "nowhere"}',
-                             f'data.root={tmp_path}'], cwd=REPO,
-                            capture_output=True, text=True)
+    absent = run_train_py('--config', 'configs/linearize_cls_fmnist.yaml', f'output_dir={tmp_path / "x"}',
+                          f'linearize.teacher={tmp_path / "nowhere"}', f'data.root={tmp_path}')
     assert absent.returncode == 1 and 'nowhere' in absent.stderr and 'Traceback' not in absent.stderr
     linear_teacher = tmp_path / 'linear_teacher'
     train(load_config(None, ['model.name=linvit_tiny_patch16_224', *TEACHER_MODEL[1:], *TINY_RUN, 'train.epochs=1',
@@ -280,12 +274,12 @@ def test_a_linear_teacher_or_a_missing_one_is_a_clear_error(teacher_dir, tmp_pat
 
 def test_a_first_start_refused_by_its_batch_size_reruns_corrected_without_overwrite(teacher_dir, tmp_path):
     out = tmp_path / 'lin'
-    command = [sys.executable, 'train.py', '--config', 'configs/cls_demo.yaml', *TINY_RUN, 'task=linearize',
-               f'linearize.teacher={teacher_dir}', 'linearize.speed=false', 'train.epochs=1', f'output_dir={out}']
-    refused = subprocess.run([*command, 'data.batch_size=100'], cwd=REPO, capture_output=True, text=True)
+    command = ['--config', 'configs/cls_demo.yaml', *TINY_RUN, 'task=linearize', f'linearize.teacher={teacher_dir}',
+               'linearize.speed=false', 'train.epochs=1', f'output_dir={out}']
+    refused = run_train_py(*command, 'data.batch_size=100')
     assert refused.returncode == 2 and 'lower data.batch_size' in refused.stderr, refused.stderr[-2000:]
     assert not out.exists()  # no config.yaml, no baselines' state, no stage folder: nothing that counts as a run
-    corrected = subprocess.run([*command, 'data.batch_size=8'], cwd=REPO, capture_output=True, text=True)
+    corrected = run_train_py(*command, 'data.batch_size=8')
     assert corrected.returncode == 0, corrected.stderr[-2000:]
     assert set(STAGE_DIRS.values()) <= set(os.listdir(out)) and 'top1' in json.load(open(out / 'metrics.json'))
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from cli import run_train_py
 from ranks import run_ranks
 from references import rel_err
 from safetensors.torch import load_file
@@ -171,8 +172,7 @@ def test_context_parallelism_of_a_detector_is_refused_naming_what_is_unsupported
 
 
 def test_train_py_refuses_a_layout_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, 'train.py', *SEG, 'parallel.context=2', f'output_dir={tmp_path / "x"}'],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run_train_py(*SEG, 'parallel.context=2', f'output_dir={tmp_path / "x"}')
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "train.py: config error: parallel.context=2 does not divide the 1 process(es) (torchrun --nnodes x "

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from cli import run_train_py
 from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
 pytestmark = pytest.mark.integration  # trains or starts interpreters
@@ -29,7 +30,7 @@ def _metrics(path):
 
 
 def test_config_typo_exits_2_with_the_suggestion(tmp_path):
-    result = _run('train.py', '--config', 'configs/cls_demo.yaml', 'train.epoch=3', f'output_dir={tmp_path}')
+    result = run_train_py('--config', 'configs/cls_demo.yaml', 'train.epoch=3', f'output_dir={tmp_path}')
     assert result.returncode == 2
     assert "unknown config key 'train.epoch'; did you mean 'train.epochs'?" in result.stderr
     assert not os.listdir(tmp_path)  # nothing was started
@@ -37,15 +38,15 @@ def test_config_typo_exits_2_with_the_suggestion(tmp_path):
 
 def test_run_stop_resume_and_eval_only_from_the_command_line(tmp_path):
     run = tmp_path / 'run'
-    first = _run('train.py', '--config', 'configs/cls_demo.yaml', *TINY, f'output_dir={run}', 'train.max_steps=3')
+    first = run_train_py('--config', 'configs/cls_demo.yaml', *TINY, f'output_dir={run}', 'train.max_steps=3')
     assert first.returncode == 0, first.stderr[-3000:]
     assert f'continue with: train.py --resume {run} train.max_steps=null' in first.stderr
-    resumed = _run('train.py', '--resume', str(run), 'train.max_steps=null')  # the command the stop printed
+    resumed = run_train_py('--resume', str(run), 'train.max_steps=null')  # the command the stop printed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert 'resumed at step 3' in resumed.stderr
     final = _metrics(run / 'metrics.json')
     assert f"top1={final['top1']:.4f}" in resumed.stdout
-    evaluated = _run('train.py', '--eval-only', str(run / 'best.pt'), '--out', str(tmp_path / 'eval'))
+    evaluated = run_train_py('--eval-only', str(run / 'best.pt'), '--out', str(tmp_path / 'eval'))
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert set(_metrics(tmp_path / 'eval' / 'metrics.json')) == {'top1', 'top5', 'loss', 'count'}
 
@@ -57,7 +58,7 @@ def test_torchrun_two_gloo_processes_match_a_single_process_evaluation(tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     ddp = _metrics(run / 'metrics.json')
     assert ddp['count'] == 23  # the odd sample is counted once: evaluation shards are not padded
-    single = _run('train.py', '--eval-only', str(run / 'last.pt'), '--out', str(tmp_path / 'single'))
+    single = run_train_py('--eval-only', str(run / 'last.pt'), '--out', str(tmp_path / 'single'))
     assert single.returncode == 0, single.stderr[-3000:]
     assert _metrics(tmp_path / 'single' / 'metrics.json') == pytest.approx(ddp, rel=1e-6)
     # 2 processes x 4 steps per epoch (64 samples / 2 ranks / batch 8) x 2 epochs
@@ -75,7 +76,7 @@ def test_torchrun_segmentation_matches_a_single_process_evaluation(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     ddp = _metrics(run / 'metrics.json')
     assert ddp['pixels'] == 5 * 32 * 32
-    single = _run('train.py', '--eval-only', str(run / 'last.pt'), '--out', str(tmp_path / 'single'))
+    single = run_train_py('--eval-only', str(run / 'last.pt'), '--out', str(tmp_path / 'single'))
     assert single.returncode == 0, single.stderr[-3000:]
     alone = _metrics(tmp_path / 'single' / 'metrics.json')
     assert alone.pop('per_class_iou') == pytest.approx(ddp.pop('per_class_iou'), rel=1e-6)
