@@ -2,6 +2,7 @@
 2 context ranks trains exactly as one process does; FSDP2 trains exactly as DDP does; its sharded checkpoint resumes
 at 1 and 4 processes with the weights and optimizer state it saved; activation checkpointing changes no number; and
 layouts that cannot run are refused in one line."""
+import json
 import os
 import subprocess
 import sys
@@ -29,13 +30,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SEG = ['--config', 'configs/seg_demo.yaml', *TINY_MODEL, *TINY_SEG, 'data.synthetic.val_size=3']
 
 
+#: what train.py printed on stdout, by run folder
+PRINTED = {}
+
+
 def _train(tmp_path, name, *overrides, processes=1):
-    """A finished tiny segmentation run in tmp_path/name (train.py, under torchrun with several processes)."""
-    launch = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={processes}'] if processes > 1 else []
-    result = subprocess.run([sys.executable, *launch, 'train.py', *SEG, *overrides, f'output_dir={tmp_path / name}'],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    """A finished tiny segmentation run in tmp_path/name (train.py: under torchrun with several processes, in this
+    process with one)."""
+    args = ['train.py', *SEG, *overrides, f'output_dir={tmp_path / name}']
+    if processes == 1:
+        result = run_train_py(*args[1:])
+    else:
+        result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                                 f'--nproc_per_node={processes}', *args], cwd=ROOT, capture_output=True, text=True,
+                                timeout=600, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert result.returncode == 0, result.stderr[-4000:]
+    PRINTED[tmp_path / name] = result.stdout
     return tmp_path / name
 
 
@@ -71,6 +81,18 @@ def test_a_run_split_over_two_context_ranks_trains_as_one_process(runs):
     _assert_same_training(runs['context'], runs['alone'])
     log = (runs['context'] / 'train.log').read_text()
     assert 'processes: mesh context=2 x data=1 over 2 process(es) (DDP; activation checkpointing every block)' in log
+
+
+def test_data_parallel_evaluation_equals_one_process_evaluation(runs, tmp_path):
+    # 3 validation images over 2 ranks: the confusion matrices of unequal shards are summed, nothing counted twice
+    ddp = json.loads((runs['ddp'] / 'metrics.json').read_text())
+    assert ddp['pixels'] == 3 * 32 * 32
+    single = run_train_py('--eval-only', str(runs['ddp'] / 'last.pt'), '--out', str(tmp_path / 'single'))
+    assert single.returncode == 0, single.stderr[-3000:]
+    alone = json.loads((tmp_path / 'single' / 'metrics.json').read_text())
+    assert alone.pop('per_class_iou') == pytest.approx(ddp.pop('per_class_iou'), rel=1e-6)
+    assert alone == pytest.approx(ddp, rel=1e-6)
+    assert 'miou=' in PRINTED[runs['ddp']] and 'per_class_iou.background=' in PRINTED[runs['ddp']]  # rank 0 printed
 
 
 def test_fsdp2_trains_as_ddp_and_saves_whole_weights_and_its_shards(runs):
