@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from cli import run_train_py
 from tiny_run import TINY_MODEL, TINY_RUN
 
 from linvit.engine import Checkpoint
@@ -61,7 +62,7 @@ def _assert_same_run(got, want):
 def uninterrupted(tmp_path_factory):
     """The reference runs: one process, and two under torchrun."""
     tmp = tmp_path_factory.mktemp('uninterrupted')
-    one = _run('train.py', *CONFIG, f'output_dir={tmp / "one"}')
+    one = run_train_py(*CONFIG, f'output_dir={tmp / "one"}')
     assert one.returncode == 0, one.stderr[-3000:]
     two = _run(*_torchrun('train.py', *CONFIG, f'output_dir={tmp / "two"}'))
     assert two.returncode == 0, two.stderr[-3000:]
@@ -77,7 +78,7 @@ def test_sigterm_on_one_process_saves_its_step_and_resumes_to_the_same_end(unint
         f"train.py: terminated by SIGTERM at step 3: {run}/last.pt holds it; continue with: train.py --resume {run} "
         f"(under torchrun --max-restarts, a restart continues by itself)")
     assert Checkpoint.load(run / 'last.pt').progress.step == 3
-    resumed = _run('train.py', '--resume', str(run))
+    resumed = run_train_py('--resume', str(run))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_same_run(run, uninterrupted['one'])
 
@@ -163,7 +164,7 @@ def test_a_two_process_fsdp_run_resumed_on_one_keeps_its_global_batch_and_ends_a
     first = _run(*_torchrun(FAULTY, *CONFIG, 'parallel.fsdp=true', f'output_dir={run}'), fault='term:1')
     assert f"train.py: terminated by SIGTERM at step 3: {run}/last.pt holds it" in first.stderr, first.stderr[-3000:]
     assert Checkpoint.load(run / 'last.pt').sharded == 'last.dcp/step000003'
-    resumed = _run('train.py', '--resume', str(run))
+    resumed = run_train_py('--resume', str(run))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ('resuming on 1 process(es): keeps the global batch of 2 data process(es) x data.batch_size=8 x '
             'train.accum_steps=1 (global batch 16) as 1 data process(es) x data.batch_size=8 x train.accum_steps=2 '
