@@ -120,7 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     threads = measurement_threads(args.threads, args.device).apply()
-    print(f"torch threads: {threads.note()}", file=sys.stderr)
     items, skipped = collect_inputs(args.inputs)
     for path, reason in skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
@@ -128,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: no images found in {' '.join(args.inputs)}", file=sys.stderr)
         return 2
     predictor = load_predictor(args.model, args.device, threads.threads)
+    print(f"torch threads: {threads.note()}", file=sys.stderr)  # after the checks: an expected error is one line
     if predictor.task == 'detection':
         _, unreadable = detect_images(predictor, items, args.out, args.mode, args.window, args.stride,
                                       args.batch_size, args.max_pixels, args.min_score,
