@@ -64,7 +64,9 @@ def _assert_matches_torch(model: nn.Module, path, sizes, batch: int = 2, rtol: f
 @pytest.mark.slow
 @pytest.mark.parametrize('name', timm.list_models('linvit_*'))
 def test_every_registered_model_exports_with_dynamic_size(name, tmp_path):
-    model = _wake_zero_init(timm.create_model(name, img_size=64, dynamic_img_size=True))
+    """Each registered configuration (width, heads, patch, attention, position embedding) with 2 of its blocks: the
+    blocks are alike, and exporting and checking all 12 of a ViT-B took 40 s of the suite for nothing more."""
+    model = _wake_zero_init(timm.create_model(name, depth=2, img_size=64, dynamic_img_size=True))
     path = tmp_path / f'{name}.onnx'
     report = export_onnx(model, path, img_size=64)
     assert report.ok and len(report.checks) == 3 and path.is_file()
