@@ -31,6 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 LOG_FORMAT, LOG_DATE = '%(asctime)s %(levelname)s %(message)s', '%H:%M:%S'
 
 
+def load_tool(name: str) -> ModuleType:
+    """tools/<name>.py imported as a module named ``name`` (tools are scripts: their ``main(argv)`` runs in the test
+    process)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / 'tools' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @lru_cache(maxsize=1)
 def train_py() -> ModuleType:
     """train.py loaded as a module (once: it only defines functions)."""

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from cli import run_train_py
+from cli import load_tool, run_train_py
 from PIL import Image
 from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 
@@ -82,13 +82,12 @@ def test_a_second_run_into_a_run_folder_is_refused_and_the_first_is_untouched(tr
     assert _contents(run) == before
 
 
-def test_overwrite_replaces_the_run_without_mixing(tmp_path, trained):
+def test_overwrite_replaces_the_run_without_mixing(tmp_path, trained, capsys):
     run = str(tmp_path / 'run')
     shutil.copytree(trained[0], run)
     open(os.path.join(run, 'notes.txt'), 'w').write('mine')
     _ok(_run('--eval-only', run))  # -> run/eval_model/
-    exported = subprocess.run([sys.executable, 'tools/export_onnx.py', run], cwd=ROOT, capture_output=True, text=True)
-    assert exported.returncode == 0 and os.path.isfile(os.path.join(run, 'model.onnx')), exported.stderr[-3000:]
+    assert load_tool('export_onnx').main([run]) == 0 and os.path.isfile(os.path.join(run, 'model.onnx'))
     replaced = _ok(_run(*CLS, 'train.epochs=1', f'output_dir={run}', '--overwrite'))
     assert 'model.onnx, eval_model' in replaced.stderr  # the log names what went with the replaced run
     rows = [row for row in _csv_rows(run) if row['split'] == 'train']
@@ -99,10 +98,11 @@ def test_overwrite_replaces_the_run_without_mixing(tmp_path, trained):
     # the replaced run's export and evaluation describe weights that are gone: they went with them
     assert not os.path.exists(os.path.join(run, 'eval_model'))
     _save_png(str(tmp_path / 'images' / 'a.png'), np.zeros((32, 32, 3), dtype=np.uint8))
-    stale = subprocess.run([sys.executable, 'tools/predict.py', os.path.join(run, 'model.onnx'),
-                            str(tmp_path / 'images'), '--out', str(tmp_path / 'p.csv')], cwd=ROOT,
-                           capture_output=True, text=True)
-    assert stale.returncode != 0 and 'Traceback' not in stale.stderr and 'model.onnx' in stale.stderr
+    capsys.readouterr()
+    status = load_tool('predict').main([os.path.join(run, 'model.onnx'), str(tmp_path / 'images'), '--out',
+                                        str(tmp_path / 'p.csv')])
+    said = capsys.readouterr().err
+    assert status != 0 and 'Traceback' not in said and 'model.onnx' in said
     assert not os.path.exists(tmp_path / 'p.csv')
 
 

@@ -84,13 +84,15 @@ def test_default_cfg_is_timms_vit_data_config(name):
 
 @pytest.mark.parametrize('name', MODEL_NAMES)
 def test_model_default_size_forward_backward(name):
+    """The registered architecture, and a forward and backward at its default size through 2 of its blocks (the
+    blocks are alike; all 12 of ViT-B at 1024 px took 26 s of the suite)."""
     embed_dim, heads, size = EXPECTED[name]
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=7)
     assert isinstance(model, LinearVisionTransformer)
     assert (model.embed_dim, len(model.blocks), model.blocks[0].attn.num_heads) == (embed_dim, 12, heads)
     assert all(isinstance(b.attn, LinearAttention) for b in model.blocks)
-    out = _check_backward(model.train(), _images(1, size, size))
+    out = _check_backward(timm.create_model(name, num_classes=7, depth=2).train(), _images(1, size, size))
     assert out.shape == (1, 7)
 
 
