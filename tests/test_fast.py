@@ -92,7 +92,9 @@ def test_linvit_models_are_registered():
 
 @pytest.mark.parametrize('name', LINVIT_MODELS)
 def test_registered_model_compiles_as_one_graph(name):
-    model = timm.create_model(name, img_size=IMG, num_classes=10)
+    """Each registered configuration through 2 of its blocks: dynamo traces every block alike (all 12 of ViT-B took
+    13 s to trace)."""
+    model = timm.create_model(name, img_size=IMG, num_classes=10, depth=2)
     x = images(1)
     assert_one_graph(fast.check_graph_breaks(model.eval(), x))
     step = TrainStep(model.train(), F.cross_entropy)
