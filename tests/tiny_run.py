@@ -25,4 +25,5 @@ SHARED_RUNS = {
     'cls_ema': [*TINY_MODEL, *TINY_RUN, 'train.epochs=1', 'train.ema=true', 'train.ema_decay=0.5'],
     'seg': [*TINY_MODEL, *TINY_SEG, 'train.epochs=1'],
     'teacher': [*TEACHER_MODEL, *TINY_RUN],
+    'det': [*TINY_MODEL, *TINY_DET, 'train.epochs=1', 'train.pictures=false'],
 }

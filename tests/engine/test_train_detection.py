@@ -135,7 +135,7 @@ def test_an_unknown_detector_a_compiled_step_and_the_cache_are_config_errors(tmp
         train(load_config(None, [*TINY_MODEL, *TINY_DET, 'data.cache=true', f'output_dir={tmp_path / "c"}']))
 
 
-def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find_the_same_boxes(tmp_path):
+def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find_the_same_boxes(tmp_path, shared_run):
     """The exported part: onnxruntime's maps (checked by export_onnx at three sizes) fed to the trained detector's
     own RPN and box heads give the boxes the PyTorch detector gives, on an image the patch does not divide. The hub
     export and predict.py's reading of a features file are refused in one line."""
@@ -145,8 +145,7 @@ def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find
     from linvit.export import export_onnx, load_export_source, ort_session, read_metadata
     from linvit.predict import load_predictor
 
-    run = tmp_path / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', f'output_dir={run}']))
+    run = shared_run('det', tmp_path / 'run')
     source = load_export_source(str(run), features=True)
     assert source.default_out == str(run / 'features.onnx')
     report = export_onnx(source.model, source.default_out, img_size=source.img_size, metadata=source.metadata)
@@ -180,15 +179,18 @@ def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find
 
 
 @pytest.mark.parametrize('detector', ['faster_rcnn', 'mask_rcnn'])
-def test_a_whole_detector_exports_at_one_size_and_onnxruntime_finds_its_boxes(tmp_path, detector):
+def test_a_whole_detector_exports_at_one_size_and_onnxruntime_finds_its_boxes(tmp_path, shared_run, detector):
     """torchvision's route (the TorchScript exporter) at the training size: on a shapes image the file finds the
     PyTorch detector's boxes, labels and scores. Any size or batch, float16 or --latency get one line each."""
     from linvit.export import export_onnx, load_export_source, measure_latency, ort_session, read_metadata
     from linvit.predict import load_predictor
 
     run = tmp_path / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', f'detection.detector={detector}',
-                             'train.pictures=false', f'output_dir={run}']))
+    if detector == 'faster_rcnn':  # the default detector: the run other modules read
+        shared_run('det', run)
+    else:
+        train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', f'detection.detector={detector}',
+                                 'train.pictures=false', f'output_dir={run}']))
     source = load_export_source(str(run))
     path = str(run / 'model.onnx')
     with pytest.raises(ValueError, match='exports at one image size .*--no-dynamic-size .*or --features'):

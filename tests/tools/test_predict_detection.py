@@ -8,21 +8,16 @@ import pytest
 import torch
 from PIL import Image
 from pycocotools.coco import COCO
-from tiny_run import TINY_DET, TINY_MODEL
 
 from linvit.data.synthetic_seg import render_shapes
-from linvit.engine import load_config, train
 from linvit.engine.loading import load_trained
 
 pytestmark = pytest.mark.integration  # trains or starts interpreters
 
 
 @pytest.fixture(scope='module')
-def det_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp('det') / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', 'train.pictures=false',
-                             f'output_dir={run}']))
-    return run
+def det_run(tmp_path_factory, shared_run):
+    return shared_run('det', tmp_path_factory.mktemp('det') / 'run')
 
 
 def _scene(path, height, width, seed):
