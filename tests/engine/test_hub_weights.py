@@ -11,6 +11,7 @@ import threading
 import pytest
 import timm
 import torch
+from cli import run_train_py
 from huggingface_hub import constants as hf_constants
 from omegaconf import OmegaConf
 from timm.models._hub import save_for_hf
@@ -65,8 +66,9 @@ def _cache(cache_dir, num_classes, files=('config.json', 'model.safetensors')):
 
 @pytest.fixture
 def offline_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache, offline: the environment for subprocesses, huggingface_hub's constants (read at
-    import) for this one; linvit's per-process cache of hub configs is emptied around the test."""
+    """An empty Hugging Face cache, offline: the environment, and huggingface_hub's constants (read at import) as
+    that environment would set them (the test's train.py runs in this process); linvit's per-process cache of hub
+    configs is emptied around the test."""
     cache = tmp_path / 'hf_cache'
     cache.mkdir()
     monkeypatch.setenv('HF_HUB_CACHE', str(cache))
@@ -78,15 +80,14 @@ def offline_cache(tmp_path, monkeypatch):
     base._hub_source.cache_clear()
 
 
-def _train_py(tmp_path, *overrides, env=None):
-    """train.py on TINY_RUN for one step into tmp_path/run; its config file sets nothing (configs/ would set the
-    model's kwargs, which override the saved model's arguments, as they do for any timm model)."""
+def _train_py(tmp_path, *overrides):
+    """train.py on TINY_RUN for one step into tmp_path/run, in this process (tests/cli.py: the environment and
+    huggingface_hub's constants the test set hold); its config file sets nothing (configs/ would set the model's
+    kwargs, which override the saved model's arguments, as they do for any timm model)."""
     config = tmp_path / 'empty.yaml'
     config.write_text('seed: 0\n')
-    full_env = {**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})}
-    command = [sys.executable, 'train.py', '--config', str(config), *TINY_RUN, 'train.max_steps=1',
-               f'output_dir={tmp_path}/run', *overrides]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=full_env)
+    return run_train_py('--config', str(config), *TINY_RUN, 'train.max_steps=1', f'output_dir={tmp_path}/run',
+                        *overrides)
 
 
 def _built(*overrides):
@@ -284,22 +285,37 @@ def test_the_hub_check_tells_an_answering_endpoint_from_a_closed_one(monkeypatch
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize('name', ['vit_tiny_patch16_224.augreg_in21k_ft_in1k', 'hf-hub:timm/vit_tiny_patch16_224'])
-@pytest.mark.integration
-def test_pretrained_weights_from_an_unreachable_hub_fail_in_one_line_without_retries(tmp_path, name):
-    env = {key: value for key, value in os.environ.items() if key not in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')}
-    env.update(HF_ENDPOINT=f'http://127.0.0.1:{_closed_port()}', HF_HUB_CACHE=str(tmp_path / 'hf_cache'))
+@pytest.mark.parametrize('name, fresh_process', [('vit_tiny_patch16_224.augreg_in21k_ft_in1k', True),
+                                                 ('hf-hub:timm/vit_tiny_patch16_224', False)])
+def test_pretrained_weights_from_an_unreachable_hub_fail_in_one_line_without_retries(tmp_path, monkeypatch, name,
+                                                                                     fresh_process):
+    """A pretrained tag in a fresh interpreter (HF_ENDPOINT and the cache as huggingface_hub reads them at import),
+    an hf-hub: name in this process with huggingface_hub's constants set as that import would set them."""
+    endpoint, cache = f'http://127.0.0.1:{_closed_port()}', tmp_path / 'hf_cache'
     config = tmp_path / 'empty.yaml'
     config.write_text('seed: 0\n')
-    result = subprocess.run([sys.executable, 'train.py', '--config', str(config), *TINY_RUN, 'train.max_steps=1',
-                             f'model.name={name}', 'model.pretrained=true',
-                             f'output_dir={tmp_path}/run'], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**env, 'OMP_NUM_THREADS': '1'})
+    args = ['--config', str(config), *TINY_RUN, 'train.max_steps=1', f'model.name={name}', 'model.pretrained=true',
+            f'output_dir={tmp_path}/run']
+    if fresh_process:
+        env = {key: value for key, value in os.environ.items() if key not in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')}
+        env.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(cache), OMP_NUM_THREADS='1')
+        result = subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True, text=True,
+                                timeout=600, env=env)
+    else:
+        for key in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv('HF_HUB_CACHE', str(cache))
+        monkeypatch.setattr(hf_constants, 'HF_HUB_OFFLINE', False)
+        monkeypatch.setattr(hf_constants, 'ENDPOINT', endpoint)
+        monkeypatch.setattr(hf_constants, 'HF_HUB_CACHE', str(cache))
+        base._hub_source.cache_clear()
+        result = run_train_py(*args)
+        base._hub_source.cache_clear()
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"train.py: config error: model.name={name!r}: what it needs from the Hub (config.json, "
-                           f"weights) is not in the Hugging Face cache ({tmp_path / 'hf_cache'}) and the Hugging Face "
-                           f"Hub {env['HF_ENDPOINT']} did not answer within 3 s"), last
+                           f"weights) is not in the Hugging Face cache ({cache}) and the Hugging Face "
+                           f"Hub {endpoint} did not answer within 3 s"), last
     assert 'model.pretrained_file=PATH' in last
     assert 'Retrying in' not in result.stderr  # huggingface_hub's backoff (about a minute) never started
     assert not (tmp_path / 'run').exists()
