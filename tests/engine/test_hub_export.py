@@ -4,8 +4,6 @@ run's own files; the upload through huggingface_hub's HfApi (monkeypatched: no n
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import huggingface_hub
@@ -281,10 +279,9 @@ def test_the_tool_names_what_is_not_a_run_in_one_line(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------------------------- the tool
 
-def test_the_tool_writes_the_hub_folder_inside_the_run(cls_run):
-    result = subprocess.run([sys.executable, str(TOOL), str(cls_run)], capture_output=True, text=True, cwd=ROOT,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
+def test_the_tool_writes_the_hub_folder_inside_the_run(cls_run, capsys):
+    assert _load_tool().main([str(cls_run)]) == 0
+    result = capsys.readouterr()
     hub = cls_run / RunDir.HUB
     assert sorted(os.listdir(hub)) == ['README.md', 'config.json', 'model.safetensors']
     assert f"local-dir:{hub}" in result.stdout
