@@ -284,7 +284,7 @@ def test_the_tool_writes_the_hub_folder_inside_the_run(cls_run, capsys):
     result = capsys.readouterr()
     hub = cls_run / RunDir.HUB
     assert sorted(os.listdir(hub)) == ['README.md', 'config.json', 'model.safetensors']
-    assert f"local-dir:{hub}" in result.stdout
+    assert f"local-dir:{hub}" in result.out
     assert torch.equal(load_file(hub / 'model.safetensors')['head.weight'], load_file(cls_run / RunDir.WEIGHTS)[
         'head.weight'])
 
