@@ -6,9 +6,10 @@ with timm 1.0.x: ``test_model_forward_torchscript``, ``test_model_forward_fx``, 
 ``test_model_forward_fx_torchscript``): the same model construction (``set_scriptable``, ``num_classes=42``,
 train / eval mode), filters, tracer settings (timm's notrace modules and functions, ``param_shapes_constant``),
 feature-extractor construction with train and eval return nodes, grad modes (``inference_mode`` where timm uses it),
-batch sizes and assertions, copied unchanged. One change: the images are 64 px (``TEST_SIZE``; fixed-size models
-are built for it), where timm's targets are 128 px and its fixed-size models run at 224 px, so that the module
-runs in a few minutes on two cores. On top of timm's assertions each test compares with an independent reference:
+batch sizes and assertions, copied unchanged. Two changes, so that the module runs in a minute on two cores: the
+images are 64 px (``TEST_SIZE``; fixed-size models are built for it), where timm's targets are 128 px and its
+fixed-size models run at 224 px, and the models have 2 of their 12 blocks (``TEST_DEPTH``: the blocks are alike; all
+12 cost 30 s of the suite more). On top of timm's assertions each test compares with an independent reference:
 the eager model on the same input (outputs, and for the backward test every parameter's gradient).
 
 After them, the same four paths for every attention kind linvit offers and a softmax hybrid, on a small model with
@@ -54,6 +55,8 @@ MAX_BWD_FX_SIZE = 224
 FAMILY = 'linvit_*'
 #: the image size of these tests: timm's targets above are 128 px (and it runs fixed-size models at their own size)
 TEST_SIZE = 64
+#: the blocks of the models these tests build (timm builds all 12)
+TEST_DEPTH = 2
 
 
 def _models(exclude_filters, name_matches_cfg=False):
@@ -105,13 +108,13 @@ def _get_input_size(model=None, model_name='', target=None):
 
 def _small_input_size(model_name, target):
     """timm's input size for the test (``_get_input_size``) at TEST_SIZE: fixed-size models are built for it
-    (``img_size``), where timm would run them at their own 224 px. The same code on fewer tokens, so that this module
-    runs in a few minutes on two cores. Returns (input_size, create_model kwargs)."""
+    (``img_size``), where timm would run them at their own 224 px; every model with TEST_DEPTH blocks. The same code
+    on fewer tokens and blocks. Returns (input_size, create_model kwargs)."""
     input_size = _get_input_size(model_name=model_name, target=min(target, TEST_SIZE))
     if get_pretrained_cfg_value(model_name, 'fixed_input_size') and max(input_size) > TEST_SIZE:
         input_size = tuple([input_size[0]] + [min(x, TEST_SIZE) for x in input_size[1:]])
-        return input_size, dict(img_size=input_size[1:])
-    return input_size, {}
+        return input_size, dict(img_size=input_size[1:], depth=TEST_DEPTH)
+    return input_size, dict(depth=TEST_DEPTH)
 
 
 def _create_fx_model(model, train=False):
