@@ -68,6 +68,7 @@ from .models.bounded import (
     bounded_segment_unsupported_reason,
     iter_bounded_segment,
 )
+from .models.segmentation import class_ids
 
 __all__ = ['Predictor', 'torch_predictor', 'onnx_predictor', 'load_predictor', 'Item', 'collect_inputs',
            'classify_images', 'write_predictions', 'segment_image', 'segment_images', 'save_mask_png',
@@ -301,7 +302,7 @@ def segment_image(predictor: Predictor, images: torch.Tensor, mode: str, window:
     'slide' (``linvit.inference.segment``)."""
     logits = segment(lambda x: _batches(predictor.run, x, predictor.max_batch), images, mode, window=window,
                      stride=stride, batch_size=batch_size, pad_multiple=predictor.multiple)
-    return logits[0].argmax(dim=0).numpy()
+    return class_ids(logits[0], dim=0).numpy()
 
 
 def bounded_unavailable(predictor: Predictor) -> Optional[str]:
@@ -365,7 +366,7 @@ def _class_id_bands(predictor: Predictor, source: ImageSource, mode: str, normal
 
         for y0, logits in iter_bounded_segment(predictor.model, read_rows, 1, (source.height, source.width),
                                                rows_per_chunk, progress):
-            yield y0, logits[0].argmax(dim=0).cpu().numpy()
+            yield y0, class_ids(logits[0], dim=0).cpu().numpy()
 
 
 def _mask_format(path: str, requested: str) -> str:

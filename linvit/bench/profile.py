@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from linvit.models.bounded import DEFAULT_ROWS_PER_CHUNK
+from linvit.models.segmentation import class_ids
 from linvit.timing import CpuLoad, percentile
 
 from . import plots, report
@@ -157,7 +158,7 @@ def _forward(config: Config, model: torch.nn.Module) -> Callable[[torch.Tensor],
     if config.mode == 'bounded':
         return lambda images: model.forward_head(bounded_forward_features(model, images, config.rows_per_chunk))
     forward = fast.compile_model(model, mode=config.compile_mode) if config.mode == 'compiled' else model
-    return (lambda images: forward(images).argmax(1)) if segmentation else forward
+    return (lambda images: class_ids(forward(images))) if segmentation else forward
 
 
 def _inference_call(config: Config, model: torch.nn.Module, device: torch.device) -> Callable[[], Any]:

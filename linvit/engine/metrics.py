@@ -57,6 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..models.segmentation import class_ids
 from .distributed import distributed_running
 
 __all__ = ['Meter', 'topk_correct', 'ClassificationMeter', 'confusion_matrix', 'SegmentationMeter', 'NextPatchMeter',
@@ -378,16 +379,17 @@ class SegmentationMeter(Meter):
     def update(self, logits: torch.Tensor, targets: torch.Tensor, loss_sum: torch.Tensor) -> None:
         """Add one batch.
 
-        logits [B, K, H, W] (any float dtype; the prediction is ``logits.argmax(1)``); targets [B, H, W] integer
-        class indices (``ignore_index`` = unlabelled); loss_sum: 0-d tensor, the SUM of the per-pixel cross-entropy
-        over the batch's labelled pixels (``F.cross_entropy(..., ignore_index=..., reduction='sum')``). One device.
+        logits [B, K, H, W] (any float dtype; the prediction is their argmax, ``class_ids(logits)``); targets
+        [B, H, W] integer class indices (``ignore_index`` = unlabelled); loss_sum: 0-d tensor, the SUM of the
+        per-pixel cross-entropy over the batch's labelled pixels (``F.cross_entropy(..., ignore_index=...,
+        reduction='sum')``). One device.
         """
         self._check_open()
         _check_segmentation_batch(logits, targets, self.num_classes)
         if loss_sum.ndim != 0:
             raise ValueError(f'loss_sum must be a 0-d tensor (the summed per-pixel loss), got {tuple(loss_sum.shape)}')
         counters = self._counters_on(logits.device)
-        confusion, bad, bad_value = _confusion_counts(logits.argmax(dim=1), targets, self.num_classes,
+        confusion, bad, bad_value = _confusion_counts(class_ids(logits), targets, self.num_classes,
                                                       self.ignore_index)
         counters['confusion'] += confusion
         counters['bad_pixels'] += bad

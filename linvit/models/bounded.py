@@ -29,7 +29,7 @@ from timm.models.vision_transformer import Block
 from ..layers import LinearAttention
 from ..ops import add_states
 from .linvit import LinearAttentionBlock, patch_grid
-from .segmentation import PYRAMID_SCALES, MLPHead, SegmentationModel
+from .segmentation import PYRAMID_SCALES, MLPHead, SegmentationModel, class_ids
 
 __all__ = ['bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason',
            'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'HEAD_HALOS',
@@ -356,5 +356,5 @@ def bounded_segment(model: nn.Module, images: torch.Tensor,
     classes = torch.empty(batch, height, width, dtype=dtype, device=images.device)
     for y0, logits in iter_bounded_segment(model, lambda a, b: images[:, :, a:b], batch, (height, width),
                                            rows_per_chunk):
-        classes[:, y0:y0 + logits.shape[-2]] = logits.argmax(1).to(dtype)
+        classes[:, y0:y0 + logits.shape[-2]] = class_ids(logits).to(dtype)
     return classes

@@ -1,6 +1,7 @@
 """The segmentation model: pyramid levels from the right blocks at the right strides, any ViT backbone, every
 parameter trained, no graph breaks; its losses against direct float64 computations."""
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import linvit  # noqa: F401  (registers linvit_* with timm)
 from linvit.engine.tasks.segmentation import SegmentationLoss, dice_loss
 from linvit.fast import check_graph_breaks
 from linvit.models import SegmentationModel
-from linvit.models.segmentation import default_feature_blocks
+from linvit.models.segmentation import class_ids, default_feature_blocks
 
 BACKBONES = ['linvit_tiny_patch16_224', 'vit_tiny_patch16_224']
 DEPTH, WIDTH, HEADS, PATCH = 4, 48, 3, 8
@@ -270,3 +271,15 @@ def test_perfect_prediction_has_near_zero_dice():
 def test_negative_dice_weight_is_refused():
     with pytest.raises(ValueError, match='seg.dice_weight must be >= 0'):
         SegmentationLoss(dice_weight=-1)
+
+
+def test_class_ids_are_the_first_largest_logit_of_each_pixel():
+    """Against a loop over the pixels, with ties (the first class wins, as argmax) and the class dimension anywhere."""
+    logits = torch.randint(0, 3, (2, 5, 4, 6)).float()  # few values: many ties
+    expected = torch.empty(2, 4, 6, dtype=torch.int64)
+    for b, y, x in itertools.product(range(2), range(4), range(6)):
+        values = logits[b, :, y, x].tolist()
+        expected[b, y, x] = values.index(max(values))
+    assert torch.equal(class_ids(logits), expected)
+    assert torch.equal(class_ids(logits[0], dim=0), expected[0])
+    assert class_ids(logits).dtype == torch.int64

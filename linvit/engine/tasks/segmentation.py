@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ...inference import segment
 from ...models import SEG_HEADS
-from ...models.segmentation import SegmentationModel
+from ...models.segmentation import SegmentationModel, class_ids
 from ..config import ConfigError, config_choice, config_section
 from ..metrics import Meter, SegmentationMeter
 from ..plots import plot_confusion_matrix, plot_segmentation_grid
@@ -229,7 +229,7 @@ class SegmentationTask(Task):
                 logits = self.predict(model, image[None].to(device))
             images.append(image)
             masks.append(mask)
-            predictions.append(logits[0].argmax(dim=0).cpu())
+            predictions.append(class_ids(logits[0], dim=0).cpu())
         # a dataset may bring colours that match its class names (the built-in shapes: red-key in red)
         plot_segmentation_grid(images, mean, std, masks, predictions, class_names, png_path,
                                ignore_index=self.cfg.data.ignore_index, max_images=count,
