@@ -477,7 +477,7 @@ def test_ten_thousand_pixel_bigtiff_read_band_by_band(tmp_path):
                 yield big_pixels(np.arange(ty, min(ty + tile, side)), np.arange(tx, min(tx + tile, side)))
 
     tifffile.imwrite(tmp_path / 'big.tif', tiles(), shape=(side, side, 3), dtype=np.uint8, tile=(tile, tile),
-                     photometric='rgb', compression='zlib', bigtiff=True)
+                     photometric='rgb', compression='zlib', compressionargs={'level': 1}, bigtiff=True)
     with open_image(tmp_path / 'big.tif') as source:
         assert (source.height, source.width) == (side, side)
         assert source.description.startswith('BigTIFF 10000 x 10000')
