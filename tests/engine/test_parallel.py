@@ -1,18 +1,21 @@
-"""train.py's ``parallel`` section as users run it (torchrun, 2 and 4 gloo processes): a segmentation run split over
-2 context ranks trains exactly as one process does; FSDP2 trains exactly as DDP does; its sharded checkpoint resumes
-at 1 and 4 processes with the weights and optimizer state it saved; activation checkpointing changes no number; and
-layouts that cannot run are refused in one line."""
+"""train.py's ``parallel`` section on 2 and 4 gloo processes: a segmentation run split over 2 context ranks trains
+exactly as one process does; FSDP2 trains exactly as DDP does; its sharded checkpoint resumes at 1 and 4 processes
+with the weights and optimizer state it saved; activation checkpointing changes no number; and layouts that cannot run
+are refused in one line.
+
+What is checked is what the section computes, not the launcher: each process is train.py's main on a forked rank with
+the environment torchrun gives its workers (tests/ranks.py ``run_train_py_ranks``). The real ``torchrun`` launch of
+train.py is covered by test_train_cli (2 DDP processes, their evaluation) and test_faults (signals, elastic restarts,
+an FSDP run stopped and resumed)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from cli import run_train_py
-from ranks import run_ranks
+from ranks import run_ranks, run_train_py_ranks
 from references import rel_err
 from safetensors.torch import load_file
 from tiny_run import TINY_DET, TINY_MODEL, TINY_SEG
@@ -35,17 +38,13 @@ PRINTED = {}
 
 
 def _train(tmp_path, name, *overrides, processes=1):
-    """A finished tiny segmentation run in tmp_path/name (train.py: under torchrun with several processes, in this
-    process with one)."""
-    args = ['train.py', *SEG, *overrides, f'output_dir={tmp_path / name}']
-    if processes == 1:
-        result = run_train_py(*args[1:])
-    else:
-        result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                                 f'--nproc_per_node={processes}', *args], cwd=ROOT, capture_output=True, text=True,
-                                timeout=600, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert result.returncode == 0, result.stderr[-4000:]
-    PRINTED[tmp_path / name] = result.stdout
+    """A finished tiny segmentation run in tmp_path/name (train.py: in this process with one process, on forked ranks
+    with torchrun's environment with several); what rank 0 printed in PRINTED."""
+    args = [*SEG, *overrides, f'output_dir={tmp_path / name}']
+    results = run_train_py_ranks(processes, *args) if processes > 1 else [run_train_py(*args)]
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank}: {result.stderr[-4000:]}"
+    PRINTED[tmp_path / name] = results[0].stdout
     return tmp_path / name
 
 
