@@ -8,6 +8,8 @@
     kill        SIGKILL to this process (a worker that dies: torchrun restarts the worker group)
 
 Only the process of that RANK, in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0 or unset), faults, once.
+Several faults, comma-separated (FAULT=kill:0,kill:1), are one per attempt: the n-th faults in torchrun's attempt n
+(restart n), right after that attempt's first checkpoint.
 """
 import os
 import runpy
@@ -23,9 +25,12 @@ _faulted = []
 
 def _save_then_fault(*args, **kwargs):
     _save_checkpoint(*args, **kwargs)
-    what, _, rank = os.environ['FAULT'].partition(':')
-    first_attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
-    if _faulted or not first_attempt or os.environ.get('RANK', '0') != rank:
+    faults = os.environ['FAULT'].split(',')
+    attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
+    if _faulted or attempt >= len(faults):
+        return
+    what, _, rank = faults[attempt].partition(':')
+    if os.environ.get('RANK', '0') != rank:
         return
     _faulted.append(what)
     if what == 'term-group':

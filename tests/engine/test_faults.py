@@ -1,8 +1,11 @@
 """No lost work: SIGTERM (a scheduler's, or torchrun's) saves a checkpoint at a step boundary agreed by every process
-and ends with the line that continues the run (exit 143); ``torchrun --max-restarts 1`` survives the death of any one
-worker, rank 0 included, and ends where an uninterrupted run ends, with its metrics. The faults are injected right
-after the first checkpoint by ``faulty_train.py`` (train.py with a signal to itself, its agent, or SIGKILL); every
-run is compared with an uninterrupted run of the same command, never with itself."""
+and ends with the line that continues the run (exit 143); ``torchrun --max-restarts N`` survives the death of a
+worker, rank 0's as well as another's, at each of its restarts, and ends where an uninterrupted run ends, with its
+metrics. The faults are injected right after the first checkpoint by ``faulty_train.py`` (train.py with a signal to
+itself, its agent, or SIGKILL); every run is compared with an uninterrupted run of the same command, never with
+itself. The faulted runs are real processes (torchrun and its workers, or one interpreter); the uninterrupted
+references and the resumes after a stop run train.py's main in this process, or on forked ranks with the environment
+torchrun gives its workers (tests/ranks.py ``run_train_py_ranks``)."""
 import csv
 import json
 import os
@@ -13,6 +16,7 @@ import sys
 
 import pytest
 from cli import run_train_py
+from ranks import run_train_py_ranks
 from tiny_run import TINY_MODEL, TINY_RUN
 
 from linvit.engine import Checkpoint
@@ -60,13 +64,17 @@ def _assert_same_run(got, want):
 
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
-    """The reference runs: one process, and two under torchrun."""
+    """The reference runs: one process, and two (DDP) with torchrun's environment."""
     tmp = tmp_path_factory.mktemp('uninterrupted')
     one = run_train_py(*CONFIG, f'output_dir={tmp / "one"}')
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _run(*_torchrun('train.py', *CONFIG, f'output_dir={tmp / "two"}'))
-    assert two.returncode == 0, two.stderr[-3000:]
+    _assert_finished(run_train_py_ranks(2, *CONFIG, f'output_dir={tmp / "two"}'))
     return {'one': tmp / 'one', 'two': tmp / 'two'}
+
+
+def _assert_finished(ranks):
+    for rank, result in enumerate(ranks):
+        assert result.returncode == 0, f"rank {rank}: {result.stderr[-3000:]}"
 
 
 @pytest.mark.integration
@@ -92,29 +100,20 @@ def test_sigterm_to_torchrun_stops_every_worker_at_one_step_and_the_run_resumes(
     steps = re.findall(rf"train\.py: terminated by SIGTERM at step (\d+): {run}/last\.pt holds it", stopped.stderr)
     assert len(steps) == 2 and steps[0] == steps[1] and int(steps[0]) >= 3, stopped.stderr[-3000:]
     assert Checkpoint.load(run / 'last.pt').progress.step == int(steps[0])
-    resumed = _run(*_torchrun('train.py', '--resume', str(run)))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_finished(run_train_py_ranks(2, '--resume', str(run)))  # what torchrun train.py --resume RUN runs
     _assert_same_run(run, uninterrupted['two'])
 
 
 @pytest.mark.integration
-def test_sigterm_to_one_worker_stops_them_all_at_the_same_step(tmp_path):
+def test_torchrun_restarts_after_a_worker_dies_and_ends_as_an_uninterrupted_run(uninterrupted, tmp_path):
+    # one launch, two deaths: rank 0 after the first checkpoint (step 3), then rank 1 in the restarted group after
+    # its first (the epoch's end, step 4); each restart continues from the last checkpoint
     run = tmp_path / 'run'
-    stopped = _run(*_torchrun(FAULTY, *CONFIG, f'output_dir={run}'), fault='term:1')
-    assert stopped.returncode != 0
-    # rank 0 got no signal: the all-reduced flag stopped it at the step rank 1 did, after writing last.pt
-    assert stopped.stderr.count(f"train.py: terminated by SIGTERM at step 3: {run}/last.pt holds it") == 2
-    assert Checkpoint.load(run / 'last.pt').progress.step == 3
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize('rank', [0, 1])
-def test_torchrun_restarts_after_a_worker_dies_and_ends_as_an_uninterrupted_run(uninterrupted, tmp_path, rank):
-    run = tmp_path / 'run'
-    result = _run(*_torchrun(FAULTY, *CONFIG, f'output_dir={run}', restarts=1), fault=f'kill:{rank}')
+    result = _run(*_torchrun(FAULTY, *CONFIG, f'output_dir={run}', restarts=2), fault='kill:0,kill:1')
     assert result.returncode == 0, result.stderr[-4000:]
-    assert 'failed (exitcode: -9)' in result.stderr  # the worker did die, and the agent restarted the group
+    assert result.stderr.count('failed (exitcode: -9)') == 2  # each worker did die, the agent restarted the group
     assert 'torchrun restart 1 of launch' in result.stderr and 'resumed at step 3' in result.stderr
+    assert 'torchrun restart 2 of launch' in result.stderr and 'resumed at step 4' in result.stderr
     _assert_same_run(run, uninterrupted['two'])
 
 
@@ -158,11 +157,16 @@ def test_sigterm_outside_the_steps_stops_at_once_and_says_no_checkpoint_was_writ
 
 
 @pytest.mark.integration
-def test_a_two_process_fsdp_run_resumed_on_one_keeps_its_global_batch_and_ends_as_uninterrupted(uninterrupted,
-                                                                                                 tmp_path):
+def test_sigterm_to_one_worker_stops_them_all_and_the_fsdp_run_resumed_on_one_keeps_its_global_batch(uninterrupted,
+                                                                                                      tmp_path):
     run = tmp_path / 'run'
-    first = _run(*_torchrun(FAULTY, *CONFIG, 'parallel.fsdp=true', f'output_dir={run}'), fault='term:1')
-    assert f"train.py: terminated by SIGTERM at step 3: {run}/last.pt holds it" in first.stderr, first.stderr[-3000:]
+    stopped = _run(*_torchrun(FAULTY, *CONFIG, 'parallel.fsdp=true', f'output_dir={run}'), fault='term:1')
+    assert stopped.returncode != 0
+    # rank 0 got no signal: the all-reduced flag stopped it at the step rank 1 did, after writing last.pt (one
+    # all-reduce over the default group, whatever the layout: DDP's stop is the same)
+    assert stopped.stderr.count(f"train.py: terminated by SIGTERM at step 3: {run}/last.pt holds it") == 2, \
+        stopped.stderr[-3000:]
+    assert Checkpoint.load(run / 'last.pt').progress.step == 3
     assert Checkpoint.load(run / 'last.pt').sharded == 'last.dcp/step000003'
     resumed = run_train_py('--resume', str(run))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
