@@ -1,5 +1,6 @@
-"""tools/profile_resolution.py: options, failure rows and the exit status, --summarize, and tiny end-to-end sweeps
-(children in subprocesses, or in this process against a scripted clock)."""
+"""tools/profile_resolution.py: options, failure rows and the exit status, --summarize, and tiny end-to-end sweeps:
+one whose configurations run in their children (subprocesses), the others with the children's measurement run in
+this process (``scripted_clock.in_process``; against a scripted clock where the numbers are checked)."""
 import csv
 import subprocess
 import sys
@@ -42,7 +43,8 @@ def test_workloads_and_precisions_have_one_word_each(capsys):
         assert 'error:' in capsys.readouterr().err
 
 
-def test_failed_configurations_are_listed_and_make_the_exit_status_1(prof, tmp_path, capsys):
+def test_failed_configurations_are_listed_and_make_the_exit_status_1(prof, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(profile, 'run_config', in_process(profile))  # a child's row, without its interpreter
     out = tmp_path / 'prof'
     status = prof.main(['--models', 'nope_model', '--sizes', '32', '--floors', 'none', '--mode', 'eager',
                         '--warmup', '1', '--repeats', '1', '--out', str(out)])
@@ -88,17 +90,20 @@ def test_summarize_writes_the_png_next_to_the_csv_unless_out_is_given(prof, tmp_
 
 
 def test_profile_runs_end_to_end(prof, tmp_path, capsys):
+    """Each configuration in its own interpreter, glibc keeping freed memory there when asked (one size: a child
+    costs ~5 s of CPU; the order of several sizes and the time growth between them are the scripted sweep's; a child
+    without --retain-freed-memory: tests/bench/test_bench_profile.py)."""
     out = tmp_path / 'prof'
     models = ['linvit_tiny_patch16_224:depth=1,local_mix=False', 'vit_tiny_patch16_224:depth=1']
-    assert prof.main(['--models', *models, '--sizes', '32', '32x48', '--mode', 'eager', '--floors', 'linvit',
-                      '--warmup', '1', '--repeats', '1', '--out', str(out)]) == 0
+    assert prof.main(['--models', *models, '--sizes', '32x48', '--mode', 'eager', '--floors', 'linvit',
+                      '--warmup', '1', '--repeats', '1', '--retain-freed-memory', '--out', str(out)]) == 0
     printed = capsys.readouterr().out
     assert 'linvit/floor' in printed and 'crossover: ' in printed and 'time growth' not in printed
     rows = list(csv.DictReader((out / 'profile.csv').open()))
     assert [(r['model'], r['height'], r['width'], r['status']) for r in rows] == [
-        (models[0], '32', '32', 'ok'), (models[1], '32', '32', 'ok'), (f"floor({models[0]})", '32', '32', 'ok'),
         (models[0], '32', '48', 'ok'), (models[1], '32', '48', 'ok'), (f"floor({models[0]})", '32', '48', 'ok')]
-    assert [r['tokens'] for r in rows] == ['5'] * 3 + ['7'] * 3  # class token + 2x2 / 2x3 patches
+    assert [r['tokens'] for r in rows] == ['7'] * 3  # class token + 2x3 patches
+    assert [r['allocator'] for r in rows] == ['retain'] * 3  # what each child ran with
     for r in rows:
         assert float(r['img_per_s']) == pytest.approx(1e3 / float(r['median_ms']))
         assert float(r['p90_ms']) >= float(r['median_ms']) > 0 and float(r['peak_mem_mib']) > 50
@@ -128,6 +133,8 @@ def test_printed_table_and_csv_are_the_scripted_throughputs(prof, tmp_path, caps
                       '--warmup', '1', '--repeats', '3', '--out', str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     rows = {(r['model'], int(r['height'])): r for r in csv.DictReader((tmp_path / 'profile.csv').open())}
+    assert list(rows) == [(label, side) for side in (32, 64)  # size-major, each size's floor after its models
+                          for label in (*models, f"floor({models[0]})")]
     for (name, floor, side), ms in TABLE_MS.items():
         label = next(m for m in models if m.startswith(name))
         row = rows[f"floor({label})" if floor else label, side]
@@ -145,6 +152,8 @@ def test_printed_table_and_csv_are_the_scripted_throughputs(prof, tmp_path, caps
         assert float_cells(lines[side])[9] == pytest.approx(peaks[0] / peaks[1], abs=5e-3)
     assert f"crossover: {models[0]} beats {models[1]} from 64 px (17 tokens) on" in table
     assert 'time growth 32 -> 64 px (4x tokens): linvit 3.00x, floor 4.00x, softmax 10.00x' in table
+    # time growth is printed between sizes whose sides double only (32 x 48 has 1.5x the tokens of 32)
+    assert report.doublings([(32, 32), (32, 48), (64, 64)]) == [((32, 32), (64, 64))]
 
 
 @pytest.mark.integration
@@ -157,7 +166,8 @@ def test_the_preset_tool_runs_as_a_script(tmp_path):
     assert done.returncode == 0 and '--sizes SIZE' in done.stdout, done.stderr[-2000:]
 
 
-def test_segmentation_plain_and_bounded_with_peak_memory_and_time_per_token(prof, tmp_path, capsys):
+def test_segmentation_plain_and_bounded_with_peak_memory_and_time_per_token(prof, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(profile, 'run_config', in_process(profile))  # the children's rows, measured here
     out = tmp_path / 'prof'
     models = ['linvit_tiny_patch16_224:depth=2', 'vit_tiny_patch16_224:depth=2']
     assert prof.main(['--models', *models, '--sizes', '64', '--workload', 'segmentation', '--mode', 'eager',
@@ -175,7 +185,8 @@ def test_segmentation_plain_and_bounded_with_peak_memory_and_time_per_token(prof
     assert (out / 'profile_segmentation_float32_b1.png').read_bytes()[:8] == PNG_MAGIC
 
 
-def test_detection_is_measured_eagerly_for_linvit_and_softmax_backbones(prof, tmp_path, capsys):
+def test_detection_is_measured_eagerly_for_linvit_and_softmax_backbones(prof, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(profile, 'run_config', in_process(profile))  # the children's rows, measured here
     out = tmp_path / 'prof'
     models = ['linvit_tiny_patch16_224:depth=2', 'vit_tiny_patch16_224:depth=2']
     assert prof.main(['--models', *models, '--sizes', '64', '96x128', '--workload', 'detection', '--mode', 'eager',
