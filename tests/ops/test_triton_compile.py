@@ -3,15 +3,20 @@
 rejects (types across branches, dot shapes, shared memory), and only the compiled code shows register spills and the
 dots' operand types. Each variant must fit the target's shared memory per block; the half-precision variants must
 run their dots on bf16 / f16 tensor-core instructions (not tf32: float32 operands) without spilling on sm_90, and on
-sm_80 up to D = 64. ``make triton-compat`` runs this file with the GPU machine's Triton."""
+sm_80 up to D = 64. The same interpreter runs tools/kernel_report.py's main, whose table is checked here too (its
+refusal of the Triton interpreter: tests/tools/test_op_overhead_and_kernel_report_cli.py). ``make triton-compat``
+runs this file with the GPU machine's Triton."""
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration  # starts an interpreter that compiles for two GPU targets
+
+TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'kernel_report.py'
 
 # the largest dynamic shared memory one block may use (CUDA programming guide: 227 KiB on sm_90, 163 KiB on sm_80)
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
@@ -21,22 +26,37 @@ PLAN = ((90, (32, 64, 128), ('float32', 'bfloat16', 'float16')), (80, (64, 128),
 # the one variant that still spills: sm_80's mma.sync keeps the backward query pass's D = 128 tiles in registers
 SPILL_ALLOWED = {(80, 128, '_grad_query')}
 
+# the report tool's printed table follows this line of the script's output
+TOOL_MARK = '# tools/kernel_report.py'
 _SCRIPT = """
-import dataclasses, json, sys
+import dataclasses, importlib.util, json, sys
 from linvit.bench.kernel_report import report
 for target, widths, dtypes in json.loads(sys.argv[1]):
     for row in report([target], widths, dtypes, key_weights=target == 90):
         print(json.dumps(dataclasses.asdict(row)), flush=True)
+spec = importlib.util.spec_from_file_location('kernel_report', sys.argv[2])
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+print(sys.argv[3], flush=True)
+sys.exit(tool.main(['--targets', '90', '--widths', '64', '--dtypes', 'bfloat16']))
 """
 
 
 @pytest.fixture(scope='module')
-def compiled():
+def run():
+    """(the compiled variants' records, what tools/kernel_report.py printed for sm_90, D = 64, bfloat16): one
+    interpreter for both (~5 s of CPU each to import torch and Triton)."""
     env = {**os.environ, 'TRITON_INTERPRET': '0'}  # the interpreter compiles nothing; the flag is read on import
-    result = subprocess.run([sys.executable, '-c', _SCRIPT, json.dumps(PLAN)], capture_output=True, text=True,
-                            env=env, timeout=900)
+    result = subprocess.run([sys.executable, '-c', _SCRIPT, json.dumps(PLAN), str(TOOL), TOOL_MARK],
+                            capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{')]
+    records, printed = result.stdout.split(TOOL_MARK + '\n')
+    return [json.loads(line) for line in records.splitlines() if line.startswith('{')], printed
+
+
+@pytest.fixture(scope='module')
+def compiled(run):
+    return run[0]
 
 
 def test_every_kernel_variant_compiles_for_sm90_and_sm80(compiled):
@@ -63,3 +83,11 @@ def test_half_precision_variants_do_not_spill(compiled):
     for record in compiled:
         if record['dtype'] != 'float32' and (record['target'], record['width'], record['kernel']) not in SPILL_ALLOWED:
             assert record['spill_stores'] == 0 and record['spill_loads'] == 0, record
+
+
+def test_kernel_report_tool_prints_registers_spills_and_dot_types(run):
+    _, printed = run
+    rows = [line for line in printed.splitlines() if line.startswith('| sm_90')]
+    assert sorted(r.split('|')[2].strip() for r in rows) == ['_grad_key', '_grad_query', '_key_pass', '_query_pass']
+    assert all(r.split('|')[10].strip() == 'bf16' for r in rows)
+    assert '4 variants; 0 spill' in printed
