@@ -61,12 +61,33 @@ def _assert_matches_torch(model: nn.Module, path, sizes, batch: int = 2, rtol: f
         assert error <= rtol, f"{height}x{width}: max relative error {error:.2e}"
 
 
+#: one registered model per architecture that the registered models build with the test's overrides (2 blocks, 64 px,
+#: any size): linvit_tiny_patch16_224, linvit_small_patch16_224 and linvit_base_patch16_224 differ from the large-image
+#: models of their width only in their default size and dynamic_img_size, which the overrides set
+EXPORTED_MODELS = ['linvit_tiny_patch16_224', 'linvit_small_patch16_512', 'linvit_base_patch16_1024']
+
+
+def _registered(name: str) -> nn.Module:
+    return timm.create_model(name, depth=2, img_size=64, dynamic_img_size=True)
+
+
+def test_every_registered_model_builds_one_of_the_exported_architectures():
+    """Every registered name builds, with the export test's overrides, a model that prints exactly as one of
+    EXPORTED_MODELS does (every layer, width, head count, option and the patch grid): the same graph, exported
+    there."""
+    exported = {repr(_registered(name)): name for name in EXPORTED_MODELS}
+    assert len(exported) == len(EXPORTED_MODELS)  # no two of them alike: each export is needed
+    for name in timm.list_models('linvit_*'):
+        assert repr(_registered(name)) in exported, f"{name} builds a model no test exports: add it to EXPORTED_MODELS"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('name', timm.list_models('linvit_*'))
+@pytest.mark.parametrize('name', EXPORTED_MODELS)
 def test_every_registered_model_exports_with_dynamic_size(name, tmp_path):
-    """Each registered configuration (width, heads, patch, attention, position embedding) with 2 of its blocks: the
-    blocks are alike, and exporting and checking all 12 of a ViT-B took 40 s of the suite for nothing more."""
-    model = _wake_zero_init(timm.create_model(name, depth=2, img_size=64, dynamic_img_size=True))
+    """Each registered configuration (width, heads, patch, attention, position embedding; the names that build the
+    same model: the test above) with 2 of its blocks: the blocks are alike, and exporting and checking all 12 of a
+    ViT-B took 40 s of the suite for nothing more."""
+    model = _wake_zero_init(_registered(name))
     path = tmp_path / f'{name}.onnx'
     report = export_onnx(model, path, img_size=64)
     assert report.ok and len(report.checks) == 3 and path.is_file()
@@ -75,25 +96,29 @@ def test_every_registered_model_exports_with_dynamic_size(name, tmp_path):
 
 
 def test_converted_timm_vit_and_hybrid_export(tmp_path):
-    vit = timm.create_model('vit_small_patch16_224', depth=3, img_size=64, dynamic_img_size=True)
+    """Two blocks each: a converted ViT with a linear block before a softmax one, and a hybrid with the softmax block
+    first, so that tokens pass from each kind of block to the other."""
+    vit = timm.create_model('vit_small_patch16_224', depth=2, img_size=64, dynamic_img_size=True)
     linvit.convert_to_linear(vit, feature_map='relu', softmax_blocks=(1,))
     _wake_zero_init(vit)
     export_onnx(vit, tmp_path / 'converted.onnx', img_size=64)
     _assert_matches_torch(vit, tmp_path / 'converted.onnx', [(32, 80), (96, 64), (217, 248)])
-    hybrid = _wake_zero_init(timm.create_model('linvit_tiny_patch16_224', depth=3, softmax_blocks=(0, 2),
+    hybrid = _wake_zero_init(timm.create_model('linvit_tiny_patch16_224', depth=2, softmax_blocks=(0,),
                                                img_size=64, dynamic_img_size=True, feature_map='focused'))
     export_onnx(hybrid, tmp_path / 'hybrid.onnx', img_size=64)
     _assert_matches_torch(hybrid, tmp_path / 'hybrid.onnx', [(48, 32), (80, 112)])
 
 
 def test_segmentation_model_outputs_logits_at_input_size(tmp_path):
-    backbone = timm.create_model('linvit_tiny_patch16_224', depth=4, num_classes=0, img_size=64,
+    # 2 blocks: the pyramid's levels read blocks 0, 0, 1, 1 (forward_intermediates of two blocks, each level its own
+    # neck branch)
+    backbone = timm.create_model('linvit_tiny_patch16_224', depth=2, num_classes=0, img_size=64,
                                  dynamic_img_size=True)
     model = _wake_zero_init(SegmentationModel(backbone, num_classes=5, neck_dim=32, head_dim=32))
     path = tmp_path / 'seg.onnx'
     report = export_onnx(model, path, img_size=64)
     assert report.metadata['task'] == 'segmentation' and report.metadata['num_classes'] == 5
-    assert report.metadata['pads_to_multiple'] is True
+    assert report.metadata['pads_to_multiple'] is True and read_metadata(path)['pads_to_multiple'] is True
     assert [(c.height, c.width) for c in report.checks] == [(64, 64), (32, 48), (79, 65)]   # the last one padded
     for height, width in [(64, 64), (48, 112), (96, 32), (217, 248)]:
         out = _run_onnx(path, torch.randn(1, 3, height, width))
@@ -106,7 +131,10 @@ def test_fp16_export_at_4096_tokens_is_finite_and_near_fp32(tmp_path):
     model = _wake_zero_init(timm.create_model('linvit_small_patch16_224', depth=2, img_size=1024,
                                               dynamic_img_size=True))
     path = tmp_path / 'fp16.onnx'
-    report = export_onnx(model, path, img_size=1024, dtype=torch.float16, check_sizes=[(1024, 1024)])
+    # one image per batch: the export's own forward and check run one image of 4096 tokens instead of two
+    report = export_onnx(model, path, img_size=1024, dtype=torch.float16, check_sizes=[(1024, 1024)],
+                         dynamic_batch=False)
+    assert [(c.height, c.width, c.batch) for c in report.checks] == [(1024, 1024, 1)]
     assert report.dtype == 'float16'
     graph = onnx.load(str(path)).graph
     assert {init.data_type for init in graph.initializer if len(init.dims) == 2} == {onnx.TensorProto.FLOAT16}
@@ -121,29 +149,26 @@ def test_fp16_export_at_4096_tokens_is_finite_and_near_fp32(tmp_path):
     assert _relative_error(got, expected) <= 1e-2
 
 
-def test_metadata_travels_with_the_file(tmp_path):
-    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8, num_classes=3,
-                              dynamic_img_size=True)
-    path = tmp_path / 'meta.onnx'
-    export_onnx(model, path, img_size=32, metadata={'class_names': ['cat', 'dog', 'émeu']})
+def test_static_export_takes_its_size_and_batch_only_and_its_metadata_travels_with_the_file(tmp_path):
+    """A file for one size and batch, and what every file says about itself (read back from the file; the
+    dynamic-size files' ``pads_to_multiple``: the segmentation test). The tolerance given is the one each check
+    applies (a check that fails it: test_a_file_that_differs_from_the_model_fails_the_check)."""
+    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8, num_classes=3)
+    path = tmp_path / 'static.onnx'
+    report = export_onnx(model, path, img_size=32, dynamic_size=False, dynamic_batch=False, tolerance=2e-4,
+                         metadata={'class_names': ['cat', 'dog', 'émeu']})
+    assert [(c.height, c.width, c.batch, c.tolerance) for c in report.checks] == [(32, 32, 1, 2e-4)]
+    session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    assert session.get_inputs()[0].shape == [1, 3, 32, 32]
+    assert report.metadata['pads_to_multiple'] is False
     meta = read_metadata(path)
     assert meta['class_names'] == ['cat', 'dog', 'émeu']
     assert meta['task'] == 'classification' and meta['num_classes'] == 3
     assert meta['input_multiple'] == 8 and meta['img_size'] == [32, 32] and meta['dtype'] == 'float32'
-    assert meta['pads_to_multiple'] is True and 'weights' not in meta   # a model, not a run's weights file
+    assert meta['pads_to_multiple'] is False and 'weights' not in meta   # a model, not a run's weights file
     assert meta['mean'] == list(model.pretrained_cfg['mean'])
     raw = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
     assert json.loads(raw['linvit.class_names']) == ['cat', 'dog', 'émeu']
-
-
-def test_static_export_takes_its_size_and_batch_only(tmp_path):
-    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8)
-    path = tmp_path / 'static.onnx'
-    report = export_onnx(model, path, img_size=32, dynamic_size=False, dynamic_batch=False)
-    assert [(c.height, c.width, c.batch) for c in report.checks] == [(32, 32, 1)]
-    session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
-    assert session.get_inputs()[0].shape == [1, 3, 32, 32]
-    assert report.metadata['pads_to_multiple'] is False
 
 
 def test_a_model_that_takes_one_size_is_refused_for_dynamic_export(tmp_path):
@@ -168,18 +193,9 @@ def test_an_untraceable_module_is_named(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_failed_check_writes_nothing_and_keeps_the_old_file(tmp_path):
-    model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8, dynamic_img_size=True)
-    path = tmp_path / 'model.onnx'
-    path.write_bytes(b'the previous export')
-    with pytest.raises(ExportCheckError, match='no file was written'):
-        export_onnx(model, path, img_size=32, tolerance=0.0)
-    assert path.read_bytes() == b'the previous export'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['model.onnx']
-
-
 def test_a_file_that_differs_from_the_model_fails_the_check(tmp_path, monkeypatch):
-    """The check compares with the model as given: a graph traced from a slightly different model is caught."""
+    """The check compares with the model as given: a graph traced from a slightly different model is caught. A
+    failed check writes nothing and keeps the file that was there."""
     model = timm.create_model('linvit_tiny_patch16_224', depth=1, img_size=32, patch_size=8, dynamic_img_size=True)
     original_trace = linvit.export._trace
 
@@ -189,9 +205,12 @@ def test_a_file_that_differs_from_the_model_fails_the_check(tmp_path, monkeypatc
         return original_trace(exported, *args)
 
     monkeypatch.setattr(linvit.export, '_trace', trace_a_perturbed_copy)
-    with pytest.raises(ExportCheckError, match='FAILED'):
-        export_onnx(model, tmp_path / 'off.onnx', img_size=32)
-    assert not (tmp_path / 'off.onnx').exists()
+    path = tmp_path / 'model.onnx'
+    path.write_bytes(b'the previous export')
+    with pytest.raises(ExportCheckError, match='(?s)no file was written.*FAILED'):
+        export_onnx(model, path, img_size=32)
+    assert path.read_bytes() == b'the previous export'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['model.onnx']
 
 
 def test_default_check_sizes_include_a_non_square_size_and_one_the_patch_does_not_divide():
