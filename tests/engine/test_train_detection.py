@@ -101,7 +101,8 @@ def _cocoeval_of_saved_weights(run, data):
 def test_a_coco_folder_trains_end_to_end(tmp_path, detector):
     """A single-stage detector on boxes, and Mask R-CNN on the polygons: its report adds mask AP. The report's box AP
     is COCOeval's on the annotation file for the saved weights' boxes in the images' own pixels; the run records the
-    set's category ids, and its detections.json speaks them (with the file's image ids)."""
+    set's category ids, and its detections.json speaks them (with the file's image ids). The Mask R-CNN run then
+    exports whole (``_exports_whole_and_onnxruntime_finds_its_boxes``): one Mask R-CNN trained for both."""
     data, run = tmp_path / 'data', tmp_path / 'run'
     _coco_folder(data)
     metrics = train(load_config(None, [*TINY_MODEL, *TINY_DET, 'data.name=folder', f'data.root={data}',
@@ -113,6 +114,7 @@ def test_a_coco_folder_trains_end_to_end(tmp_path, detector):
     assert ('mask_per_class_ap' in json.loads((run / 'metrics.json').read_text())) == masks
     assert 'category_ids:\n  - 3\n  - 7\n' in (run / 'config.yaml').read_text()
     if masks:
+        _exports_whole_and_onnxruntime_finds_its_boxes(run, masks=True)
         return
     stats = _cocoeval_of_saved_weights(run, data)
     assert metrics['ap'] == pytest.approx(stats[0], abs=1e-6) and metrics['ap50'] == pytest.approx(stats[1], abs=1e-6)
@@ -178,19 +180,13 @@ def test_a_detection_run_exports_its_pyramid_and_the_heads_on_the_onnx_maps_find
     assert 'ONNX' not in str(error.value) and '\n' not in str(error.value)
 
 
-@pytest.mark.parametrize('detector', ['faster_rcnn', 'mask_rcnn'])
-def test_a_whole_detector_exports_at_one_size_and_onnxruntime_finds_its_boxes(tmp_path, shared_run, detector):
+def _exports_whole_and_onnxruntime_finds_its_boxes(run, masks: bool):
     """torchvision's route (the TorchScript exporter) at the training size: on a shapes image the file finds the
-    PyTorch detector's boxes, labels and scores. Any size or batch, float16 or --latency get one line each."""
+    PyTorch detector's boxes, labels and scores (and Mask R-CNN's file has masks). Any size or batch, float16 or
+    --latency get one line each."""
     from linvit.export import export_onnx, load_export_source, measure_latency, ort_session, read_metadata
     from linvit.predict import load_predictor
 
-    run = tmp_path / 'run'
-    if detector == 'faster_rcnn':  # the default detector: the run other modules read
-        shared_run('det', run)
-    else:
-        train(load_config(None, [*TINY_MODEL, *TINY_DET, 'train.epochs=1', f'detection.detector={detector}',
-                                 'train.pictures=false', f'output_dir={run}']))
     source = load_export_source(str(run))
     path = str(run / 'model.onnx')
     with pytest.raises(ValueError, match='exports at one image size .*--no-dynamic-size .*or --features'):
@@ -201,8 +197,8 @@ def test_a_whole_detector_exports_at_one_size_and_onnxruntime_finds_its_boxes(tm
                          metadata=source.metadata)
     assert report.ok and [(c.height, c.width) for c in report.checks] == [(64, 64), (64, 64)]
     outputs = {name: index for index, name in enumerate(read_metadata(path)['outputs'])}
-    masks = {'masks'} if detector == 'mask_rcnn' else set()
-    assert read_metadata(path)['part'] == 'detector' and set(outputs) == {'boxes', 'labels', 'scores', *masks}
+    assert read_metadata(path)['part'] == 'detector'
+    assert set(outputs) == {'boxes', 'labels', 'scores', *({'masks'} if masks else ())}
     image, _ = SyntheticShapesDetection(1, 64, seed=5, split='val', transform=build_detection_transforms(
         64, source.metadata['mean'], source.metadata['std'], train=False))[(0, 0)]
     with torch.no_grad():
@@ -219,11 +215,20 @@ def test_a_whole_detector_exports_at_one_size_and_onnxruntime_finds_its_boxes(tm
     for box, label in zip(boxes[clear], labels[clear]):
         same = expected['boxes'][expected['labels'] == int(label)]
         assert (same - torch.from_numpy(box)).abs().amax(dim=1).min() < 1e-3
-    # another size than the training one: the position embedding is resampled for it before the trace
-    other = export_onnx(source.model, tmp_path / 'other.onnx', img_size=(48, 80), dynamic_size=False,
-                        dynamic_batch=False)
-    assert other.ok and [(c.height, c.width) for c in other.checks] == [(48, 80), (48, 80)]
     with pytest.raises(ValueError, match='--latency times models that compile'):
         measure_latency(source.model, path, [(64, 64)])
     with pytest.raises(ValueError, match='a whole detector for one image size .*predict with the run'):
         load_predictor(path)
+    return source
+
+
+def test_a_whole_detector_exports_at_one_size_and_onnxruntime_finds_its_boxes(tmp_path, shared_run):
+    """Faster R-CNN, the default detector (the session's shapes run): ``_exports_whole_and_onnxruntime_finds_its_boxes``
+    (Mask R-CNN: on its COCO-folder run, test_a_coco_folder_trains_end_to_end), and another size than the training
+    one: the position embedding is resampled for it before the trace (the same step for every detector)."""
+    from linvit.export import export_onnx
+
+    source = _exports_whole_and_onnxruntime_finds_its_boxes(shared_run('det', tmp_path / 'run'), masks=False)
+    other = export_onnx(source.model, tmp_path / 'other.onnx', img_size=(48, 80), dynamic_size=False,
+                        dynamic_batch=False)
+    assert other.ok and [(c.height, c.width) for c in other.checks] == [(48, 80), (48, 80)]
