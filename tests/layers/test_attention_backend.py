@@ -196,7 +196,8 @@ def test_a_model_forced_onto_the_kernels_exports_through_the_pytorch_path(tmp_pa
     from linvit.export import export_onnx
 
     torch.manual_seed(4)
-    model = timm.create_model('linvit_tiny_patch16_224', img_size=64, depth=2, num_classes=3, attn_backend='triton',
+    # one block: what is checked is where each attention layer sends the export, not how blocks chain
+    model = timm.create_model('linvit_tiny_patch16_224', img_size=64, depth=1, num_classes=3, attn_backend='triton',
                               dynamic_img_size=True).eval()
     report = export_onnx(model, tmp_path / 'kernel_model.onnx', img_size=64)
     assert report.checks and all(check.max_rel < 1e-4 for check in report.checks)

@@ -23,10 +23,9 @@ pytestmark = [pytest.mark.compiler, pytest.mark.integration]  # integration: tra
 
 
 @pytest.fixture(scope='module')
-def cls_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp('cls') / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'train.epochs=1', f'output_dir={out}']))
-    return out
+def cls_run(tmp_path_factory, shared_run):
+    """A tiny classification run trained for one epoch (tiny_run's SHARED_RUNS['cls']), a copy for this module."""
+    return shared_run('cls', tmp_path_factory.mktemp('cls') / 'run')
 
 
 def _write_images(folder, sizes, seed=0):
@@ -167,35 +166,31 @@ def test_onnx_segmentation_slides_like_pytorch(export_tool, predict_tool, seg_ru
     assert (by_torch == by_onnx).mean() >= 0.999
 
 
-def test_export_tool_from_a_model_spec_and_its_errors(export_tool, tmp_path, capsys):
-    path = tmp_path / 'tiny.onnx'
-    status = export_tool.main(['linvit_tiny_patch16_224:depth=1,patch_size=8,num_classes=4', '--img-size', '32',
-                               '--out', str(path), '--no-latency', '--no-dynamic-batch'])
-    assert status == 0 and path.is_file()
-    assert read_metadata(path)['model_name'] == 'linvit_tiny_patch16_224'
-    import onnxruntime
-    declared = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider']).get_inputs()[0].shape
-    assert declared[0] == 1 and isinstance(declared[2], str)  # static batch, dynamic height
-    assert export_tool.main(['no_such_model_xyz', '--out', str(tmp_path / 'x.onnx')]) == 2
-    assert 'no_such_model_xyz' in capsys.readouterr().err
-    assert export_tool.main([str(tmp_path / 'missing_run'), '--out', str(tmp_path / 'y.onnx')]) == 2
-
-
-def test_export_tool_times_latency_only_when_asked(export_tool, tmp_path, capsys, monkeypatch):
-    """The latency table compiles a graph per check size (about a minute for a tiny model): --latency asks for it."""
+def test_export_tool_from_a_model_spec_times_latency_only_when_asked_and_its_errors(export_tool, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A model spec exports (static batch, dynamic height); the latency table compiles a graph per check size
+    (about a minute for a tiny model): --latency asks for it. One export checks both."""
     def no_timing(*args, **kwargs):
         raise AssertionError('measure_latency was called without --latency')
 
     monkeypatch.setattr(export_tool, 'measure_latency', no_timing)
     path = tmp_path / 'tiny.onnx'
     status = export_tool.main(['linvit_tiny_patch16_224:depth=1,patch_size=8,num_classes=4', '--img-size', '32',
-                               '--check-sizes', '32', '--out', str(path)])
+                               '--check-sizes', '32', '--out', str(path), '--no-dynamic-batch'])
     captured = capsys.readouterr()
     assert status == 0, captured.out + captured.err
     assert path.is_file() and 'latency per image' not in captured.out  # format_latency's title
+    assert read_metadata(path)['model_name'] == 'linvit_tiny_patch16_224'
+    import onnxruntime
+    declared = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider']).get_inputs()[0].shape
+    assert declared[0] == 1 and isinstance(declared[2], str)  # static batch, dynamic height
     assert export_tool.parse_args(['m']).latency is False
     assert export_tool.parse_args(['m', '--latency']).latency is True
     assert export_tool.parse_args(['m', '--no-latency']).latency is False  # the old spelling still parses
+
+    assert export_tool.main(['no_such_model_xyz', '--out', str(tmp_path / 'x.onnx')]) == 2
+    assert 'no_such_model_xyz' in capsys.readouterr().err
+    assert export_tool.main([str(tmp_path / 'missing_run'), '--out', str(tmp_path / 'y.onnx')]) == 2
 
 
 def test_predict_without_images_or_model_fails_with_a_reason(predict_tool, cls_run, tmp_path, capsys):

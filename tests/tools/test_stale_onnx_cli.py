@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from tiny_run import TINY_MODEL, TINY_RUN
 
-from linvit.engine import load_config, train
 from linvit.export import read_metadata
 
 pytestmark = [pytest.mark.compiler, pytest.mark.integration]  # integration: trains or starts interpreters
@@ -33,9 +31,8 @@ def _rewrite_weights(path):
     save_file(weights, path)
 
 
-def test_predict_refuses_an_onnx_file_whose_weights_changed(export_tool, predict_tool, tmp_path, capsys):
-    run = tmp_path / 'run'
-    train(load_config(None, [*TINY_MODEL, *TINY_RUN, 'train.max_steps=2', f'output_dir={run}']))
+def test_predict_refuses_an_onnx_file_whose_weights_changed(export_tool, predict_tool, shared_run, tmp_path, capsys):
+    run = shared_run('cls', tmp_path / 'run')   # this test's own copy of the session's run: its weights change here
     onnx_path = tmp_path / 'elsewhere' / 'cls.onnx'   # --out: a file that --overwrite of the run cannot see
     onnx_path.parent.mkdir()
     assert export_tool.main([str(run), '--out', str(onnx_path), '--check-sizes', '32']) == 0
