@@ -4,10 +4,12 @@ context-parallel tests. Tensors travel back through torch.save, so results may h
 ``run_train_py_ranks`` runs train.py's main on N forked processes that get the environment torchrun gives its
 workers: ``torchrun --standalone --nproc_per_node N train.py ARGS`` without the launcher's interpreters."""
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -16,6 +18,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+from cli import run_train_py, train_py
 
 WORLD_SIZE = 2
 
@@ -62,10 +65,14 @@ def run_two_ranks(tmp_path, fn, *args, timeout=60):
 
 
 def _train_py_rank(env, args, result_path):
-    from cli import run_train_py  # tests/cli.py: train.py's main with its output captured, as a command line's
     result = run_train_py(*args, env=env)
     with open(result_path, 'wb') as f:
         pickle.dump(result, f)
+    sys.exit(result.returncode)  # the rank's exit status, as torchrun's agent sees it
+
+
+#: seconds the other ranks get to end after one failed (they may wait for it in a collective: torchrun stops them too)
+FAILED_RANK_GRACE = 10
 
 
 def run_train_py_ranks(world_size: int, *args: str, timeout: float = 300) -> List[subprocess.CompletedProcess]:
@@ -74,16 +81,17 @@ def run_train_py_ranks(world_size: int, *args: str, timeout: float = 300) -> Lis
     ``world_size`` forked processes, each with the environment torchrun's agent gives its workers (ranks, sizes, the
     first attempt of a fresh launch id, one OMP thread) and the agent's store served from this process, where the
     workers' process group meets as under torchrun (TORCHELASTIC_USE_AGENT_STORE). Returns each rank's
-    returncode, stdout and stderr, rank 0's first; a rank that did not finish within ``timeout`` seconds is killed
-    and returns its exit code with an empty stdout. The launcher itself (restarts, signals) is for tests that start
-    torchrun."""
+    returncode, stdout and stderr, rank 0's first. As torchrun does, the others are stopped when one fails (after
+    ``FAILED_RANK_GRACE`` seconds), and all after ``timeout`` seconds: a rank stopped so returns its exit code and
+    no output. The launcher itself (restarts, signals) is for tests that start torchrun."""
     store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)  # the agent's (port 0: a free one)
     launch = {'GROUP_RANK': '0', 'ROLE_NAME': 'default', 'LOCAL_WORLD_SIZE': str(world_size),
               'WORLD_SIZE': str(world_size), 'GROUP_WORLD_SIZE': '1', 'ROLE_WORLD_SIZE': str(world_size),
               'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(store.port), 'TORCHELASTIC_RESTART_COUNT': '0',
               'TORCHELASTIC_MAX_RESTARTS': '0', 'TORCHELASTIC_RUN_ID': uuid.uuid4().hex,
               'TORCHELASTIC_USE_AGENT_STORE': 'True', 'OMP_NUM_THREADS': '1'}
-    context = multiprocessing.get_context('fork')  # torch, timm and train.py already imported in the children
+    train_py()  # loaded here, once, with its imports: the forked ranks start with them
+    context = multiprocessing.get_context('fork')
     with tempfile.TemporaryDirectory() as folder:
         paths = [os.path.join(folder, f'rank{rank}.pkl') for rank in range(world_size)]
         workers = [context.Process(target=_train_py_rank, args=(
@@ -91,21 +99,27 @@ def run_train_py_ranks(world_size: int, *args: str, timeout: float = 300) -> Lis
             for rank in range(world_size)]
         for worker in workers:
             worker.start()
-        deadline = time.monotonic() + timeout
-        for worker in workers:
-            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            alive = [worker.sentinel for worker in workers if worker.is_alive()]  # once: a rank may end meanwhile
+            if not alive:
+                break
+            multiprocessing.connection.wait(alive, timeout=end - time.monotonic())
+            if any(worker.exitcode not in (None, 0) for worker in workers):
+                end = min(end, time.monotonic() + FAILED_RANK_GRACE)
         for worker in workers:
             if worker.is_alive():
                 worker.kill()
-                worker.join()
+            worker.join()
         results = []
         for rank, (worker, path) in enumerate(zip(workers, paths)):
-            if worker.exitcode == 0 and os.path.exists(path):
+            if os.path.exists(path):
                 with open(path, 'rb') as f:
                     results.append(pickle.load(f))
             else:
                 results.append(subprocess.CompletedProcess(['train.py', *args], worker.exitcode, '',
                                                            f'rank {rank} ended with exit code {worker.exitcode} '
-                                                           f'without a result (killed after {timeout} s?)'))
+                                                           f'without a result (stopped after another failed, or '
+                                                           f'after {timeout} s)'))
     del store  # the agent's store ends with its workers
     return results

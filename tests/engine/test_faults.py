@@ -17,6 +17,7 @@ import sys
 import pytest
 from cli import run_train_py
 from ranks import run_train_py_ranks
+from session_runs import built_once
 from tiny_run import TINY_MODEL, TINY_RUN
 
 from linvit.engine import Checkpoint
@@ -63,12 +64,15 @@ def _assert_same_run(got, want):
 
 
 @pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory):
-    """The reference runs: one process, and two (DDP) with torchrun's environment."""
-    tmp = tmp_path_factory.mktemp('uninterrupted')
-    one = run_train_py(*CONFIG, f'output_dir={tmp / "one"}')
-    assert one.returncode == 0, one.stderr[-3000:]
-    _assert_finished(run_train_py_ranks(2, *CONFIG, f'output_dir={tmp / "two"}'))
+def uninterrupted(tmp_path_factory, worker_id):
+    """The reference runs (only read): one process, and two (DDP) with torchrun's environment; trained once per
+    session (tests/session_runs.py), however pytest-xdist spreads this module's tests."""
+    def build(tmp):
+        one = run_train_py(*CONFIG, f'output_dir={tmp / "one"}')
+        assert one.returncode == 0, one.stderr[-3000:]
+        _assert_finished(run_train_py_ranks(2, *CONFIG, f'output_dir={tmp / "two"}'))
+
+    tmp = built_once(tmp_path_factory, worker_id, 'test_faults', build)
     return {'one': tmp / 'one', 'two': tmp / 'two'}
 
 

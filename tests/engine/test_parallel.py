@@ -18,6 +18,7 @@ from cli import run_train_py
 from ranks import run_ranks, run_train_py_ranks
 from references import rel_err
 from safetensors.torch import load_file
+from session_runs import built_once
 from tiny_run import TINY_DET, TINY_MODEL, TINY_SEG
 
 from linvit.engine import Checkpoint, ConfigError, load_config
@@ -33,19 +34,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SEG = ['--config', 'configs/seg_demo.yaml', *TINY_MODEL, *TINY_SEG, 'data.synthetic.val_size=3']
 
 
-#: what train.py printed on stdout, by run folder
-PRINTED = {}
-
-
 def _train(tmp_path, name, *overrides, processes=1):
     """A finished tiny segmentation run in tmp_path/name (train.py: in this process with one process, on forked ranks
-    with torchrun's environment with several); what rank 0 printed in PRINTED."""
+    with torchrun's environment with several); what rank 0 printed in tmp_path/name.stdout (``_printed``)."""
     args = [*SEG, *overrides, f'output_dir={tmp_path / name}']
     results = run_train_py_ranks(processes, *args) if processes > 1 else [run_train_py(*args)]
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"rank {rank}: {result.stderr[-4000:]}"
-    PRINTED[tmp_path / name] = results[0].stdout
+    (tmp_path / f'{name}.stdout').write_text(results[0].stdout)
     return tmp_path / name
+
+
+def _printed(run_dir):
+    """What train.py's rank 0 printed on stdout for the run in ``run_dir``."""
+    return (run_dir.parent / f'{run_dir.name}.stdout').read_text()
 
 
 def _losses(run_dir):
@@ -64,16 +66,19 @@ def _assert_same_training(got, want):
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-    """The runs the tests compare: one process, context 2 (checkpointing every block), DDP and FSDP2 on 2 processes,
-    and both dimensions on 4: context 2 x data 2 with HSDP and checkpointing."""
-    tmp = tmp_path_factory.mktemp('parallel')
-    return {'alone': _train(tmp, 'alone'),
-            'context': _train(tmp, 'context', 'parallel.context=2', 'parallel.checkpoint_every=1', processes=2),
-            'ddp': _train(tmp, 'ddp', processes=2),
-            'fsdp': _train(tmp, 'fsdp', 'parallel.fsdp=true', processes=2),
-            'hsdp': _train(tmp, 'hsdp', 'parallel.context=2', 'parallel.fsdp=true', 'parallel.checkpoint_every=2',
-                           processes=4)}
+def runs(tmp_path_factory, worker_id):
+    """The runs the tests compare (only read): one process, context 2 (checkpointing every block), DDP and FSDP2 on 2
+    processes, and both dimensions on 4: context 2 x data 2 with HSDP and checkpointing. Trained once per session
+    (tests/session_runs.py), however pytest-xdist spreads this module's tests."""
+    def build(tmp):
+        _train(tmp, 'alone')
+        _train(tmp, 'context', 'parallel.context=2', 'parallel.checkpoint_every=1', processes=2)
+        _train(tmp, 'ddp', processes=2)
+        _train(tmp, 'fsdp', 'parallel.fsdp=true', processes=2)
+        _train(tmp, 'hsdp', 'parallel.context=2', 'parallel.fsdp=true', 'parallel.checkpoint_every=2', processes=4)
+
+    folder = built_once(tmp_path_factory, worker_id, 'test_parallel', build)
+    return {name: folder / name for name in ('alone', 'context', 'ddp', 'fsdp', 'hsdp')}
 
 
 def test_a_run_split_over_two_context_ranks_trains_as_one_process(runs):
@@ -91,7 +96,7 @@ def test_data_parallel_evaluation_equals_one_process_evaluation(runs, tmp_path):
     alone = json.loads((tmp_path / 'single' / 'metrics.json').read_text())
     assert alone.pop('per_class_iou') == pytest.approx(ddp.pop('per_class_iou'), rel=1e-6)
     assert alone == pytest.approx(ddp, rel=1e-6)
-    assert 'miou=' in PRINTED[runs['ddp']] and 'per_class_iou.background=' in PRINTED[runs['ddp']]  # rank 0 printed
+    assert 'miou=' in _printed(runs['ddp']) and 'per_class_iou.background=' in _printed(runs['ddp'])  # rank 0 printed
 
 
 def test_fsdp2_trains_as_ddp_and_saves_whole_weights_and_its_shards(runs):

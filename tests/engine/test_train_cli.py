@@ -52,6 +52,8 @@ def test_run_stop_resume_and_eval_only_from_the_command_line(tmp_path):
 
 
 def test_torchrun_two_gloo_processes_match_a_single_process_evaluation(tmp_path):
+    """torchrun itself, 2 train.py workers meeting in its store, trains one run whose evaluation counts each image
+    once and equals one process's (the real launch: test_parallel's forked ranks get its environment without it)."""
     run = tmp_path / 'ddp'
     result = _run('-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'train.py',
                   '--config', 'configs/cls_demo.yaml', *TINY, 'data.synthetic.val_size=23', f'output_dir={run}')
