@@ -15,6 +15,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')
 
+# Inductor's CPU code without its SIMD vector classes: on a fresh machine (no compile cache) g++ takes half the time
+# over it, and the compiles of the suite were 2.5 of its minutes there. What the tests compare (compiled against eager,
+# one graph, the library's passes and ops inside the graph) does not depend on how inductor vectorises its loops; the
+# GPU check compiles the real thing. The environment carries it to the processes a test starts.
+os.environ.setdefault('TORCHINDUCTOR_VEC_ISA_OK', '0')
+
 # Under pytest-xdist (make test runs one worker per core) each worker gets its share of the cores: torch's default of
 # one intra-op thread per core in every worker would oversubscribe them. The environment carries the share to the
 # train.py processes a test starts, so a resumed run computes with the same thread count as the run it continues.
