@@ -20,9 +20,6 @@ if not torch.cuda.is_available():
 # one graph, the library's passes and ops inside the graph) does not depend on how inductor vectorises its loops; the
 # GPU check compiles the real thing. The environment carries it to the processes a test starts.
 os.environ.setdefault('TORCHINDUCTOR_VEC_ISA_OK', '0')
-# and compiled in the process that asks: a worker has one core, and inductor's pool of compile processes only added
-# their start (4 s of CPU in every process that compiles, measured on one test)
-os.environ.setdefault('TORCHINDUCTOR_COMPILE_THREADS', '1')
 
 # Under pytest-xdist (make test runs one worker per core) each worker gets its share of the cores: torch's default of
 # one intra-op thread per core in every worker would oversubscribe them. The environment carries the share to the
