@@ -124,7 +124,8 @@ triton-compat: $(STAMP)
 		$(PY) -m pip install --quiet --no-deps --target $(GPU_TRITON_DIR) triton==$(GPU_TRITON)
 	PYTHONPATH=$(GPU_TRITON_DIR) $(PY) -c "import triton; v = triton.__version__; \
 		assert v == '$(GPU_TRITON)', f'imported triton {v} from {triton.__file__}, expected $(GPU_TRITON)'; print('triton', v)"
-	PYTHONPATH=$(GPU_TRITON_DIR) $(PY) -m pytest -q -p no:cacheprovider tests/ops/test_triton_compile.py
+	LINVIT_TRITON_COMPAT=full PYTHONPATH=$(GPU_TRITON_DIR) $(PY) -m pytest -q -p no:cacheprovider \
+		tests/ops/test_triton_compile.py
 
 # the whole suite on the GPU machine's stack (torch 2.11.0, its Triton 3.6.0, torchvision 0.26.0: the device notes),
 # CPU only: a separate venv in build/ (torch's CUDA wheels, ~3 GB from PyPI, once), the other pins of the constraints,

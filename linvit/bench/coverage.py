@@ -17,7 +17,10 @@ initial weights (0.4 s for a depth-1 ViT-B), which would make a survey of ~390 m
 is built on the meta device (shapes only, 0.03 s), materialised on the CPU with ``to_empty``, its computed buffers
 recomputed by timm (``reinit_non_persistent_buffers``: rotary frequencies, position indices), its normalisation
 statistics reset, and every parameter and other buffer filled from one seeded table of Gaussian noise (std 0.02),
-tiled. Conversion and the checks only need finite, deterministic values, not timm's initialisation.
+tiled. Conversion and the checks only need finite, deterministic values, not timm's initialisation. On the meta device
+timm's initialisers still cost most of a build (``trunc_normal_``'s ``clamp_`` and ``erfinv_`` go through PyTorch's
+Python reference decompositions, 0.05 s a model), though a meta tensor holds no values for them to write: the build
+skips those value-only in-place calls (``_MetaInitSkipped``).
 
 The ONNX check lives with the caller (``tools/vit_coverage.py``): ``linvit.export`` sits above ``linvit.bench`` in the
 import layers, so this module takes family checks as callables instead of importing it.
@@ -147,10 +150,33 @@ def materialise(model: nn.Module) -> nn.Module:
     return model
 
 
+#: in-place tensor methods that write values and keep the shape: on a meta tensor they do nothing but cost time
+_VALUE_ONLY_INPLACE = frozenset({'normal_', 'uniform_', 'trunc_normal_', 'clamp_', 'clamp_min_', 'clamp_max_',
+                                 'erfinv_', 'mul_', 'add_', 'sub_', 'div_', 'zero_', 'fill_', 'copy_', 'exponential_',
+                                 'log_normal_', 'bernoulli_', 'random_', 'sqrt_', 'exp_', 'neg_', 'abs_'})
+
+
+class _MetaInitSkipped(torch.overrides.TorchFunctionMode):
+    """Value-only in-place calls on meta tensors return their tensor unchanged (what they would leave on the meta
+    device anyway) without running PyTorch's decompositions; every other call runs as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, '__name__', '')
+        if name in _VALUE_ONLY_INPLACE and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _create_on_meta(name: str, **kwargs) -> nn.Module:
+    """``timm.create_model(name, device='meta', **kwargs)`` without running its initialisers' arithmetic."""
+    with _MetaInitSkipped():
+        return timm.create_model(name, device='meta', **kwargs)
+
+
 def _block_entries(name: str, depth: int, img_size: int) -> Dict[str, tuple]:
     """The PER_BLOCK_KWARGS of ``name``'s full-depth model (built on the meta device), at ``depth`` evenly spaced
     blocks; {} when its blocks have none of them."""
-    full = timm.create_model(name, img_size=img_size, device='meta')
+    full = _create_on_meta(name, img_size=img_size)
     blocks = list(getattr(full, 'blocks', ()))
     picked = [blocks[(2 * i + 1) * len(blocks) // (2 * depth)] for i in range(depth)] if len(blocks) >= depth else []
     found = {}
@@ -172,13 +198,13 @@ def _create(name: str, depth: int, img_size: int) -> nn.Module:
     """timm's ``name`` on the meta device at ``depth``, with the per-block arguments of its full model when it does
     not build otherwise (the first error is raised if that does not help either)."""
     try:
-        return timm.create_model(name, device='meta', depth=depth, img_size=img_size)
+        return _create_on_meta(name, depth=depth, img_size=img_size)
     except Exception as error:
         entries = _block_entries(name, depth, img_size)
         if not entries:
             raise
         try:
-            return timm.create_model(name, device='meta', depth=depth, img_size=img_size, **entries)
+            return _create_on_meta(name, depth=depth, img_size=img_size, **entries)
         except Exception:
             raise error from None
 

@@ -250,12 +250,6 @@ def test_one_process_runs_the_model_itself():
     assert not dist.is_initialized()
 
 
-@pytest.mark.compiler
-def test_activation_checkpointing_composes_with_the_compiled_step(runs, tmp_path):
-    compiled = _train(tmp_path, 'compiled', 'train.compile=true', 'parallel.checkpoint_every=1', 'train.max_steps=2')
-    assert _losses(compiled) == pytest.approx(_losses(runs['alone'])[:2], rel=1e-5)
-
-
 def test_resuming_warns_only_when_the_data_order_changes(runs, monkeypatch, caplog):
     # the context run: 2 processes, one data replica, whose batches one process draws the same
     caplog.set_level('WARNING', logger='linvit.train')

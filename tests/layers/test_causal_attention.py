@@ -136,20 +136,3 @@ def test_bidirectional_gate_starts_near_one_and_options_are_checked():
     assert layer.decays == (0.5,) * HEADS and layer.feature_map_name == 'relu'
     with pytest.raises(ValueError, match='cannot apply a key mask'):
         layer(torch.randn(1, 5, DIM), attn_mask=torch.ones(1, 5, dtype=torch.bool))
-
-
-
-@pytest.mark.compiler
-def test_bidirectional_model_exports_with_a_symbolic_token_count(tmp_path):
-    # check sizes with 1 + 16 (padded to 2 chunks of 64), 1 + 320 (6 chunks) and 1 + 200 (4 chunks) tokens: an
-    # exported graph specialised to the export size's chunk count would fail the larger ones
-    import timm
-
-    from linvit.export import export_onnx
-    torch.manual_seed(0)
-    model = timm.create_model('linvit_tiny_patch16_224', attn_family='bidirectional', depth=1, img_size=32,
-                              patch_size=8, num_classes=5, dynamic_img_size=True,
-                              attn_options=dict(data_gate=True)).eval()
-    report = export_onnx(model, tmp_path / 'bidirectional.onnx', img_size=32,
-                         check_sizes=[(32, 32), (128, 160), (200, 64)])
-    assert report.ok and [c.height for c in report.checks] == [32, 128, 200]

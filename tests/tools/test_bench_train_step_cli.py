@@ -91,16 +91,6 @@ def test_inference_workload_times_eval_forwards_under_inference_mode(step_bench,
     assert len(clock.inputs) == 3 * 4  # three models, 1 warm-up + 3 timed rounds, one forward each
 
 
-def test_inference_runs_end_to_end_compiled_in_bfloat16(step_bench, tmp_path):
-    out = tmp_path / 'infer.csv'
-    assert step_bench.main(['--workload', 'inference', '--model', 'linvit_tiny_patch16_224:depth=1,embed_dim=48,'
-                            'num_heads=3', '--softmax', 'none', '--sizes', '32', '--batch', '1', '--mode', 'compiled',
-                            '--dtype', 'bfloat16', '--repeats', '1', '--csv', str(out)]) == 0
-    (row,) = list(csv.DictReader(out.open()))
-    assert (row['workload'], row['mode'], row['dtype']) == ('inference', 'compiled', 'bfloat16')
-    assert float(row['linvit_over_floor']) == pytest.approx(float(row['floor_ms']) / float(row['linvit_ms']))
-
-
 def test_an_unknown_workload_is_refused_by_the_library():
     from linvit.bench.specs import parse_model_spec
     from linvit.bench.train_step import TrainStepBench
@@ -108,14 +98,20 @@ def test_an_unknown_workload_is_refused_by_the_library():
         TrainStepBench(parse_model_spec('linvit_tiny_patch16_224'), workload='serving')
 
 
-def test_profile_ops_prints_where_each_models_step_goes(step_bench, capsys):
+def test_compiled_bfloat16_inference_runs_end_to_end_and_profile_ops_prints_where_its_step_goes(step_bench, capsys,
+                                                                                              tmp_path):
     import torch._inductor.config as inductor_config
+    out = tmp_path / 'infer.csv'
     # the tool turns kernel profiling on for the process: restore it with the config's own patch (pytest's
     # monkeypatch deletes the key of inductor's config on undo, and every later compile in the worker then fails)
     with inductor_config.patch({'cpp.enable_kernel_profile': False}):
         assert step_bench.main(['--workload', 'inference', '--model', 'linvit_tiny_patch16_224:depth=1,embed_dim=48,'
                                 'num_heads=3', '--softmax', 'none', '--sizes', '32', '--batch', '1', '--mode',
-                                'compiled', '--repeats', '1', '--profile-ops', '2', '--profile-top', '80']) == 0
+                                'compiled', '--dtype', 'bfloat16', '--repeats', '1', '--profile-ops', '2',
+                                '--profile-top', '80', '--csv', str(out)]) == 0
+    (row,) = list(csv.DictReader(out.open()))
+    assert (row['workload'], row['mode'], row['dtype']) == ('inference', 'compiled', 'bfloat16')
+    assert float(row['linvit_over_floor']) == pytest.approx(float(row['floor_ms']) / float(row['linvit_ms']))
     printed = capsys.readouterr().out.splitlines()
     start = printed.index("## where a step's time goes, 32 compiled: ms per step over 2 profiled step(s) "
                           "(op self time)")
