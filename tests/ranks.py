@@ -39,11 +39,26 @@ def _on_rank(rank, world_size, port, fn, args, result_path):
         dist.destroy_process_group()
 
 
+_FORKSERVER = None
+
+
+def _rank_context() -> multiprocessing.context.BaseContext:
+    """Where the ranks are forked from: a server process of this test process, started once with torch and linvit
+    imported (``forkserver``). Forking the test process itself would be cheaper, but once a test in it has traced a
+    model (dynamo, an export) autograd's thread pool may exist, and a forked child's backward then fails ("Unable to
+    handle autograd's threading in combination with fork-based multiprocessing"), depending on which tests the
+    pytest-xdist worker ran before."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        _FORKSERVER = multiprocessing.get_context('forkserver')
+        _FORKSERVER.set_forkserver_preload(['torch', 'torch.distributed', 'timm', 'linvit', 'ranks'])
+    return _FORKSERVER
+
+
 def run_ranks(tmp_path, fn, *args, world_size=WORLD_SIZE, timeout=120):
     """[fn(0, *args), ..., fn(world_size - 1, *args)] computed in as many processes of one gloo group."""
     port = free_port()
-    # fork: children start with torch imported and the data in memory (spawn would import everything again)
-    context = multiprocessing.get_context('fork')
+    context = _rank_context()
     paths = [tmp_path / f'rank{rank}.pt' for rank in range(world_size)]
     workers = [context.Process(target=_on_rank, args=(rank, world_size, port, fn, args, paths[rank]))
                for rank in range(world_size)]

@@ -217,23 +217,6 @@ def test_compiled_inference_matches_eager():
     assert x.equal(images())  # input untouched
 
 
-def test_compiled_train_step_matches_eager():
-    model = tiny_linvit(feature_map='relu', local_mix=True).train()
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    step = compile_train_step(model, F.cross_entropy, opt)
-    ref_step = TrainStep(reference, F.cross_entropy, ref_opt)
-    for i in range(2):
-        x, y = images(seed=10 + i), targets()
-        loss, ref_loss = step(x, y), ref_step(x, y)
-        assert loss.requires_grad is False and loss.shape == ()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-
-
 class _LinearGeluLinear(nn.Module):
     """[N, 8] -> [N, 8]: fc1 feeds a pointwise GELU, fc2's output is returned (a non-pointwise use)."""
 
@@ -391,18 +374,26 @@ def test_inductor_dynamic_inference_matches_eager_at_thousands_of_non_square_tok
 
 
 def test_inductor_dynamic_train_step_matches_eager_at_thousands_of_non_square_tokens():
+    """Two optimizer steps (SGD with momentum) at two sizes from one dynamic graph: the loss (detached), every
+    gradient and every updated weight equal the eager step's. The static policy's compiled step is train.py's
+    default, tested through it (tests/engine/test_train_seg.py)."""
     model = tiny_linvit(feature_map='focused', local_mix=True, dynamic_img_size=True, dynamic_img_pad=True).train()
     model.pos_embed.requires_grad_(False)  # see test_dynamic_train_step_rejects_..._up_front
     reference = copy.deepcopy(model)
-    step = compile_train_step(model, F.cross_entropy, dynamic=True)
-    ref_step = TrainStep(reference, F.cross_entropy)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    step = compile_train_step(model, F.cross_entropy, opt, dynamic=True)
+    ref_step = TrainStep(reference, F.cross_entropy, ref_opt)
     for i, hw in enumerate(INDUCTOR_SIZES[:2]):  # two sizes: each backward compile costs about a minute here
         x, y = images(1, *hw, seed=20 + i), targets(1)
-        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
+        loss, ref_loss = step(x, y), ref_step(x, y)
+        assert loss.requires_grad is False and loss.shape == ()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             if p.requires_grad:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5,
                                            msg=lambda m, n=name: f"{n}: {m}")
+                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize('kwargs', [dict(), dict(dynamic_img_size=True)], ids=['fixed-size', 'no-pad'])

@@ -98,6 +98,6 @@ def test_the_shipped_tasks_and_their_sections():
 
 
 def test_the_shipped_heads_block_types_and_data_builders():
-    assert SEG_HEADS.names() == ['mlp']
+    assert SEG_HEADS.names() == ['mlp', 'upernet', 'dpt', 'linear']
     assert BLOCK_TYPES.names() == ['linear', 'softmax']
     assert DATASET_BUILDERS.names() == ['synthetic', 'folder']

@@ -61,6 +61,9 @@ class ModelConfig:
     convert: Optional[Dict[str, Any]] = None
     drop_path_rate: float = 0.0
     grad_checkpointing: bool = False
+    # dense tasks (segmentation): the backbone's weights stay as loaded, in eval mode; only the neck and head train
+    # (with seg.head=linear: DINOv2's linear probe of a frozen backbone)
+    freeze_backbone: bool = False
     floor: bool = False  # benchmarks: replace attention by the no-mixing floor (linvit.fast.make_floor)
 
 

@@ -29,11 +29,10 @@ from timm.models.vision_transformer import Block
 from ..layers import LinearAttention
 from ..ops import add_states
 from .linvit import LinearAttentionBlock, patch_grid
-from .segmentation import PYRAMID_SCALES, MLPHead, SegmentationModel, class_ids
+from .segmentation import SegmentationModel, class_ids
 
 __all__ = ['bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason',
-           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'HEAD_HALOS',
-           'DEFAULT_ROWS_PER_CHUNK']
+           'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'DEFAULT_ROWS_PER_CHUNK']
 
 #: patch rows per band (and per head tile): at 4096 px, linvit-S segmentation peaks below 2 GiB with 8 and runs as
 #: fast as the plain forward (docs/benchmarks.md); fewer rows, less memory
@@ -190,28 +189,22 @@ def _as_map(tokens: torch.Tensor, prefix: int, grid: List[int]) -> torch.Tensor:
     return tokens[:, prefix:].reshape(tokens.shape[0], grid[0], grid[1], -1).permute(0, 3, 1, 2)
 
 
-# --- segmentation: the backbone in bands, then the pyramid and head in tiles of rows, class ids per tile ---------
+# --- segmentation: the backbone in bands, then the levels and the head in tiles of rows, class ids per tile ---------
 
 #: read_rows(y0, y1) -> image rows y0..y1-1 as the model takes them (normalised floats): [B, C, y1 - y0, W]
 RowReader = Callable[[int, int], torch.Tensor]
 #: progress(steps done, steps in all), called after each block and each head tile
 Progress = Callable[[int, int], None]
 
-#: patch rows of backbone map each pyramid level (finest first) reads beyond a head tile's rows: the rows its 3x3
-#: convolution loses at the crop's edges, plus those that resampling it to stride p/4 for the tile's first and last
-#: output rows reads. Stride p/4 and p/2 read one patch row beyond, stride p two. Stride 2p (one row per two patch
-#: rows) loses its edge row and reads one more: four patch rows; when the grid has an odd number of rows, max
-#: pooling drops the last one, which stretches that level by up to half a row upwards: two patch rows more. Each
-#: halo is the smallest that is exact (tests/models/test_bounded.py takes one row off each).
-HEAD_HALOS = (1, 1, 2, 6)
-
 
 def bounded_segment_unsupported_reason(model: nn.Module) -> Optional[str]:
     """Why ``model`` cannot run ``iter_bounded_segment`` (one line), or None when it can."""
     if not isinstance(model, SegmentationModel):
         return f"{type(model).__name__} is not a linvit SegmentationModel"
-    if type(model.head) is not MLPHead:
-        return f"its head is a {type(model.head).__name__}, not the MLPHead whose tiles the bounded forward computes"
+    head = type(model.head)
+    if len(getattr(head, 'halos', ())) != len(model.level_scales) or not hasattr(head, 'finest_halo'):
+        return (f"its head {head.__name__} declares no halo per level (halos, finest_halo: linvit.models.heads), "
+                f"which tiles of rows need")
     return bounded_unsupported_reason(model.backbone)
 
 
@@ -260,43 +253,105 @@ def _resample(x: torch.Tensor, offset: int, rows_in: int, rows_out: int, start: 
 
 
 def _level_rows(r0: int, r1: int, halo: int, scale: float, rows: int) -> Tuple[int, int]:
-    """Patch rows [a, b) of backbone map that a pyramid level reads for the tile r0..r1-1: its halo each side,
-    ``a`` a multiple of the rows a coarser level pools together, so that its rows pair as in the whole map."""
+    """Patch rows [a, b) of backbone map that a level reads for the tile r0..r1-1: its halo each side, ``a`` a
+    multiple of the rows a coarser level pools together, so that its rows pair as in the whole map."""
     pooled = round(1 / scale) if scale < 1 else 1
     a = max(r0 - halo, 0)
     return a - a % pooled, min(r1 + halo, rows)
 
 
+def _level_tile(model: SegmentationModel, maps: Dict[int, torch.Tensor], level: int, rows: Tuple[int, int],
+                map_offset: int) -> torch.Tensor:
+    """Level ``level`` computed from patch rows rows[0]..rows[1]-1 of its backbone maps, which hold patch rows
+    map_offset..map_offset+n-1."""
+    a, b = rows
+    blocks = model.level_inputs[level]
+    if a < map_offset or any(b - map_offset > maps[block].shape[-2] for block in blocks):
+        raise RuntimeError(f"patch rows {a}..{b - 1} are not all in the maps' rows {map_offset}.."
+                           f"{map_offset + maps[blocks[0]].shape[-2] - 1}: the head halo is too small")
+    return model.level(level, {block: maps[block][:, :, a - map_offset:b - map_offset] for block in blocks})
+
+
+class _TileResize:
+    """The head's ``LevelResize`` on tiles: level i's tile holds rows offsets[i]..offsets[i]+n_i of a level of
+    level_rows[i] rows; a map resized to level dst has the rows dst's tile holds, each sampled at its place in the
+    whole map (a map of its own, src None, is whole). A row whose source lies outside the tile reads the tile's edge
+    row instead: wrong, and among the rows the halos cut away."""
+
+    def __init__(self, offsets: List[int], level_rows: List[int], tiles: List[torch.Tensor]) -> None:
+        self.offsets, self.level_rows = offsets, level_rows
+        self.shapes = [tuple(tile.shape[-2:]) for tile in tiles]
+
+    def __call__(self, x: torch.Tensor, src: Optional[int], dst: int) -> torch.Tensor:
+        rows_in, offset = (x.shape[-2], 0) if src is None else (self.level_rows[src], self.offsets[src])
+        start = self.offsets[dst]
+        low, high, weight = _source_coords(rows_in, self.level_rows[dst], start, start + self.shapes[dst][0])
+        last = x.shape[-2] - 1
+        low, high = (low - offset).clamp(0, last).to(x.device), (high - offset).clamp(0, last).to(x.device)
+        weight = weight.to(x.device, x.dtype).view(-1, 1)
+        rows = x[:, :, low] * (1 - weight) + x[:, :, high] * weight
+        return F.interpolate(rows, size=self.shapes[dst], mode='bilinear', align_corners=False)
+
+
+def context_part(model: SegmentationModel, maps: Dict[int, torch.Tensor], grid: List[int], rows: Tuple[int, int],
+                 map_offset: int = 0) -> Optional[List[torch.Tensor]]:
+    """What patch rows rows[0]..rows[1]-1 add to the head's global context (``context_sums`` of its
+    ``context_level``; None for a head without one): the parts of tiles that cover the grid add up to the whole
+    image's. maps: block -> [B, dim, n, gw] holding patch rows map_offset..map_offset+n-1."""
+    head = model.head
+    level = getattr(head, 'context_level', None)
+    if level is None:
+        return None
+    scale, halo = model.level_scales[level], type(head).halos[level]
+    total = int(grid[0] * scale)
+    a, b = _level_rows(*rows, halo, scale, grid[0])
+    tile = _level_tile(model, maps, level, (a, b), map_offset)
+    own = (int(rows[0] * scale), min(int(rows[1] * scale), total))
+    start = int(a * scale)
+    return head.context_sums(tile[:, :, own[0] - start:own[1] - start], own, total)
+
+
 def _head_tile(model: SegmentationModel, maps: Dict[int, torch.Tensor], grid: List[int], r0: int, r1: int,
-               out_rows: Tuple[int, int], out_width: int, map_offset: int = 0) -> torch.Tensor:
-    """Logits [B, K, y1 - y0, out_width] of image rows out_rows = (y0, y1), within patch rows r0..r1-1: each pyramid
-    level from its backbone map's rows with the level's halo (``HEAD_HALOS``), resampled at its place in the whole
-    map; the head (per pixel: 1x1 convolutions, norms) runs on the finest-level rows the final resampling reads.
-    maps: block -> [B, dim, n, gw] holding patch rows map_offset..map_offset+n-1 (0: the whole map)."""
+               out_rows: Tuple[int, int], out_width: int, map_offset: int = 0,
+               context: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+    """Logits [B, K, y1 - y0, out_width] of image rows out_rows = (y0, y1), within patch rows r0..r1-1: each level from
+    its backbone maps' rows with the head's halo for it (``halos``), the finest level cut to the rows the logits
+    read and the head's ``finest_halo`` around them, the head on these tiles with a resize that samples rows at their
+    place in the whole map. maps: block -> [B, dim, n, gw] holding patch rows map_offset..map_offset+n-1 (0: the
+    whole map); context: the head's global context summed over the whole image (``context_part``), if it has one."""
     gh = grid[0]
     ph, pw = model.backbone.patch_embed.patch_size
-    pyramid, offsets = [], []
-    for level, (block, scale, halo) in enumerate(zip(model.level_blocks, PYRAMID_SCALES, HEAD_HALOS)):
+    head = model.head
+    scales = model.level_scales
+    tiles, offsets = [], []
+    for level, (scale, halo) in enumerate(zip(scales, type(head).halos)):
         a, b = _level_rows(r0, r1, halo, scale, gh)
-        if a < map_offset or b - map_offset > maps[block].shape[-2]:
-            raise RuntimeError(f"patch rows {a}..{b - 1} are not all in the maps' rows {map_offset}.."
-                               f"{map_offset + maps[block].shape[-2] - 1}: the head halo is too small")
-        pyramid.append(model.neck.level(level, maps[block][:, :, a - map_offset:b - map_offset]))
+        tiles.append(_level_tile(model, maps, level, (a, b), map_offset))
         offsets.append(int(a * scale))
-    level_rows = [int(gh * scale) for scale in PYRAMID_SCALES]  # max pooling floors an odd row count
+    level_rows = [int(gh * scale) for scale in scales]  # max pooling floors an odd row count
     low, high, _ = _source_coords(level_rows[0], ph * gh, *out_rows)
-    first, last = int(low.min()), int(high.max())  # the finest level's rows the logits read
-    if first - offsets[0] < 0 or last + 1 - offsets[0] > pyramid[0].shape[-2]:
+    first = max(int(low.min()) - head.finest_halo, 0)  # the finest level's rows the logits read, and the halo
+    last = min(int(high.max()) + head.finest_halo, level_rows[0] - 1)
+    if first < offsets[0] or last + 1 - offsets[0] > tiles[0].shape[-2]:
         raise RuntimeError(f"rows {first}..{last} of the finest level are outside the tile's: the head halo is too "
                            f"small")
-    pyramid[0] = pyramid[0][:, :, first - offsets[0]:last + 1 - offsets[0]]
-    width = pyramid[0].shape[-1]
-
-    def resize(x: torch.Tensor, level: int) -> torch.Tensor:
-        return _resample(x, offsets[level], level_rows[level], level_rows[0], first, last + 1, width)
-
-    logits = model.head(pyramid, resize)  # [B, K, last + 1 - first, 4 * gw]
+    tiles[0] = tiles[0][:, :, first - offsets[0]:last + 1 - offsets[0]]
+    offsets[0] = first
+    extra = {} if context is None else {'context': context, 'context_rows': level_rows[head.context_level]}
+    logits = head(tiles, _TileResize(offsets, level_rows, tiles), **extra)  # [B, K, last + 1 - first, w_0]
     return _resample(logits, first, level_rows[0], ph * gh, *out_rows, grid[1] * pw)[..., :out_width]
+
+
+def _whole_context(model: SegmentationModel, maps: Dict[int, torch.Tensor], grid: List[int],
+                   tiles: List[Tuple[int, int]]) -> Optional[List[torch.Tensor]]:
+    """The head's global context over the whole image, summed tile by tile (None for a head without one)."""
+    total = None
+    for rows in tiles:
+        part = context_part(model, maps, grid, rows)
+        if part is None:
+            return None
+        total = part if total is None else [t + p for t, p in zip(total, part)]
+    return total
 
 
 @torch.no_grad()
@@ -307,11 +362,12 @@ def iter_bounded_segment(model: nn.Module, read_rows: RowReader, batch: int, siz
     at a time: yields (y0, logits [B, K, n, W] of image rows y0..y0+n-1), top to bottom, covering the image of
     ``size`` = (H, W) read through ``read_rows``.
 
-    The backbone runs in bands of ``rows_per_chunk`` patch rows (``bounded_forward_intermediates``); the pyramid and
+    The backbone runs in bands of ``rows_per_chunk`` patch rows (``bounded_forward_intermediates``); the levels and
     the head run on tiles of as many patch rows (rounded up to even, so max pooling pairs rows as in the whole map),
-    each level with its halo of patch rows (``HEAD_HALOS``), resampled at its place in the whole map. What exists
-    for the whole image: the residual stream and the backbone maps the pyramid reads; never the pyramid, nor
-    full-size logits. The image is read once, band by band."""
+    each level with the head's halo of patch rows for it (``halos``), resampled at its place in the whole map. A
+    head's global context (UPerNet's pooling) is summed over the tiles first, then applied in each. What exists for
+    the whole image: the residual stream and the backbone maps the levels read; never a whole level, nor full-size
+    logits. The image is read once, band by band."""
     reason = bounded_segment_unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"the bounded forward cannot run this model: {reason}")
@@ -336,10 +392,11 @@ def iter_bounded_segment(model: nn.Module, read_rows: RowReader, batch: int, siz
     read_band = _padded_band_reader(read_rows, (height, width), patch, grid)
     _, taken = _blocks(backbone, read_band, batch, grid, model.take_blocks, rows_per_chunk, tick)
     maps = {block: _as_map(t, backbone.num_prefix_tokens, grid) for block, t in zip(model.take_blocks, taken)}
+    context = _whole_context(model, maps, grid, tiles)
     for r0, r1 in tiles:
         y0, y1 = r0 * patch[0], min(r1 * patch[0], height)
         if y0 < y1:
-            yield y0, _head_tile(model, maps, grid, r0, r1, (y0, y1), width)
+            yield y0, _head_tile(model, maps, grid, r0, r1, (y0, y1), width, context=context)
         tick()
 
 

@@ -18,8 +18,9 @@ take one row more when they do not divide), never the whole token sequence:
 - the local-mix convolution reads a halo of patch rows from the neighbouring ranks (``exchange_rows``, point to point,
   whose backward sends the halo's gradient back);
 - classification pools over the group (the class token from rank 0, or the mean of all patch tokens); segmentation
-  exchanges the halo of backbone rows its pyramid and head read (``HEAD_HALOS``) and each rank computes the logits of
-  its own image rows exactly as ``linvit.models.bounded`` computes a tile.
+  exchanges the halo of backbone rows its levels and head read (the head's ``halos``) and each rank computes the
+  logits of its own image rows exactly as ``linvit.models.bounded`` computes a tile; a head's global context
+  (UPerNet's pooling) is each rank's part summed over the group, as the attention state is.
 
 Gradients: every rank's parameters get the gradient of the loss terms it computed (its pixels, or, for the pooled
 classifier, the whole loss divided over the group: see ``linvit.engine.parallel``); the gradients summed over the
@@ -36,7 +37,7 @@ import torch.nn as nn
 from timm.layers import PatchEmbed
 
 from ..ops import AttentionState
-from .bounded import HEAD_HALOS, _as_map, _head_tile, bounded_unsupported_reason
+from .bounded import _as_map, _head_tile, bounded_unsupported_reason, context_part
 from .linvit import patch_grid
 from .segmentation import SegmentationModel
 
@@ -318,11 +319,15 @@ class ContextParallel(nn.Module):
         """Logits [B, K, y1 - y0, W] of this rank's image rows: each backbone map with the halo of rows the pyramid
         and head read from the other ranks, then the rows as ``bounded`` computes a tile."""
         r0, r1 = rows
-        halo = max(HEAD_HALOS) + 1  # + 1: a coarse level's pooled pairs may start a row above the halo
+        halo = max(type(self.model.head).halos) + 1  # + 1: a coarse level's pooled pairs may start a row above it
         maps = {}
         for index, tokens in taken.items():
             local = tokens[:, prefix:].unflatten(1, (r1 - r0, grid[1]))  # [B, n, gw, dim]
             extended, top, _ = self.shards.exchange_rows(local, grid[0], halo, halo)
             maps[index] = _as_map(extended.flatten(1, 2), 0, [extended.shape[1], grid[1]])
+        context = context_part(self.model, maps, grid, rows, map_offset=r0 - top)
+        if context is not None:
+            context = [self.shards.reduce(part) for part in context]
         y0, y1 = self.pixel_rows(images)
-        return _head_tile(self.model, maps, grid, r0, r1, (y0, y1), images.shape[-1], map_offset=r0 - top)
+        return _head_tile(self.model, maps, grid, r0, r1, (y0, y1), images.shape[-1], map_offset=r0 - top,
+                          context=context)

@@ -19,17 +19,17 @@ Backbones are created with ``dynamic_img_size=True``, so one model trains on ``i
 images of any size whose sides the patch size divides (``linvit.inference`` pads the rest).
 """
 import math
-from typing import Callable, List, Optional, Sequence, Type
+from typing import Dict, List, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import LayerNorm2d
 
-from ..registry import Registry
+from .heads import SEG_HEADS, MLPHead
 
-__all__ = ['SimpleFeaturePyramid', 'MLPHead', 'ViTPyramid', 'SegmentationModel', 'SEG_HEADS', 'default_feature_blocks',
-           'pyramid_strides', 'class_ids']
+__all__ = ['SimpleFeaturePyramid', 'BlockMaps', 'MLPHead', 'ViTPyramid', 'SegmentationModel', 'SEG_HEADS',
+           'default_feature_blocks', 'pyramid_strides', 'class_ids']
 
 PYRAMID_SCALES = (4.0, 2.0, 1.0, 0.5)  # relative to the backbone's patch stride, finest first
 
@@ -69,6 +69,19 @@ def _resolve_feature_blocks(blocks: Sequence[int], depth: int) -> List[int]:
     return resolved
 
 
+def _resolve_map_blocks(blocks: Sequence[int], depth: int) -> List[int]:
+    """The distinct blocks whose raw maps a head without the pyramid reads, in order ([]: the last block)."""
+    blocks = list(blocks) or [-1]
+    for block in blocks:
+        if not -depth <= block < depth:
+            raise ValueError(f"seg.feature_blocks: block {block} does not exist in a backbone of depth {depth} "
+                             f"(valid: 0..{depth - 1} or -{depth}..-1)")
+    resolved = [block % depth for block in blocks]
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"seg.feature_blocks={list(blocks)} names a block twice (blocks {resolved})")
+    return resolved
+
+
 def _rescale_layers(scale: float, dim: int) -> nn.Module:
     """ViTDet's resampling of a stride-p map: 2x2 transposed convolutions up, max pooling down."""
     if scale == 4.0:
@@ -103,45 +116,26 @@ class SimpleFeaturePyramid(nn.Module):
                           nn.Conv2d(out_dim, out_dim, 3, padding=1, bias=False), LayerNorm2d(out_dim))
             for s in PYRAMID_SCALES)
 
-    def level(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Pyramid level ``index`` (finest first) from its backbone map x [B, C, h, w]."""
+    scales = PYRAMID_SCALES
+
+    def level(self, index: int, maps: List[torch.Tensor]) -> torch.Tensor:
+        """Pyramid level ``index`` (finest first) from its one backbone map, maps = [x [B, C, h, w]]."""
+        (x,) = maps
         return self.projections[index](self.rescales[index](self.input_norms[index](x)))
 
     def forward(self, features: List[torch.Tensor]) -> List[torch.Tensor]:
-        return [self.level(index, x) for index, x in enumerate(features)]
+        """The 4 levels from their backbone maps (finest first)."""
+        return [self.level(index, [x]) for index, x in enumerate(features)]
 
 
-#: resize(map [B, C, h_i, w_i], level i) -> [B, C, h_0, w_0]: how a head brings coarser levels to the finest one
-LevelResize = Callable[[torch.Tensor, int], torch.Tensor]
+class BlockMaps(nn.Module):
+    """No neck: one level at stride p, the blocks' maps [B, C, h, w] concatenated over channels (heads whose
+    ``pyramid`` is False, the linear probe)."""
 
+    scales = (1.0,)
 
-class MLPHead(nn.Module):
-    """SegFormer's all-MLP decoder: pyramid [B, in_dim, h_i, w_i] (finest first) -> logits [B, K, h_0, w_0].
-
-    ``resize`` brings the coarser levels to the finest one's size: bilinear over the whole maps by default; the
-    bounded forward (``linvit.models.bounded``) passes one that samples a band of rows at its place in the image.
-    """
-
-    def __init__(self, in_dim: int, head_dim: int, num_classes: int, num_levels: int = len(PYRAMID_SCALES),
-                 dropout: float = 0.1) -> None:
-        super().__init__()
-        self.projections = nn.ModuleList(nn.Conv2d(in_dim, head_dim, 1) for _ in range(num_levels))
-        self.fuse = nn.Sequential(nn.Conv2d(num_levels * head_dim, head_dim, 1, bias=False), LayerNorm2d(head_dim),
-                                  nn.GELU())
-        self.dropout = nn.Dropout2d(dropout)
-        self.classifier = nn.Conv2d(head_dim, num_classes, 1)
-
-    def forward(self, pyramid: List[torch.Tensor], resize: Optional[LevelResize] = None) -> torch.Tensor:
-        size = pyramid[0].shape[-2:]
-        levels = [project(x) for x, project in zip(pyramid, self.projections)]
-        resize = resize or (lambda x, level: F.interpolate(x, size=size, mode='bilinear', align_corners=False))
-        levels = [levels[0]] + [resize(x, level) for level, x in enumerate(levels[1:], start=1)]
-        return self.classifier(self.dropout(self.fuse(torch.cat(levels, dim=1))))
-
-
-#: decoder heads by name (``seg.head``): class(in_dim, head_dim, num_classes)
-SEG_HEADS: Registry[Type[nn.Module]] = Registry('seg.head')
-SEG_HEADS.register('mlp', MLPHead)
+    def level(self, index: int, maps: List[torch.Tensor]) -> torch.Tensor:
+        return maps[0] if len(maps) == 1 else torch.cat(maps, dim=1)
 
 
 class ViTPyramid(nn.Module):
@@ -154,15 +148,53 @@ class ViTPyramid(nn.Module):
         and ``prune_intermediate_layers``; blocks after the last one used, its final norm and its classifier are
         removed (they would get no gradient, which DistributedDataParallel rejects).
     feature_blocks: backbone block(s) feeding the pyramid (see ``_resolve_feature_blocks``); [] = 4 evenly spaced.
+    pyramid: False: no neck; one level, the raw maps of ``feature_blocks`` (default: the last block) concatenated
+        (``BlockMaps``), for heads that read the blocks themselves (the linear probe).
     """
 
-    def __init__(self, backbone: nn.Module, neck_dim: int = 128, feature_blocks: Sequence[int] = ()) -> None:
+    def __init__(self, backbone: nn.Module, neck_dim: int = 128, feature_blocks: Sequence[int] = (),
+                 pyramid: bool = True) -> None:
         super().__init__()
-        self.level_blocks = _resolve_feature_blocks(feature_blocks, len(backbone.blocks))
+        depth = len(backbone.blocks)
+        if pyramid:
+            self.level_blocks = _resolve_feature_blocks(feature_blocks, depth)
+            self.level_inputs = [[block] for block in self.level_blocks]
+        else:
+            self.level_blocks = _resolve_map_blocks(feature_blocks, depth)
+            self.level_inputs = [list(self.level_blocks)]
         self.take_blocks = sorted(set(self.level_blocks))
         backbone.prune_intermediate_layers(self.take_blocks, prune_norm=True, prune_head=True)
         self.backbone = backbone
-        self.neck = SimpleFeaturePyramid(backbone.embed_dim, neck_dim)
+        self.neck = SimpleFeaturePyramid(backbone.embed_dim, neck_dim) if pyramid else BlockMaps()
+
+    def freeze_backbone(self) -> None:
+        """Keep the backbone's weights as they are and the backbone in eval mode (no dropout, drop path or
+        statistics updates) whatever ``train()`` says: only the neck and the head train."""
+        self.backbone.requires_grad_(False)
+        self.backbone_frozen = True
+        self.backbone.eval()
+
+    def train(self, mode: bool = True) -> 'ViTPyramid':
+        super().train(mode)
+        if getattr(self, 'backbone_frozen', False):
+            self.backbone.eval()
+        return self
+
+    @property
+    def level_dim(self) -> int:
+        """Channels of the levels the head reads."""
+        if isinstance(self.neck, BlockMaps):
+            return self.backbone.embed_dim * len(self.level_blocks)
+        return self.neck.projections[0][0].out_channels
+
+    @property
+    def level_scales(self) -> Sequence[float]:
+        """Each level's scale relative to the patch stride, finest first (4, 2, 1, 1/2; or 1 without the neck)."""
+        return self.neck.scales
+
+    def level(self, index: int, maps: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """Level ``index`` from the backbone maps by block (each [B, C, h, w]; rows of the same span)."""
+        return self.neck.level(index, [maps[block] for block in self.level_inputs[index]])
 
     @property
     def patch_embed(self) -> nn.Module:
@@ -177,33 +209,35 @@ class ViTPyramid(nn.Module):
 
     @property
     def strides(self) -> List[float]:
-        """The levels' strides in pixels, finest first: p/4, p/2, p, 2p."""
-        return pyramid_strides(self.input_multiple)
+        """The levels' strides in pixels, finest first: p/4, p/2, p, 2p (p without the neck)."""
+        return [self.input_multiple / scale for scale in self.level_scales]
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.backbone.set_grad_checkpointing(enable)
 
     def forward_features(self, images: torch.Tensor) -> List[torch.Tensor]:
-        """The pyramid: 4 maps [B, neck_dim, H/s, W/s], strides p/4, p/2, p, 2p."""
+        """The levels: 4 maps [B, neck_dim, H/s, W/s], strides p/4, p/2, p, 2p (one map at stride p without the
+        neck)."""
         taken = self.backbone.forward_intermediates(images, indices=self.take_blocks, norm=False, output_fmt='NCHW',
                                                     intermediates_only=True)
         by_block = dict(zip(self.take_blocks, taken))
-        return self.neck([by_block[block] for block in self.level_blocks])
+        return [self.level(index, by_block) for index in range(len(self.level_inputs))]
 
 
 class SegmentationModel(ViTPyramid):
     """images [B, 3, H, W] -> logits [B, num_classes, H, W], for H and W that the backbone's patch size divides: the
-    pyramid of ``ViTPyramid`` and a decoder head (``SEG_HEADS``)."""
+    levels of ``ViTPyramid`` (its pyramid, or the blocks' raw maps for a head whose ``pyramid`` is False) and a
+    decoder head (``SEG_HEADS``: mlp, upernet, dpt, linear)."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, head: str = 'mlp', neck_dim: int = 128,
                  head_dim: int = 128, feature_blocks: Sequence[int] = ()) -> None:
         head_class = SEG_HEADS.get(head)  # an unknown name: ValueError naming the known heads
         if num_classes < 1:
             raise ValueError(f"a segmentation model needs num_classes >= 1, got {num_classes}")
-        super().__init__(backbone, neck_dim, feature_blocks)
+        super().__init__(backbone, neck_dim, feature_blocks, pyramid=head_class.pyramid)
         self.num_classes = num_classes
-        self.head = head_class(neck_dim, head_dim, num_classes)
+        self.head = head_class(self.level_dim, head_dim, num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.forward_features(images))

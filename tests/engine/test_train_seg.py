@@ -73,6 +73,41 @@ def test_a_short_seg_run_writes_metrics_pictures_and_weights(seg_config):
     model.load_state_dict(load_file(os.path.join(run, 'model.safetensors')))
 
 
+@pytest.mark.parametrize('head', ['upernet', 'dpt', 'linear'])
+def test_every_head_trains_and_its_weights_reload_from_the_config(seg_config, head):
+    cfg = seg_config(f'seg.head={head}', 'seg.head_dim=24', 'train.max_steps=2')
+    metrics = train(cfg)
+    _assert_seg_metrics(metrics, ['background', 'red-key', 'blue-key'])
+    weights = load_file(os.path.join(cfg.output_dir, 'model.safetensors'))
+    model = create_segmentation_model(cfg.model, cfg.seg, num_classes=3, img_size=32)
+    model.load_state_dict(weights)  # the saved config builds the same head
+    assert type(model.head).__name__.lower().startswith(head) and weights['head.classifier.weight'].shape[0] == 3
+    if head != 'linear':  # seg.head_dim sets the head's width; the linear probe has none
+        assert weights['head.classifier.weight'].shape[1] == 24
+
+
+def test_a_frozen_backbone_keeps_its_weights_and_only_the_head_trains(seg_config, monkeypatch):
+    from linvit.engine.tasks.segmentation import SegmentationTask
+    built = {}
+    build = SegmentationTask.build_model
+
+    def keep_initial(self, num_classes):
+        model = build(self, num_classes)
+        built.update({k: v.clone() for k, v in model.state_dict().items()})
+        return model
+
+    monkeypatch.setattr(SegmentationTask, 'build_model', keep_initial)
+    cfg = seg_config('seg.head=linear', 'model.freeze_backbone=true', 'model.drop_path_rate=0.1',
+                     'train.max_steps=2')
+    train(cfg)
+    trained = load_file(os.path.join(cfg.output_dir, 'model.safetensors'))
+    changed = sorted(k for k in trained if not torch.equal(trained[k], built[k]))
+    assert changed and all(k.startswith('head.') for k in changed), changed
+    assert {'head.classifier.weight', 'head.norm.running_mean'} <= set(changed)
+    with pytest.raises(ValueError, match='model.freeze_backbone=true: task=classification trains its model whole'):
+        train(load_config(None, [*TINY_MODEL, 'model.freeze_backbone=true', f'output_dir={cfg.output_dir}x']))
+
+
 def test_eval_only_reproduces_the_final_metrics_and_slide_mode_runs(seg_config, tmp_path):
     cfg = seg_config()
     metrics = train(cfg)

@@ -10,7 +10,6 @@ import linvit
 from linvit.inference import whole_inference
 from linvit.models import (
     SegmentationModel,
-    bounded,
     bounded_forward_features,
     bounded_forward_intermediates,
     bounded_segment,
@@ -149,26 +148,6 @@ def test_class_ids_are_the_argmax_of_the_plain_logits():
     top2 = plain.topk(2, dim=1).values
     disagree = classes.long() != plain.argmax(1)
     assert not disagree.any() or bool(((top2[:, 0] - top2[:, 1])[disagree] < 1e-5).all())  # only exact ties
-
-
-@pytest.mark.parametrize('level, halo', [(0, 0), (1, 0), (2, 1), (3, 4)])
-def test_each_level_halo_is_the_smallest_exact_one(monkeypatch, level, halo):
-    """The halos are what make tiles exact, and none is larger than it must be: one patch row less at stride p/4 or
-    p/2 (two at stride 2p, whose rows pair) reads rows the tile lacks, or rows its convolution got wrong (the grid
-    has 17 rows, so the coarsest level is stretched by max pooling's dropped row)."""
-    model = _seg_model(8)
-    images = torch.randn(1, 3, 136, 64)
-    with torch.no_grad():
-        plain = whole_inference(model, images, pad_multiple=8)
-    halos = list(bounded.HEAD_HALOS)
-    halos[level] = halo
-    monkeypatch.setattr(bounded, 'HEAD_HALOS', tuple(halos))
-    try:
-        got = _bounded_logits(model, images, 4)
-    except RuntimeError as error:
-        assert 'halo is too small' in str(error)
-        return
-    assert rel_err(got, plain) > 1e-4
 
 
 def test_bounded_segmentation_refuses_in_one_line():

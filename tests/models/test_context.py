@@ -1,6 +1,7 @@
 """Context parallelism (linvit.models.context) against the one-process model: the outputs, the loss and every
 parameter gradient of a training step, on 1, 2 and 4 gloo processes, for classification (class token and mean pool,
-register tokens, local mix) and segmentation, with patch rows that do not divide over the ranks."""
+register tokens, local mix) and segmentation (the MLP head, and UPerNet, whose global pooling sums over the ranks),
+with patch rows that do not divide over the ranks."""
 import pytest
 import timm
 import torch
@@ -30,23 +31,27 @@ def _backbone(**kwargs) -> torch.nn.Module:
     return model
 
 
-def _segmenter() -> SegmentationModel:
+SEG_CASES = {'segmentation': 'mlp', 'upernet': 'upernet'}
+
+
+def _segmenter(head: str) -> SegmentationModel:
     backbone = _backbone(local_mix=True, num_classes=0)
     torch.manual_seed(1)
-    model = SegmentationModel(backbone, num_classes=4, neck_dim=16, head_dim=16, feature_blocks=[0, 1, 2, 2])
+    model = SegmentationModel(backbone, num_classes=4, head=head, neck_dim=16, head_dim=16,
+                              feature_blocks=[0, 1, 2, 2])
     model.head.dropout.p = 0.0  # a random channel mask would make the step depend on the RNG's position
     return model
 
 
 def _model(case: str) -> torch.nn.Module:
-    return _segmenter() if case == 'segmentation' else _backbone(**CLS_CASES[case])
+    return _segmenter(SEG_CASES[case]) if case in SEG_CASES else _backbone(**CLS_CASES[case])
 
 
 def _batch(case: str, rows: int):
     """Images with ``rows`` patch rows (8 px each) and their targets."""
     generator = torch.Generator().manual_seed(3)
     images = torch.randn(2, 3, rows * 8, 48, generator=generator)
-    if case == 'segmentation':
+    if case in SEG_CASES:
         targets = torch.randint(0, 4, (2, rows * 8, 48), generator=generator)
         targets[0, :5] = 255  # unlabelled pixels count in no rank's loss
         return images, targets
@@ -68,7 +73,7 @@ def _context_step(rank: int, case: str, rows: int):
     images, targets = _batch(case, rows)
     cp = ContextParallel(model, RowShards(dist.group.WORLD))
     logits = cp(images)
-    if case == 'segmentation':  # this rank's pixels' share of the mean over all labelled pixels
+    if case in SEG_CASES:  # this rank's pixels' share of the mean over all labelled pixels
         y0, y1 = cp.pixel_rows(images)
         labelled = (targets != 255).sum()
         loss = F.cross_entropy(logits, targets[:, y0:y1], ignore_index=255, reduction='sum') / labelled
@@ -84,8 +89,9 @@ def _sum(results):
     return loss, {name: sum(r[1][name] for r in results if name in r[1]) for name in names}
 
 
-@pytest.mark.parametrize('world_size, rows', [(2, 5), (4, 7)])
-@pytest.mark.parametrize('case', [*CLS_CASES, 'segmentation'])
+@pytest.mark.parametrize('case, world_size, rows', [
+    *((case, world_size, rows) for case in [*CLS_CASES, 'segmentation'] for world_size, rows in [(2, 5), (4, 7)]),
+    ('upernet', 3, 7)])
 def test_a_context_parallel_step_equals_the_one_process_step(tmp_path, case, world_size, rows):
     want_loss, want_grads = _one_process_step(case, rows)
     got_loss, got_grads = _sum(run_ranks(tmp_path, _context_step, case, rows, world_size=world_size))
@@ -95,7 +101,7 @@ def test_a_context_parallel_step_equals_the_one_process_step(tmp_path, case, wor
         assert rel_err(got_grads[name], grad) < 1e-5, name
 
 
-@pytest.mark.parametrize('case', [*CLS_CASES, 'segmentation'])
+@pytest.mark.parametrize('case', [*CLS_CASES, *SEG_CASES])
 def test_one_context_rank_is_the_plain_forward(case):
     model = _model(case).eval()
     images, _ = _batch(case, 6)

@@ -77,10 +77,16 @@ class Task:
     #: whether data.img_size may be [height, width] (non-square images); a task that takes one side refuses a pair
     #: when it is built (``check_square_size``)
     non_square: bool = False
+    #: whether its model has a backbone and a head apart, so that ``model.freeze_backbone=true`` trains the head only
+    frozen_backbone: bool = False
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.check_square_size()
+        if cfg.model.get('freeze_backbone', False) and not self.frozen_backbone:
+            takers = ', '.join(name for name, task in TASKS.items() if task.frozen_backbone)
+            raise ConfigError(f"model.freeze_backbone=true: task={self.name} trains its model whole; a frozen "
+                              f"backbone with a trained head is for task={takers}")
 
     def check_square_size(self) -> None:
         """ConfigError for a non-square data.img_size [height, width] when the task takes one side only."""

@@ -101,7 +101,7 @@ def create_segmentation_model(model_cfg: DictConfig, seg_cfg: DictConfig, num_cl
     """A SegmentationModel from the run config: ``model.*`` makes the backbone (any timm ViT, linvit_* included,
     created at ``img_size`` with ``dynamic_img_size=True`` and no classifier; ``model.pretrained_file`` loads
     classification weights into it, ``model.pretrained`` timm's weights of model.name), ``seg.*`` chooses the
-    pyramid's blocks and width and the head."""
+    pyramid's blocks and width and the head; ``model.freeze_backbone`` keeps the backbone as loaded."""
     not_a_vit = (f"model.name={model_cfg.name!r} is not a plain ViT (patch_embed, blocks, forward_intermediates, "
                  f"dynamic_img_size); segmentation takes linvit_* or timm's vit_* backbones")
     try:
@@ -113,8 +113,11 @@ def create_segmentation_model(model_cfg: DictConfig, seg_cfg: DictConfig, num_cl
         raise
     if not all(hasattr(backbone, a) for a in ('forward_intermediates', 'blocks', 'patch_embed')):
         raise ValueError(not_a_vit)
-    return SegmentationModel(backbone, num_classes, head=seg_cfg.head, neck_dim=seg_cfg.neck_dim,
-                             head_dim=seg_cfg.head_dim, feature_blocks=list(seg_cfg.feature_blocks))
+    model = SegmentationModel(backbone, num_classes, head=seg_cfg.head, neck_dim=seg_cfg.neck_dim,
+                              head_dim=seg_cfg.head_dim, feature_blocks=list(seg_cfg.feature_blocks))
+    if model_cfg.get('freeze_backbone', False):
+        model.freeze_backbone()
+    return model
 
 
 @register_task
@@ -125,6 +128,7 @@ class SegmentationTask(Task):
     architecture_keys = ('seg.head', 'seg.neck_dim', 'seg.head_dim', 'seg.feature_blocks')
     classifier_key = 'head.classifier.weight'
     logits_rank = 4
+    frozen_backbone = True
 
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
