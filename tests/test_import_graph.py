@@ -287,5 +287,5 @@ def test_engine_lists_its_tasks_right_after_import():
     """A fresh interpreter: importing linvit.engine alone registers every built-in task (other tests import more)."""
     code = 'import linvit.engine as e; print(sorted(e.TASKS)); print(sorted(t.name for t in e.TASKS.values()))'
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.split('\n')
-    expected = str(['autoregressive', 'classification', 'detection', 'linearize', 'segmentation'])
+    expected = str(['autoregressive', 'classification', 'depth', 'detection', 'linearize', 'segmentation'])
     assert out[0] == expected and out[1] == expected

@@ -92,9 +92,10 @@ def test_a_task_s_config_section_joins_every_run_config():
 
 
 def test_the_shipped_tasks_and_their_sections():
-    assert sorted(list_tasks()) == ['autoregressive', 'classification', 'detection', 'linearize', 'segmentation']
+    assert sorted(list_tasks()) == ['autoregressive', 'classification', 'depth', 'detection', 'linearize',
+                                   'segmentation']
     sections = CONFIG_SECTIONS.names()  # the engine's own first, then the tasks' in the order they are imported
-    assert sections[0] == 'parallel' and sorted(sections[1:]) == ['detection', 'linearize', 'seg']
+    assert sections[0] == 'parallel' and sorted(sections[1:]) == ['depth', 'detection', 'linearize', 'seg']
 
 
 def test_the_shipped_heads_block_types_and_data_builders():

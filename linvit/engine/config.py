@@ -96,6 +96,9 @@ class DataConfig:
     img_size: Any = 224
     ignore_index: int = 255  # seg: mask value that no loss or metric counts
     num_classes: Optional[int] = None  # seg folders without classes.txt: the class count (ids 0..num_classes-1)
+    # depth: stored value x depth_scale = metres (null: 0.001 for 16-bit PNG, i.e. millimetres; 1.0 for float files)
+    depth_scale: Optional[float] = None
+    max_depth: Optional[float] = None  # depth: pixels beyond it (metres) count in no loss or metric, as KITTI's cap
     batch_size: int = 32  # per process
     eval_batch_size: Optional[int] = None  # default: batch_size
     num_workers: int = 2

@@ -569,6 +569,69 @@ def plot_segmentation_grid(images: Union[torch.Tensor, Sequence[torch.Tensor]], 
     return [label for label, _ in entries]
 
 
+# --- depth -------------------------------------------------------------------------------------------------------
+
+#: one colour map for ground truth and prediction (near: bright, far: dark, as depth papers draw them), and the
+#: relative error's (0: white)
+_DEPTH_CMAP = 'magma_r'
+_ERROR_CMAP = 'Reds'
+
+
+def depth_colour_range(truth: np.ndarray) -> Tuple[float, float]:
+    """(vmin, vmax) of a row's colour map: the 2nd and 98th percentiles of the ground truth's valid (finite, > 0)
+    pixels, so that a few outliers do not wash the map out; (1, 2) without any."""
+    valid = truth[np.isfinite(truth) & (truth > 0)]
+    if valid.size == 0:
+        return 1.0, 2.0
+    low, high = np.percentile(valid, [2, 98])
+    return float(low), float(max(high, low + 1e-6))
+
+
+def plot_depth_grid(images: Sequence[torch.Tensor], mean: Sequence[float], std: Sequence[float],
+                    truths: Sequence[Union[np.ndarray, torch.Tensor]],
+                    predictions: Sequence[Union[np.ndarray, torch.Tensor]], png_path: os.PathLike,
+                    label: str = 'depth', max_images: int = 4) -> None:
+    """Draw the first ``max_images`` images with their depth maps into ``png_path`` (atomically): per row the image |
+    the ground truth | the prediction | the relative error |prediction - truth| / truth, ground truth and prediction
+    in one colour map over the ground truth's range (``depth_colour_range``, log scale), titled with the row's
+    AbsRel.
+
+    images: [C, H, W] tensors normalised as (x - mean) / std; truths: [H, W] with NaN where the pixel is invalid
+    (drawn white); predictions: [H, W], each its image's size; label: what the maps hold ('depth', 'disparity')."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    count = min(len(images), max_images)
+    fig = Figure(figsize=(4 * 2.6, 0.5 + 2.6 * max(count, 1)), layout='constrained')
+    axes = fig.subplots(max(count, 1), 4, squeeze=False)
+    for ax in axes.ravel():
+        ax.set_axis_off()
+    for row in range(count):
+        truth = _as_numpy(truths[row]).astype(np.float64)
+        predicted = _as_numpy(predictions[row]).astype(np.float64)
+        if truth.shape != tuple(images[row].shape[-2:]) or predicted.shape != truth.shape:
+            raise ValueError(f'image {row} is {tuple(images[row].shape[-2:])} but its depth maps are {truth.shape} '
+                             f'(truth) and {predicted.shape} (prediction)')
+        size = _display_size(*truth.shape)
+        low, high = depth_colour_range(truth)
+        error = np.abs(predicted - truth) / truth
+        # on a log scale: near pixels, which most images are full of, get most of the colours
+        span = np.log(high) - np.log(low)
+        colours = [colormaps[_DEPTH_CMAP]((np.log(np.clip(m, low, high)) - np.log(low)) / span)
+                   for m in (truth, predicted)]
+        colours.append(colormaps[_ERROR_CMAP](np.clip(np.nan_to_num(error, nan=0.0), 0, 1)))
+        for colour, source in zip(colours, (truth, predicted, error)):
+            colour[~np.isfinite(source)] = 1.0  # invalid ground truth: white
+        abs_rel = float(np.nanmean(error)) if np.isfinite(error).any() else math.nan
+        _show_panel(axes[row, 0], np.clip(_display_image(images[row], mean, std, size), 0, 1), 'image')
+        _show_panel(axes[row, 1], _shrink_mask(colours[0], size), f'ground truth ({low:.3g}-{high:.3g})')
+        _show_panel(axes[row, 2], _shrink_mask(colours[1], size), f'prediction ({label})')
+        _show_panel(axes[row, 3], _shrink_mask(colours[2], size), f'relative error (AbsRel {abs_rel:.3f})')
+    if count == 0:
+        axes[0, 1].text(0.5, 0.5, 'no images', ha='center', va='center')
+    _save_png(fig, png_path, dpi=100)
+
+
 # --- confusion matrix --------------------------------------------------------------------------------------------
 
 #: counts are written into the cells up to this many classes, class names on the axes up to _NAMED_UP_TO
