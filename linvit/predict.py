@@ -125,7 +125,8 @@ def torch_predictor(path: str, device: str = 'cpu') -> Predictor:
     trained = load_trained(path, device=device)
     task = TASKS.get(trained.task)
     if task.not_predicted:
-        names = [name for name, other in TASKS.items() if other.logits_rank or other.predicts_boxes]
+        names = [name for name, other in TASKS.items()
+                 if (other.logits_rank or other.predicts_boxes) and not other.not_predicted]
         predicted = ' and '.join([', '.join(names[:-1]), names[-1]] if len(names) > 1 else names)
         raise ValueError(f"{path} is a task={trained.task!r} run; predict.py takes {predicted} runs "
                          f"({task.not_predicted})")

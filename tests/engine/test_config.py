@@ -100,7 +100,7 @@ def test_saved_yaml_round_trips_and_is_read_only():
 def test_every_shipped_config_resolves(name):
     cfg = load_config(os.path.join(CONFIGS, name), ['data.root=/data/x', 'linearize.teacher=runs/x'])
     expected_task = {'cls': 'classification', 'seg': 'segmentation', 'ar': 'autoregressive',
-                     'linearize': 'linearize', 'det': 'detection'}[name.split('_')[0]]
+                     'linearize': 'linearize', 'det': 'detection', 'depth': 'depth'}[name.split('_')[0]]
     assert cfg.task == expected_task
     assert cfg.output_dir == f"runs/{name[:-len('.yaml')]}"  # the run directory is named after the config
 

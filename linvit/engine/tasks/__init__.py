@@ -13,7 +13,7 @@ its test.
 import importlib
 import pkgutil
 
-from . import autoregressive, classification, depth, detection, linearize, segmentation
+from . import autoregressive, classification, detection, linearize, segmentation
 from .base import (
     TASKS,
     Stage,
@@ -30,7 +30,7 @@ from .base import (
 
 __all__ = ['Task', 'Stage', 'StagedRun', 'TASKS', 'register_task', 'list_tasks', 'build_task', 'architecture_keys',
            'task_of_logits', 'create_model_from_config', 'normalization_of', 'classification', 'segmentation',
-           'autoregressive', 'linearize', 'detection', 'depth']
+           'autoregressive', 'linearize', 'detection']
 
 
 def _import_every_task_module() -> None:

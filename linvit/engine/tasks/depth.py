@@ -74,6 +74,8 @@ class DepthTask(SegmentationTask):
     name = 'depth'
     main_metric = 'delta1'
     metric_columns = ('abs_rel', 'rmse', 'delta1')
+    # values, not labels: no per-pixel cross-entropy for context parallelism, no class ids for prediction
+    logits_rank = 0
     not_predicted = ("tools/predict.py does not write depth maps yet; evaluate a depth run with train.py --eval-only "
                      "RUN/best.pt")
 
