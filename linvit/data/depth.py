@@ -47,7 +47,7 @@ from PIL import Image
 from ..registry import Registry
 from .base import DataError, KeyedSegDataset, LayoutError, image_size
 from .folder import list_images, load_rgb, readable_extensions, too_many_bad
-from .segmentation import SegFolderDataset, _upright_size, decode_mask
+from .segmentation import SegFolderDataset, _upright_size, check_unique_targets, decode_mask
 from .synthetic_depth import DEPTH_CLASS_NAMES, INVALID_DEPTH, SyntheticGroundDepth
 from .transforms import _seg_train_steps
 
@@ -213,7 +213,7 @@ def pair_images_with_depths(split_dir: Path) -> tuple[list[str], list[str]]:
         raise FileNotFoundError(f"image {missing[0][0]} has no depth map: expected {expected}.png (or .tif, .tiff, "
                                 f".npy){more}; every image needs a depth map with the same relative path under "
                                 f"{depths_dir}")
-    _check_unique_depths(images, depths)
+    check_unique_targets(images, depths, kind='depth map')
     orphans = sorted({path for found in by_stem.values() for path in found} - set(depths))
     if orphans:
         _logger.warning("%d depth maps under %s have no image (e.g. %s); they are not used", len(orphans),
@@ -240,16 +240,6 @@ def _the_depth_of(image: str, images_dir: Path, depths_dir: Path, by_stem: dict[
     if len(found) > 1:
         raise DataError(f"image {image} has {len(found)} depth maps, {' and '.join(found)}; keep one")
     return found[0] if found else None
-
-
-def _check_unique_depths(images: Sequence[str], depths: Sequence[str]) -> None:
-    """a.jpg and a.png would share depths/a.npy: refuse rather than guess which one it measures."""
-    owner: dict[str, str] = {}
-    for image, depth in zip(images, depths):
-        if depth in owner:
-            raise DataError(f"images {owner[depth]} and {image} would share the depth map {depth}; give them "
-                            f"different names")
-        owner[depth] = image
 
 
 class DepthFolderDataset(KeyedSegDataset):

@@ -175,7 +175,7 @@ def pair_images_with_masks(split_dir: Path) -> tuple[list[str], list[str]]:
         raise DataError(f"no images under {images_dir} (looked for files PIL opens: "
                         f"{', '.join(sorted(extensions)[:12])}, ...)")
     masks = [_expected_mask(images_dir, masks_dir, image) for image in images]
-    _check_unique_masks(images, masks)
+    check_unique_targets(images, masks)
     existing = set(list_images(masks_dir, frozenset({MASK_EXTENSION})))
     missing = [(image, mask) for image, mask in zip(images, masks) if mask not in existing]
     if missing:
@@ -194,14 +194,15 @@ def _expected_mask(images_dir: Path, masks_dir: Path, image: str) -> str:
     return os.path.join(masks_dir, relative.with_suffix(MASK_EXTENSION))
 
 
-def _check_unique_masks(images: Sequence[str], masks: Sequence[str]) -> None:
-    """a.jpg and a.png would share masks/a.png: refuse rather than guess which one it labels."""
+def check_unique_targets(images: Sequence[str], targets: Sequence[str], kind: str = 'mask') -> None:
+    """a.jpg and a.png would share masks/a.png (or depths/a.npy, ``kind='depth map'``): refuse rather than guess
+    which image the file belongs to."""
     owner: dict[str, str] = {}
-    for image, mask in zip(images, masks):
-        if mask in owner:
-            raise DataError(f"images {owner[mask]} and {image} would share the mask {mask}; give them different "
-                            f"names")
-        owner[mask] = image
+    for image, target in zip(images, targets):
+        if target in owner:
+            raise DataError(f"images {owner[target]} and {image} would share the {kind} {target}; give them "
+                            f"different names")
+        owner[target] = image
 
 
 class SegFolderDataset(KeyedSegDataset):
