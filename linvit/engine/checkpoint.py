@@ -30,6 +30,8 @@ import os
 import pickle
 import random
 import re
+import signal
+import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -167,8 +169,28 @@ def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> None:
     if not isinstance(state, dict):
         raise TypeError(f'save_checkpoint: state must be a dict, got {type(state).__name__}')
     _check_weights_only_loadable(state)
-    with atomic_write(path) as f:
+    with _ctrl_c_held(), atomic_write(path) as f:
         torch.save(state, f)
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """SIGINT (Ctrl-C) waits until the block is done, then arrives as usual. A KeyboardInterrupt raised inside
+    torch.save's zip writer turns into its RuntimeError ("unexpected pos"), a traceback instead of train.py's
+    one-line interrupt; held, the checkpoint is written whole and the interrupt follows. The handler is swapped
+    rather than the signal masked: any of torch's threads may receive a process's signal. Python's handlers belong
+    to the main thread, so elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)  # now, to the handler that was there before
 
 
 def load_checkpoint(path: PathLike, map_location: Any = 'cpu') -> Dict[str, Any]:

@@ -454,3 +454,22 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one(tmp_path):
     with pytest.raises(TypeError, match='numpy'):
         broken.save(path)
     assert Checkpoint.load(path).scheduler == {'last_epoch': 7} and files_in(tmp_path) == ['last.pt']
+
+
+def test_ctrl_c_during_a_checkpoint_write_waits_for_the_whole_file(tmp_path, monkeypatch):
+    """A SIGINT that arrives while torch.save writes is delivered after the file is complete and in place, as the
+    KeyboardInterrupt train.py turns into its one line (before: torch.save's RuntimeError and a traceback)."""
+    import os
+    import signal
+    path = tmp_path / 'last.pt'
+    real_save = torch.save
+
+    def save_interrupted(state, f):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the write
+        real_save(state, f)
+
+    monkeypatch.setattr(torch, 'save', save_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {'step': 7, 'weights': torch.arange(4.0)})
+    loaded = load_checkpoint(path)
+    assert loaded['step'] == 7 and torch.equal(loaded['weights'], torch.arange(4.0))
