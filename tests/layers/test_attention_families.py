@@ -96,17 +96,17 @@ def _model(family, **kwargs):
     return timm.create_model('linvit_tiny_patch16_224', **options)
 
 
-#: a family's own options and ONNX check sizes where the default ones miss its export's risk: the bidirectional scan
-#: runs over chunks of 64 tokens, and a graph specialised to the export size's chunk count (1 + 16 tokens: 2 chunks)
-#: would fail 1 + 320 (6 chunks) and a padded 1 + 225 (4 chunks); its data-dependent gate is traced too
-EXPORT_CASES = {'bidirectional': (dict(attn_options=dict(data_gate=True)), [(32, 32), (128, 160), (199, 65)])}
+#: a family's own options where the defaults miss its risk: the bidirectional scan's data-dependent gate
+FAMILY_OPTIONS = {'bidirectional': dict(attn_options=dict(data_gate=True))}
+#: ONNX check sizes: the bidirectional scan runs over chunks of 64 tokens, and a graph specialised to the export
+#: size's chunk count (1 + 16 tokens: 2 chunks) would fail 1 + 320 (6 chunks) and a padded 1 + 225 (4 chunks)
+EXPORT_CHECK_SIZES = [(32, 32), (128, 160), (199, 65)]
 
 
 @pytest.mark.compiler
 @pytest.mark.parametrize('family', FAMILIES)
-def test_every_family_builds_trains_compiles_and_exports(family, tmp_path):
-    options, check_sizes = EXPORT_CASES.get(family, ({}, None))
-    model = _model(family, **options)
+def test_every_family_builds_trains_and_compiles(family):
+    model = _model(family, **FAMILY_OPTIONS.get(family, {}))
     assert isinstance(model.blocks[0].attn, ATTENTION_FAMILIES[family])
     images = torch.randn(2, 3, 32, 40)
     loss = F.cross_entropy(model(images), torch.tensor([1, 3]))
@@ -119,12 +119,21 @@ def test_every_family_builds_trains_compiles_and_exports(family, tmp_path):
                                            torch.tensor([1, 3]))):
         assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
     torch._dynamo.reset()
-    from linvit.export import export_onnx
+
+
+@pytest.mark.compiler
+def test_a_model_with_a_block_of_every_family_exports_with_onnxruntime_parity(tmp_path):
+    """One export (each costs seconds of tracing) of a model whose block i is family i, local mixing on."""
+    model = _model(FAMILIES[0], depth=len(FAMILIES) + 1, softmax_blocks=(len(FAMILIES),))
+    for block, family in zip(model.blocks, FAMILIES):
+        block.attn = _model(family, **FAMILY_OPTIONS.get(family, {})).blocks[0].attn
+    assert all(isinstance(block.attn, ATTENTION_FAMILIES[f]) for block, f in zip(model.blocks, FAMILIES))
     with torch.no_grad():  # every zero-initialised tensor (local mixing) takes part
         for block in model.blocks:
             if getattr(block.attn, 'local_mix', None) is not None:
                 block.attn.local_mix.conv.weight.normal_(0, 0.05)
-    report = export_onnx(model.eval(), tmp_path / f'{family}.onnx', img_size=32, check_sizes=check_sizes)
+    from linvit.export import export_onnx
+    report = export_onnx(model.eval(), tmp_path / 'families.onnx', img_size=32, check_sizes=EXPORT_CHECK_SIZES)
     assert report.ok and len(report.checks) == 3
 
 
