@@ -1,4 +1,4 @@
-"""Huge image files in and out: images read lazily in bands of rows, class maps written as tiled BigTIFF.
+"""Huge image files in and out: images read lazily in bands of rows, class and value maps written as tiled BigTIFF.
 
 Usage (prediction of an image far larger than memory)::
 
@@ -44,12 +44,14 @@ Reading (``open_image``; the file's content decides, not its extension):
   formats only GDAL/rasterio reads (JPEG 2000 with GeoJP2 boxes, ERDAS .img, ...) are not supported; PIL still
   reads a .jp2 without its georeferencing.
 
-Writing (``ClassMapWriter``): class ids, uint8 up to 256 classes and uint16 above, as a tiled (tile x tile),
-zlib-compressed BigTIFF (always BigTIFF: every current reader takes it, and a map's final size is not known to be
-under 4 GB before it is compressed), written as the rows arrive, strictly top to bottom, holding one row of tiles
-at a time (the tiles are compressed on a thread). A nearest-neighbour preview (longer side <= ``preview_side``)
-is gathered on the way; ``write_preview_png`` colours it, ``write_overlay_png`` lays it over the image, which it
-reads band by band and box-averages to the preview's size.
+Writing (``MapWriter``: ``ClassMapWriter`` for class ids, uint8 up to 256 classes and uint16 above;
+``ValueMapWriter`` for float32 values such as depth): a tiled (tile x tile), zlib-compressed BigTIFF (always
+BigTIFF: every current reader takes it, and a map's final size is not known to be under 4 GB before it is
+compressed), written as the rows arrive, strictly top to bottom, holding one row of tiles at a time (the tiles are
+compressed on a thread), with a GeoTIFF's georeferencing and the level's downsample. A nearest-neighbour preview
+(``NearestPreview``, longer side <= ``preview_side``) is gathered on the way; ``write_preview_png`` colours a class
+map's, ``write_overlay_png`` lays it over the image, which it reads band by band and box-averages to the preview's
+size.
 
 Errors are one line naming the file: ``ValueError`` for a file that cannot be read or written as asked,
 ``ImportError`` for a missing optional library (naming the pip command). A file that opens but fails while its rows
@@ -70,8 +72,8 @@ from PIL import Image, ImageOps
 
 from .folder import composite_on_black, load_rgb, readable_extensions, to_rgb_array, to_uint8
 
-__all__ = ['ImageSource', 'ImageReadError', 'open_image', 'large_image_extensions', 'ClassMapWriter',
-           'GeoReference', 'write_preview_png', 'write_overlay_png']
+__all__ = ['ImageSource', 'ImageReadError', 'open_image', 'large_image_extensions', 'MapWriter', 'ClassMapWriter',
+           'ValueMapWriter', 'NearestPreview', 'GeoReference', 'write_preview_png', 'write_overlay_png']
 
 _logger = logging.getLogger(__name__)
 
@@ -581,7 +583,7 @@ class _OpenSlideSource(ImageSource):
         self._slide.close()
 
 
-# ---------------------------------------------------------------------------------------------------- class maps
+# ---------------------------------------------------------------------------------------------------- maps
 
 def _preview_indices(size: int, preview: int) -> np.ndarray:
     """Nearest source index (pixel centres) of each of ``preview`` samples over ``size``."""
@@ -595,17 +597,34 @@ def _preview_shape(height: int, width: int, side: int) -> tuple[int, int]:
     return max(1, min(side, round(height * scale))), max(1, min(side, round(width * scale)))
 
 
+class NearestPreview:
+    """A map of ``height`` x ``width`` sampled to a longer side <= ``side`` (nearest, the pixel under each sample's
+    centre) as its rows arrive, so that the whole map never needs to exist: ``add(y0, rows)`` keeps the samples of
+    rows [n, width] y0 .. y0 + n - 1, ``image`` [ph, pw] of ``dtype`` holds them (zeros where no row was added)."""
+
+    def __init__(self, height: int, width: int, dtype: np.dtype, side: int = 1024):
+        ph, pw = _preview_shape(height, width, side)
+        self._rows, self._cols = _preview_indices(height, ph), _preview_indices(width, pw)
+        self.image = np.zeros((ph, pw), dtype=dtype)
+
+    def add(self, y0: int, rows: np.ndarray) -> None:
+        picked = np.nonzero((self._rows >= y0) & (self._rows < y0 + rows.shape[0]))[0]
+        if picked.size:
+            self.image[picked] = rows[self._rows[picked] - y0][:, self._cols]
+
+
 class _Abort(Exception):
     pass
 
 
-class ClassMapWriter:
-    """A class map written as a tiled, zlib-compressed BigTIFF, rows strictly top to bottom, in bounded memory.
+class MapWriter:
+    """A map of one sample per pixel written as a tiled, zlib-compressed BigTIFF, rows strictly top to bottom, in
+    bounded memory: what ``ClassMapWriter`` (class ids) and ``ValueMapWriter`` (float32 values: depth) share.
 
     Args:
         path: the .tif to write (overwritten).
         height, width: the map's size.
-        num_classes: class ids are 0 .. num_classes - 1; stored as uint8 up to 256 classes, else uint16 (<= 65536).
+        dtype: the stored sample type; ``description``: the file's ImageDescription (', downsample D' is added).
         tile: the TIFF tile side (a multiple of 16, as TIFF requires).
         georef: ``source.georef`` of a GeoTIFF input; written scaled to this map's size.
         downsample: ``source.downsample`` of the level the map was predicted on: one map pixel covers downsample x
@@ -614,20 +633,21 @@ class ClassMapWriter:
             full-size pixel, ResolutionUnit none) and in its ImageDescription ('..., downsample 4').
         preview_side: the longer side of ``preview`` at most.
 
-    ``write_rows(y0, rows)`` takes class ids [n, width] for rows y0 .. y0 + n - 1, any n, y0 the first row not yet
+    ``write_rows(y0, rows)`` takes samples [n, width] for rows y0 .. y0 + n - 1, any n, y0 the first row not yet
     written. ``close()`` (or leaving the ``with`` block) finishes the file; an incomplete map is a ValueError and
     its file is removed, as it is when the ``with`` block is left by an exception. After closing, ``preview`` is
-    the map sampled (nearest) to a longer side <= ``preview_side``: uint8 or uint16 [ph, pw].
+    the map sampled (``NearestPreview``) to a longer side <= ``preview_side``: [ph, pw] of ``dtype``.
     """
+    #: what the map and its samples are called in messages
+    kind, samples = 'map', 'values'
 
-    def __init__(self, path: str | os.PathLike, height: int, width: int, num_classes: int, tile: int = 256,
-                 georef: GeoReference | None = None, downsample: float = 1.0, preview_side: int = 1024):
+    def __init__(self, path: str | os.PathLike, height: int, width: int, dtype: np.dtype, description: str,
+                 tile: int = 256, georef: GeoReference | None = None, downsample: float = 1.0,
+                 preview_side: int = 1024):
         path = os.fspath(path)
         tifffile = _import_tifffile(path)
         if height < 1 or width < 1:
-            raise ValueError(f"{path}: a class map must be at least 1 x 1 pixels, got {width} x {height}")
-        if not 1 <= num_classes <= 65536:
-            raise ValueError(f"{path}: num_classes must be in 1 .. 65536, got {num_classes}")
+            raise ValueError(f"{path}: a {self.kind} must be at least 1 x 1 pixels, got {width} x {height}")
         if tile < 16 or tile % 16:
             raise ValueError(f"{path}: the tile side must be a positive multiple of 16 (TIFF), got {tile}")
         if preview_side < 1:
@@ -640,14 +660,12 @@ class ClassMapWriter:
         try:
             open(path, 'wb').close()
         except OSError as err:
-            raise ValueError(f"cannot write the class map {path}: {err.strerror or err}") from None
-        self.path, self.height, self.width, self.num_classes, self.tile = path, height, width, num_classes, tile
-        self.dtype = np.dtype(np.uint8 if num_classes <= 256 else np.uint16)
+            raise ValueError(f"cannot write the {self.kind} {path}: {err.strerror or err}") from None
+        self.path, self.height, self.width, self.tile = path, height, width, tile
+        self.dtype = np.dtype(dtype)
         self._next = 0
         self._pending = np.zeros((0, width), dtype=self.dtype)
-        ph, pw = _preview_shape(height, width, preview_side)
-        self._preview_rows, self._preview_cols = _preview_indices(height, ph), _preview_indices(width, pw)
-        self._preview = np.zeros((ph, pw), dtype=self.dtype)
+        self._preview = NearestPreview(height, width, self.dtype, preview_side)
         self._closed = False
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=2)
@@ -655,16 +673,16 @@ class ClassMapWriter:
         options = dict(shape=(height, width), dtype=self.dtype, tile=(tile, tile), compression='zlib',
                        photometric='minisblack', metadata=None, extratags=extratags,
                        resolution=(1 / downsample, 1 / downsample), resolutionunit='NONE',
-                       description=f'linvit class map, {num_classes} classes, downsample {downsample:g}')
+                       description=f'{description}, downsample {downsample:g}')
         self._thread = threading.Thread(target=self._write, args=(tifffile, options), daemon=True,
-                                        name='ClassMapWriter')
+                                        name=type(self).__name__)
         self._thread.start()
 
     @property
     def preview(self) -> np.ndarray:
         if not self._closed:
             raise ValueError(f"{self.path}: the preview is complete only after close()")
-        return self._preview
+        return self._preview.image
 
     def _tiles(self) -> Iterator[np.ndarray]:
         while True:
@@ -704,8 +722,11 @@ class ClassMapWriter:
             err = self._error
             raise ValueError(f"writing {self.path} failed: {type(err).__name__}: {err}") from err
 
+    def _check_values(self, y0: int, rows: np.ndarray) -> None:
+        """ValueError naming the file when ``rows`` hold samples the map cannot store (a subclass's rule)."""
+
     def write_rows(self, y0: int, rows: np.ndarray) -> None:
-        """Class ids [n, width] of rows y0 .. y0 + n - 1; y0 must be the first row not yet written."""
+        """Samples [n, width] of rows y0 .. y0 + n - 1; y0 must be the first row not yet written."""
         if self._closed:
             raise ValueError(f"{self.path}: write_rows after close()")
         rows = np.asarray(rows)
@@ -713,18 +734,12 @@ class ClassMapWriter:
             raise ValueError(f"{self.path}: rows must be written in order, top to bottom: expected y0 = {self._next}, "
                              f"got {y0}")
         if rows.ndim != 2 or rows.shape[1] != self.width or y0 + rows.shape[0] > self.height:
-            raise ValueError(f"{self.path}: expected class ids [n, {self.width}] with y0 + n <= {self.height}, got "
-                             f"shape {tuple(rows.shape)} at y0 = {y0}")
-        if rows.dtype.kind not in 'uib':
-            raise ValueError(f"{self.path}: class ids must be integers, got {rows.dtype}")
-        if rows.size and (rows.min() < 0 or rows.max() >= self.num_classes):
-            raise ValueError(f"{self.path}: class ids must be in 0 .. {self.num_classes - 1}, got values in "
-                             f"{rows.min()} .. {rows.max()} in rows {y0}..{y0 + rows.shape[0]}")
+            raise ValueError(f"{self.path}: expected {self.samples} [n, {self.width}] with y0 + n <= {self.height}, "
+                             f"got shape {tuple(rows.shape)} at y0 = {y0}")
+        self._check_values(y0, rows)
         n = rows.shape[0]
         rows = rows.astype(self.dtype, copy=False)
-        picked = np.nonzero((self._preview_rows >= y0) & (self._preview_rows < y0 + n))[0]
-        if picked.size:
-            self._preview[picked] = rows[self._preview_rows[picked] - y0][:, self._preview_cols]
+        self._preview.add(y0, rows)
         self._pending = np.concatenate([self._pending, rows]) if self._pending.shape[0] else rows.copy()
         self._next += n
         while self._pending.shape[0] >= self.tile or (self._next == self.height and self._pending.shape[0]):
@@ -740,7 +755,7 @@ class ClassMapWriter:
         self._closed = True
         if self._next < self.height:
             self._abort()
-            raise ValueError(f"{self.path}: only {self._next} of {self.height} rows were written; the class map "
+            raise ValueError(f"{self.path}: only {self._next} of {self.height} rows were written; the {self.kind} "
                              f"is incomplete and was removed")
         self._thread.join()
         self._raise_writer_error()
@@ -758,7 +773,7 @@ class ClassMapWriter:
         except OSError:
             pass
 
-    def __enter__(self) -> ClassMapWriter:
+    def __enter__(self) -> MapWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -767,6 +782,43 @@ class ClassMapWriter:
                 self._abort()
             return
         self.close()
+
+
+class ClassMapWriter(MapWriter):
+    """A class map (``MapWriter``): class ids 0 .. num_classes - 1, stored as uint8 up to 256 classes, else uint16
+    (<= 65536); ``write_rows`` refuses other ids. Its ImageDescription: 'linvit class map, K classes, downsample D'."""
+    kind, samples = 'class map', 'class ids'
+
+    def __init__(self, path: str | os.PathLike, height: int, width: int, num_classes: int, tile: int = 256,
+                 georef: GeoReference | None = None, downsample: float = 1.0, preview_side: int = 1024):
+        if not 1 <= num_classes <= 65536:
+            raise ValueError(f"{os.fspath(path)}: num_classes must be in 1 .. 65536, got {num_classes}")
+        self.num_classes = num_classes
+        super().__init__(path, height, width, np.uint8 if num_classes <= 256 else np.uint16,
+                         f'linvit class map, {num_classes} classes', tile, georef, downsample, preview_side)
+
+    def _check_values(self, y0: int, rows: np.ndarray) -> None:
+        if rows.dtype.kind not in 'uib':
+            raise ValueError(f"{self.path}: class ids must be integers, got {rows.dtype}")
+        if rows.size and (rows.min() < 0 or rows.max() >= self.num_classes):
+            raise ValueError(f"{self.path}: class ids must be in 0 .. {self.num_classes - 1}, got values in "
+                             f"{rows.min()} .. {rows.max()} in rows {y0}..{y0 + rows.shape[0]}")
+
+
+class ValueMapWriter(MapWriter):
+    """A map of float32 values (``MapWriter``): a depth map in metres, say. ``name`` and ``unit`` go into its
+    ImageDescription: 'linvit depth map (m), downsample D'; ``write_rows`` takes float rows."""
+    kind = 'value map'
+
+    def __init__(self, path: str | os.PathLike, height: int, width: int, name: str, unit: str, tile: int = 256,
+                 georef: GeoReference | None = None, downsample: float = 1.0, preview_side: int = 1024):
+        self.kind = f'{name} map'
+        super().__init__(path, height, width, np.float32, f'linvit {name} map ({unit})', tile, georef, downsample,
+                         preview_side)
+
+    def _check_values(self, y0: int, rows: np.ndarray) -> None:
+        if rows.dtype.kind != 'f':
+            raise ValueError(f"{self.path}: the values of a {self.kind} must be floats, got {rows.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------------- PNGs

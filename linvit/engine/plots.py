@@ -20,7 +20,7 @@ from .checkpoint import atomic_write
 
 __all__ = ['CORRECT_COLOUR', 'WRONG_COLOUR', 'IGNORE_COLOUR', 'plot_curves', 'plot_prediction_grid', 'class_palette',
            'ignore_colour', 'colour_mask', 'overlay_mask', 'plot_segmentation_grid', 'plot_confusion_matrix',
-           'plot_detection_grid', 'PICTURE_MIN_SCORE']
+           'plot_detection_grid', 'PICTURE_MIN_SCORE', 'plot_depth_grid', 'depth_colours', 'depth_colour_range']
 
 CORRECT_COLOUR = '#1a7f37'
 WRONG_COLOUR = '#cf222e'
@@ -587,6 +587,15 @@ def depth_colour_range(truth: np.ndarray) -> Tuple[float, float]:
     return float(low), float(max(high, low + 1e-6))
 
 
+def depth_colours(values: np.ndarray, low: float, high: float) -> np.ndarray:
+    """RGBA float [..., 4] of positive values [...] (depths) in the depth colour map, near (small) bright, on a log
+    scale from ``low`` to ``high`` (values outside are clipped to them): near pixels, which most images are full of,
+    get most of the colours. NaN stays the colour map's 'bad' colour."""
+    from matplotlib import colormaps
+    span = np.log(high) - np.log(low)
+    return colormaps[_DEPTH_CMAP]((np.log(np.clip(values, low, high)) - np.log(low)) / span)
+
+
 def plot_depth_grid(images: Sequence[torch.Tensor], mean: Sequence[float], std: Sequence[float],
                     truths: Sequence[Union[np.ndarray, torch.Tensor]],
                     predictions: Sequence[Union[np.ndarray, torch.Tensor]], png_path: os.PathLike,
@@ -615,10 +624,7 @@ def plot_depth_grid(images: Sequence[torch.Tensor], mean: Sequence[float], std: 
         size = _display_size(*truth.shape)
         low, high = depth_colour_range(truth)
         error = np.abs(predicted - truth) / truth
-        # on a log scale: near pixels, which most images are full of, get most of the colours
-        span = np.log(high) - np.log(low)
-        colours = [colormaps[_DEPTH_CMAP]((np.log(np.clip(m, low, high)) - np.log(low)) / span)
-                   for m in (truth, predicted)]
+        colours = [depth_colours(m, low, high) for m in (truth, predicted)]
         colours.append(colormaps[_ERROR_CMAP](np.clip(np.nan_to_num(error, nan=0.0), 0, 1)))
         for colour, source in zip(colours, (truth, predicted, error)):
             colour[~np.isfinite(source)] = 1.0  # invalid ground truth: white
