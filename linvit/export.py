@@ -28,10 +28,11 @@ layer casts to float32 and back, see ``linvit.ops.linear_attention``), and the r
 
 The file carries its own description in ONNX ``metadata_props`` (``read_metadata``): the task (a run's, or the one
 whose logits have the model's output rank: ``Task.logits_rank``), class names, input normalisation (mean, std), the
-input multiple, whether the graph pads to it (``pads_to_multiple``) and the export size, so ``tools/predict.py`` needs
-nothing else. A file exported from a run also records the weights file it was made from and its sha256:
-``check_source_weights`` (which ``linvit.predict`` calls) refuses the file once those weights have changed, e.g. a run
-trained again into the same folder; a file whose weights file is gone stands alone.
+input multiple, whether the graph pads to it (``pads_to_multiple``), the export size and, for a model of values per
+pixel (depth: its output is their log), what they are (``values``), so ``tools/predict.py`` needs nothing else. A
+file exported from a run also records the weights file it was made from and its sha256: ``check_source_weights``
+(which ``linvit.predict`` calls) refuses the file once those weights have changed, e.g. a run trained again into the
+same folder; a file whose weights file is gone stands alone.
 
 A torchvision detector (``linvit.models.detection``) exports whole at one image size: its heads pick boxes with
 data-dependent shapes that ``torch.export`` cannot trace, so it goes through torchvision's own route, the TorchScript
@@ -419,7 +420,8 @@ def _compare(session: Any, reference: nn.Module, size: Size2, batch: int, dtype:
 
 def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     """The ``linvit.*`` metadata of an ONNX file written by ``export_onnx`` (keys without the prefix, values
-    decoded): task, num_classes, class_names (if given), mean, std, input_multiple, img_size, dtype."""
+    decoded): task, num_classes, class_names (if given), mean, std, input_multiple, img_size, dtype; a depth run's
+    file also ``values`` (what its output is the log of: name, unit, png_scale, larger_is_nearer)."""
     import onnx
     model = onnx.load(str(path), load_external_data=False)
     return {prop.key[len(METADATA_PREFIX):]: json.loads(prop.value) for prop in model.metadata_props
@@ -645,7 +647,8 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
     ``dynamic_img_size=True`` (same weights), so the file can take any image size. ``features``: a segmentation or
     detection run's backbone and feature pyramid alone (``PyramidFeatures``; metadata ``part: features``, the
     levels' ``outputs`` and ``strides``), at any size; without it a detection run's whole detector exports, at one
-    size (``export_onnx`` with ``dynamic_size=False``)."""
+    size (``export_onnx`` with ``dynamic_size=False``). A run whose model predicts values per pixel (depth) records
+    what they are (metadata ``values``: name, unit, png_scale, larger_is_nearer, from ``Task.prediction_defaults``)."""
     if is_trained_source(source):
         from .engine.loading import load_trained
         from .engine.run_dir import RunDir
@@ -654,6 +657,8 @@ def load_export_source(source: str, img_size: Optional[Size2] = None, dynamic_si
                     'std': list(trained.std), 'model_name': trained.cfg.model.name, 'source': source,
                     'weights': os.path.abspath(trained.weights_path),
                     'weights_sha256': file_sha256(trained.weights_path)}
+        if 'values' in trained.prediction_defaults:  # a model of values per pixel (depth): which, and their unit
+            metadata['values'] = trained.prediction_defaults['values']
         run_dir = RunDir(source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source)))
         if features:
             model = PyramidFeatures.of(trained.model, source)

@@ -4,6 +4,7 @@
     items, missing = collect_inputs(['photo.jpg', 'more/'])
     rows, skipped = classify_images(predictor, items, top_k=3)          # classification: top-k rows per image
     written, skipped = segment_images(predictor, items, 'masks/', mode='slide', window=512)   # segmentation
+    written, skipped = depth_images(predictor, items, 'depth/')                                # depth maps
     written, skipped = detect_images(predictor, items, 'boxes/', mode='slide', window=512)    # detection
 
 A ``Predictor`` hides the runtime: PyTorch (``linvit.engine.loading.load_trained``: the run's model, classes,
@@ -20,8 +21,19 @@ log names the mode and why. TIFF and slide inputs give ``<name>_mask.tif`` (clas
 keeps a GeoTIFF's georeferencing), ``<name>_preview.png`` and ``<name>_overlay.png`` (both downsampled to 1024 px);
 other inputs ``<name>_mask.png`` (class ids, 8-bit; 16-bit above 256 classes) and ``<name>_overlay.png`` (the
 classes coloured with the run's palette) at full size. An image that cannot be read (a missing optional reader
-included) is skipped and reported as (path, reason); the others are still predicted. Progress goes to stderr
-(tqdm): one line per image, and a bar over the bounded forward's blocks and tiles.
+included) is skipped and reported as (path, reason); the others are still predicted; an image's files are complete or
+absent (``_all_or_nothing``), and Ctrl-C raises ``PredictionInterrupted``.
+
+Depth (a task whose models predict values per pixel, ``Task.predicts_values``; ``Predictor.values`` says which, from
+the run's config or the ONNX file's metadata) goes through the same machinery (``_predict_maps``: the modes, their
+choice, skipping, all-or-nothing files): the bands yield exp of the output (values float32) instead of class ids.
+TIFF and slide inputs give ``<name>_depth.tif`` (float32 metres, or ``<name>_disparity.tif`` in 1/metres: a tiled zlib
+BigTIFF written band by band, ``ValueMapWriter``, keeping a GeoTIFF's georeferencing), other inputs
+``<name>_depth.png`` (16-bit, round(value / the run's data.depth_scale) clipped to 1..65535, 0 for a value that is not
+finite: it reads back as the run's training maps do); both with ``<name>_preview.png`` (the depth colour map of the
+run's pictures, near warm, downsampled to 1024 px).
+
+Progress goes to stderr (tqdm): one line per image, and a bar over the bounded forward's blocks and tiles.
 
 Detection (a PyTorch run) also runs each image at its own resolution, read by ``load_rgb``: 'whole' (one forward) up
 to ``max_pixels``, else 'slide': overlapping tiles whose boxes are merged (``linvit.inference.detect_tiled``: each
@@ -55,13 +67,15 @@ from .data.large_image import (
     ClassMapWriter,
     ImageReadError,
     ImageSource,
+    NearestPreview,
+    ValueMapWriter,
     large_image_extensions,
     open_image,
     write_overlay_png,
     write_preview_png,
 )
 from .data.transforms import build_seg_transforms, build_transforms
-from .engine.plots import class_palette, overlay_mask
+from .engine.plots import class_palette, depth_colour_range, depth_colours, overlay_mask
 from .inference import detect_tiled, segment
 from .models.bounded import (
     DEFAULT_ROWS_PER_CHUNK,
@@ -74,14 +88,14 @@ __all__ = ['Predictor', 'torch_predictor', 'onnx_predictor', 'load_predictor', '
            'classify_images', 'write_predictions', 'segment_image', 'segment_images', 'save_mask_png',
            'PREDICTION_FIELDS', 'PREDICT_MODES', 'MASK_FORMATS', 'choose_mode', 'bounded_unavailable',
            'detect_images', 'detect_image', 'choose_detection_mode', 'DETECTIONS_FILE', 'OVERLAY_MIN_SCORE',
-           'PredictionInterrupted', 'detection_tile']
+           'PredictionInterrupted', 'detection_tile', 'ValueMap', 'depth_images']
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 Skipped = List[Tuple[str, str]]  # (path, reason)
 
 #: segmentation modes (--mode): 'auto' chooses one of the others per image (``choose_mode``)
 PREDICT_MODES = ('auto', 'bounded', 'whole', 'slide')
-#: class map formats (--mask-format): 'auto' writes tiff for the inputs in TIFF_INPUTS, png for the others
+#: class and value map formats (--mask-format): 'auto' writes tiff for the inputs in TIFF_INPUTS, png for the others
 MASK_FORMATS = ('auto', 'tiff', 'png')
 TIFF_INPUTS = large_image_extensions() | {'.tif', '.tiff'}
 #: 'auto' runs a model without the state form whole up to this many pixels (2048 x 2048), in windows above
@@ -96,6 +110,22 @@ OVERLAY_MIN_SCORE = 0.3
 
 #: the columns of predictions.csv
 PREDICTION_FIELDS = ['file', 'rank', 'class_index', 'class_name', 'probability']
+
+
+@dataclass(frozen=True)
+class ValueMap:
+    """What a model that predicts a value per pixel (a task's ``predicts_values``: depth) writes: its one output
+    channel is the log of ``name`` (depth, disparity) in ``unit``; a 16-bit PNG stores value / ``png_scale``."""
+    name: str
+    unit: str
+    png_scale: float
+    larger_is_nearer: bool = False  # disparity: the preview colours its reciprocal, so that near is warm as for depth
+
+    @classmethod
+    def of(cls, record: Dict[str, object]) -> 'ValueMap':
+        """From the task's record (``prediction_defaults()['values']``, an ONNX file's ``values`` metadata)."""
+        return cls(str(record['name']), str(record['unit']), float(record['png_scale']),
+                   bool(record.get('larger_is_nearer', False)))
 
 
 @dataclass
@@ -113,20 +143,20 @@ class Predictor:
     seg_defaults: Dict[str, object] = field(default_factory=dict)  # a run's task's (seg.eval: mode, window, stride)
     model: Optional[torch.nn.Module] = None  # the PyTorch model (None for ONNX): the bounded forward runs it
     device: str = 'cpu'
+    values: Optional[ValueMap] = None  # a model that predicts values per pixel (depth): what they are
 
 
 # ---------------------------------------------------------------------------------------------------- models
 
 def torch_predictor(path: str, device: str = 'cpu') -> Predictor:
     """A trained run (directory, .pt or .safetensors beside config.yaml) on ``device``; ValueError for a run whose
-    task's models predict no labels (``Task.logits_rank`` 0: autoregressive)."""
+    task's models predict neither labels, boxes nor values (``Task.not_predicted``: autoregressive)."""
     from .engine.loading import load_trained
-    from .engine.tasks import TASKS
+    from .engine.tasks import TASKS, predicted_tasks
     trained = load_trained(path, device=device)
     task = TASKS.get(trained.task)
     if task.not_predicted:
-        names = [name for name, other in TASKS.items()
-                 if (other.logits_rank or other.predicts_boxes) and not other.not_predicted]
+        names = predicted_tasks()
         predicted = ' and '.join([', '.join(names[:-1]), names[-1]] if len(names) > 1 else names)
         raise ValueError(f"{path} is a task={trained.task!r} run; predict.py takes {predicted} runs "
                          f"({task.not_predicted})")
@@ -143,9 +173,10 @@ def torch_predictor(path: str, device: str = 'cpu') -> Predictor:
     run = detections if task.predicts_boxes else logits
 
     multiple = getattr(model, 'input_multiple', None) or max(model.patch_embed.patch_size)
+    values = ValueMap.of(trained.prediction_defaults['values']) if task.predicts_values else None
     return Predictor(run=run, task=trained.task, class_names=trained.class_names, mean=trained.mean, std=trained.std,
                      img_size=trained.img_size, multiple=int(multiple),
-                     seg_defaults=dict(trained.prediction_defaults), model=model, device=device)
+                     seg_defaults=dict(trained.prediction_defaults), model=model, device=device, values=values)
 
 
 def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
@@ -173,11 +204,26 @@ def onnx_predictor(path: str, threads: Optional[int] = None) -> Predictor:
     names = [str(n) for n in meta.get('class_names') or range(num_classes)]
     mean, std = meta.get('mean', (0.5, 0.5, 0.5)), meta.get('std', (0.5, 0.5, 0.5))
     size = meta.get('img_size', [224, 224])
+    task = meta.get('task') or _task_of_output(session)
     # padded here as the run's PyTorch model is (linvit.inference), whether or not the graph pads too (a file's
     # pads_to_multiple): the same windows and strides for both, and files exported before the graph padded work
-    return Predictor(run=run, task=meta.get('task') or _task_of_output(session), class_names=names, mean=mean,
-                     std=std, img_size=(int(size[0]), int(size[1])), multiple=int(meta.get('input_multiple', 1)),
-                     max_batch=fixed_batch)
+    return Predictor(run=run, task=task, class_names=names, mean=mean, std=std, img_size=(int(size[0]), int(size[1])),
+                     multiple=int(meta.get('input_multiple', 1)), max_batch=fixed_batch,
+                     values=_values_of_file(path, task, meta))
+
+
+def _values_of_file(path: str, task: str, meta: Dict[str, object]) -> Optional[ValueMap]:
+    """What an ONNX file's values are (its ``values`` metadata), None for a task that predicts none; ValueError for
+    a file of such a task that does not record them (exported before they were recorded)."""
+    from .engine.tasks import TASKS
+    known = TASKS.find(task)
+    if known is None or not known.predicts_values:
+        return None
+    if not meta.get('values'):
+        run = meta.get('weights') or meta.get('source') or 'RUN'
+        raise ValueError(f"{path} holds a task={task!r} model but does not record what its values are (metadata "
+                         f"'values'): export it again with python tools/export_onnx.py {run} --out {path}")
+    return ValueMap.of(meta['values'])
 
 
 def _task_of_output(session: object) -> str:
@@ -297,13 +343,37 @@ def save_mask_png(mask: np.ndarray, path: str, num_classes: int) -> None:
     Image.fromarray(mask.astype(dtype)).save(path)
 
 
+def _png_units(values: np.ndarray, png_scale: float) -> np.ndarray:
+    """uint16 [H, W] round(values / png_scale), clipped to 1..65535: 0 means 'no value' to the readers of such maps,
+    so a positive value below half a unit stays 1; a value that is not finite (NaN, an overflowed exp) is 0."""
+    units = np.clip(np.rint(np.divide(values, png_scale, dtype=np.float64)), 1, 65535)
+    units[~np.isfinite(values)] = 0
+    return units.astype(np.uint16)
+
+
+def _full_logits(predictor: Predictor, images: torch.Tensor, mode: str, window: int, stride: Optional[int],
+                 batch_size: int) -> torch.Tensor:
+    """Normalised images [1, 3, H, W] -> full-resolution logits float32 [K, H, W], 'whole' or 'slide'
+    (``linvit.inference.segment``: the windows' logits averaged)."""
+    return segment(lambda x: _batches(predictor.run, x, predictor.max_batch), images, mode, window=window,
+                   stride=stride, batch_size=batch_size, pad_multiple=predictor.multiple)[0]
+
+
 def segment_image(predictor: Predictor, images: torch.Tensor, mode: str, window: int, stride: Optional[int],
                   batch_size: int) -> np.ndarray:
     """Normalised images [1, 3, H, W] -> class ids int64 [H, W] (argmax of the full-resolution logits), 'whole' or
     'slide' (``linvit.inference.segment``)."""
-    logits = segment(lambda x: _batches(predictor.run, x, predictor.max_batch), images, mode, window=window,
-                     stride=stride, batch_size=batch_size, pad_multiple=predictor.multiple)
-    return class_ids(logits[0], dim=0).numpy()
+    return _class_ids(_full_logits(predictor, images, mode, window, stride, batch_size))
+
+
+def _class_ids(logits: torch.Tensor) -> np.ndarray:
+    """Logits [K, n, W] -> class ids int64 [n, W] (a band of a class map)."""
+    return class_ids(logits, dim=0).cpu().numpy()
+
+
+def _values(logits: torch.Tensor) -> np.ndarray:
+    """Logits [1, n, W], the log of the values -> values float32 [n, W] (a band of a value map)."""
+    return logits[0].float().exp().cpu().numpy()
 
 
 def bounded_unavailable(predictor: Predictor) -> Optional[str]:
@@ -346,14 +416,19 @@ def _open_or_skip(item: Item, skipped: Skipped, downsample: float) -> Optional[I
         return None
 
 
-def _class_id_bands(predictor: Predictor, source: ImageSource, mode: str, normalise: Callable[[np.ndarray],
-                    torch.Tensor], window: int, stride: Optional[int], batch_size: int, rows_per_chunk: int,
-                    label: str) -> Iterator[Tuple[int, np.ndarray]]:
-    """(y0, class ids int64 [n, W]) for the rows of ``source``, top to bottom: band by band for 'bounded' (with a
+#: full-resolution logits [K, n, W] of a band of rows -> those rows of the map [n, W] (class ids, values)
+Reduce = Callable[[torch.Tensor], np.ndarray]
+Bands = Iterator[Tuple[int, np.ndarray]]
+
+
+def _map_bands(predictor: Predictor, source: ImageSource, mode: str, normalise: Callable[[np.ndarray], torch.Tensor],
+               window: int, stride: Optional[int], batch_size: int, rows_per_chunk: int, label: str,
+               reduce: Reduce) -> Bands:
+    """(y0, reduce(logits) [n, W]) for the rows of ``source``, top to bottom: band by band for 'bounded' (with a
     progress bar over its blocks and tiles), the whole image at once for 'whole' and 'slide'."""
     if mode != 'bounded':
         images = normalise(source.read(0, source.height)).unsqueeze(0)
-        yield 0, segment_image(predictor, images, mode, window, stride, batch_size)
+        yield 0, reduce(_full_logits(predictor, images, mode, window, stride, batch_size))
         return
     device = predictor.device
 
@@ -367,10 +442,11 @@ def _class_id_bands(predictor: Predictor, source: ImageSource, mode: str, normal
 
         for y0, logits in iter_bounded_segment(predictor.model, read_rows, 1, (source.height, source.width),
                                                rows_per_chunk, progress):
-            yield y0, class_ids(logits[0], dim=0).cpu().numpy()
+            yield y0, reduce(logits[0])
 
 
 def _mask_format(path: str, requested: str) -> str:
+    """The format of an image's map: ``requested`` ('tiff', 'png'), or for 'auto' tiff for TIFF and slide inputs."""
     if requested not in MASK_FORMATS:
         raise ValueError(f"unknown mask format {requested!r} (--mask-format); choose one of: {', '.join(MASK_FORMATS)}")
     if requested != 'auto':
@@ -437,13 +513,73 @@ def _write_png(bands: Iterator[Tuple[int, np.ndarray]], source: ImageSource, pat
 _OUTPUT_SUFFIXES = {'tiff': ('_mask.tif', '_preview.png', '_overlay.png'), 'png': ('_mask.png', '_overlay.png')}
 
 
+class _ValueRange:
+    """The smallest and largest finite value of the bands that pass through ``watch``: what the log line says."""
+
+    def __init__(self) -> None:
+        self.low, self.high = math.inf, -math.inf
+
+    def watch(self, bands: Bands) -> Bands:
+        for y0, values in bands:
+            finite = values[np.isfinite(values)]
+            if finite.size:
+                self.low, self.high = min(self.low, float(finite.min())), max(self.high, float(finite.max()))
+            yield y0, values
+
+    def __str__(self) -> str:
+        return f"{self.low:.4g}..{self.high:.4g}" if self.low <= self.high else 'no finite value'
+
+
+def _write_value_tiff(bands: Bands, source: ImageSource, paths: Sequence[str], values: ValueMap) -> None:
+    """paths = (map .tif: float32 values, a tiled BigTIFF with the source's georeferencing and downsample, preview
+    .png: coloured, downsampled)."""
+    with ValueMapWriter(paths[0], source.height, source.width, values.name, values.unit, georef=source.georef,
+                        downsample=source.downsample) as writer:
+        for y0, rows in bands:
+            writer.write_rows(y0, rows)
+    _write_value_preview(writer.preview, paths[1], values)
+
+
+def _write_value_png(bands: Bands, source: ImageSource, paths: Sequence[str], values: ValueMap) -> None:
+    """paths = (map .png: 16-bit, value / png_scale, at the image's size; preview .png: coloured, downsampled)."""
+    units = np.empty((source.height, source.width), dtype=np.uint16)
+    preview = NearestPreview(source.height, source.width, np.float32)
+    for y0, rows in bands:
+        units[y0:y0 + len(rows)] = _png_units(rows, values.png_scale)
+        preview.add(y0, rows)
+    Image.fromarray(units).save(paths[0])
+    _write_value_preview(preview.image, paths[1], values)
+
+
+def _write_value_preview(preview: np.ndarray, path: str, values: ValueMap) -> None:
+    """Values [ph, pw] in the depth colour map of the run's pictures (``linvit.engine.plots.depth_colours``: near
+    warm, log scale over the 2nd..98th percentiles), pixels without a finite positive value white."""
+    depth = np.reciprocal(preview, where=preview > 0, out=np.zeros_like(preview)) if values.larger_is_nearer \
+        else preview
+    colours = depth_colours(depth, *depth_colour_range(depth))[..., :3]
+    colours[~(np.isfinite(depth) & (depth > 0))] = 1.0
+    Image.fromarray(np.rint(colours * 255).astype(np.uint8)).save(path)
+
+
 class PredictionInterrupted(KeyboardInterrupt):
-    """Ctrl-C during ``segment_images``: ``written`` of ``total`` images were complete and their files are in
-    ``out``; the image in progress left none."""
+    """Ctrl-C during ``segment_images`` or ``depth_images``: ``written`` of ``total`` images were complete and their
+    files are in ``out``; the image in progress left none."""
 
     def __init__(self, written: int, total: int, out: str):
         super().__init__(f"{written} of {total} image(s) written to {out}; the image in progress left no files")
         self.written, self.total, self.out = written, total, out
+
+
+@dataclass
+class _MapOutput:
+    """One kind of map that ``_predict_maps`` writes per image: how a band of full-resolution logits becomes the map's
+    rows, and how an image's files are named and written."""
+    label: str  # the progress bar's
+    needs_out: str  # the error without --out
+    reduce: Reduce
+    suffixes: Dict[str, Tuple[str, ...]]  # per map format: the files of an image, as suffixes of its output name
+    # (format, bands, source, paths) -> what the image's log line says about its map
+    write: Callable[[str, Bands, ImageSource, Sequence[str]], str]
 
 
 def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[str], mode: Optional[str] = None,
@@ -463,13 +599,57 @@ def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[st
     mask_format: 'tiff' (tiled BigTIFF + preview), 'png', or 'auto': tiff for TIFF and slide inputs.
     downsample: the pyramid level of a pyramidal input (``open_image``). ``alpha``: opacity of the class colours.
     """
+    num_classes = len(predictor.class_names)
+    palette = class_palette(num_classes)
+
+    def write(fmt: str, bands: Bands, source: ImageSource, paths: Sequence[str]) -> str:
+        writer = _write_tiff if fmt == 'tiff' else _write_png
+        classes = writer(bands, source, paths, num_classes, palette, alpha)
+        return f"classes: {', '.join(predictor.class_names[c] for c in np.unique(classes))}"
+
+    output = _MapOutput('segment', 'segmentation writes masks', _class_ids, _OUTPUT_SUFFIXES, write)
+    return _predict_maps(predictor, items, out, output, mode, window, stride, batch_size, rows_per_chunk, max_pixels,
+                         mask_format, downsample)
+
+
+def depth_images(predictor: Predictor, items: Sequence[Item], out: Optional[str], mode: Optional[str] = None,
+                 window: Optional[int] = None, stride: Optional[int] = None, batch_size: int = 8,
+                 rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 mask_format: str = 'auto', downsample: float = 1.0) -> Tuple[int, Skipped]:
+    """Write each readable image's map of predicted values (a depth run's: depth or disparity, ``predictor.values``)
+    under OUT, at the image's size, as ``segment_images`` writes class maps (the same modes, their choice, skipped
+    images, all-or-nothing files and Ctrl-C): OUT/<name>_<value>.tif (float32 values, tiled BigTIFF) for
+    ``mask_format`` 'tiff', OUT/<name>_<value>.png (16-bit, value / png_scale) for 'png' ('auto': tiff for TIFF and
+    slide inputs), and OUT/<name>_preview.png (coloured, near warm, longer side <= 1024 px). The value of a pixel is
+    exp of the model's output there (of the windows' mean output for 'slide'). ValueError for a predictor whose
+    model predicts no values."""
+    values = predictor.values
+    if values is None:
+        raise ValueError(f"a task={predictor.task!r} model predicts no values per pixel: its images are predicted "
+                         f"by its own task's function")
+
+    def write(fmt: str, bands: Bands, source: ImageSource, paths: Sequence[str]) -> str:
+        seen = _ValueRange()
+        (_write_value_tiff if fmt == 'tiff' else _write_value_png)(seen.watch(bands), source, paths, values)
+        return f"{values.name} {seen} {values.unit}"
+
+    suffixes = {'tiff': (f'_{values.name}.tif', '_preview.png'), 'png': (f'_{values.name}.png', '_preview.png')}
+    output = _MapOutput(values.name, f'{values.name} prediction writes maps', _values, suffixes, write)
+    return _predict_maps(predictor, items, out, output, mode, window, stride, batch_size, rows_per_chunk, max_pixels,
+                         mask_format, downsample)
+
+
+def _predict_maps(predictor: Predictor, items: Sequence[Item], out: Optional[str], output: _MapOutput,
+                  mode: Optional[str], window: Optional[int], stride: Optional[int], batch_size: int,
+                  rows_per_chunk: int, max_pixels: int, mask_format: str, downsample: float) -> Tuple[int, Skipped]:
+    """What ``segment_images`` and ``depth_images`` share: each image opened (or skipped), its mode chosen
+    (``choose_mode``), its bands of logits made into the map's rows and written as ``output`` says, all its files
+    or none (``_all_or_nothing``); Ctrl-C raises ``PredictionInterrupted``."""
     if not out:
-        raise ValueError('segmentation writes masks: give --out FOLDER')
+        raise ValueError(f'{output.needs_out}: give --out FOLDER')
     mode = mode or 'auto'
     window = window or predictor.seg_defaults.get('window') or predictor.img_size[0]
     stride = stride or predictor.seg_defaults.get('stride')
-    num_classes = len(predictor.class_names)
-    palette = class_palette(num_classes)
     # validation's pipeline: normalisation only, at full resolution; per pixel, so a band of rows at a time
     transform = build_seg_transforms(None, predictor.img_size[0], predictor.mean, predictor.std, ignore_index=255,
                                      train=False)
@@ -480,7 +660,7 @@ def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[st
     written = 0
     skipped: Skipped = []
     try:
-        for item in tqdm(items, desc='segment', unit='img', file=sys.stderr):
+        for item in tqdm(items, desc=output.label, unit='img', file=sys.stderr):
             source = _open_or_skip(item, skipped, downsample)
             if source is None:
                 continue
@@ -488,20 +668,18 @@ def segment_images(predictor: Predictor, items: Sequence[Item], out: Optional[st
                 chosen, why = choose_mode(predictor, source.height, source.width, mode, max_pixels, rows_per_chunk)
                 tqdm.write(f"{item.path}: {source.description}; {chosen}: {why}", file=sys.stderr)
                 fmt = _mask_format(item.path, mask_format)
-                paths = [os.path.join(out, item.name + suffix) for suffix in _OUTPUT_SUFFIXES[fmt]]
+                paths = [os.path.join(out, item.name + suffix) for suffix in output.suffixes[fmt]]
                 os.makedirs(os.path.dirname(paths[0]) or '.', exist_ok=True)
-                bands = _class_id_bands(predictor, source, chosen, normalise, window, stride, batch_size,
-                                        rows_per_chunk, item.name)
-                writer = _write_tiff if fmt == 'tiff' else _write_png
+                bands = _map_bands(predictor, source, chosen, normalise, window, stride, batch_size, rows_per_chunk,
+                                   item.name, output.reduce)
                 try:
                     with _all_or_nothing(paths) as partial:
-                        classes = writer(bands, source, partial, num_classes, palette, alpha)
+                        said = output.write(fmt, bands, source, partial)
                 except ImageReadError as error:
                     skipped.append((item.path, str(error)))
                     tqdm.write(f"skipped {item.path}: {error}; no files written for it", file=sys.stderr)
                     continue
-            present = ', '.join(predictor.class_names[c] for c in np.unique(classes))
-            tqdm.write(f"{item.path}: {', '.join(paths)} (classes: {present})")
+            tqdm.write(f"{item.path}: {', '.join(paths)} ({said})")
             written += 1
     except KeyboardInterrupt:
         raise PredictionInterrupted(written, len(items), out) from None

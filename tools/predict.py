@@ -27,6 +27,17 @@ input's path below the folder it was found in.
     python tools/predict.py runs/demo_seg slide.svs --out masks/ --downsample 4        # a pyramid level
     python tools/predict.py seg.onnx big.png --out masks/ --mode slide --window 512
 
+Depth (a run directory, .pt, .safetensors or its ONNX file): each image runs at full resolution through the same
+modes and the same choice as segmentation; the value of a pixel is exp of the model's output (metres for a
+depth.target=depth run, 1/metres for disparity). TIFF and slide inputs give ``OUT/<name>_depth.tif`` (float32, tiled
+compressed BigTIFF, a GeoTIFF's georeferencing kept; ``<name>_disparity.tif`` for a disparity run), other inputs
+``OUT/<name>_depth.png`` (16-bit: value / the run's data.depth_scale, 0.001 when null, so it reads back as the run's
+training maps do; 0 means no value), each with ``<name>_preview.png`` (coloured, near warm, longer side at most
+1024 px). ``--mask-format tiff|png`` overrides the choice.
+
+    python tools/predict.py runs/depth_demo photos/ --out depth/                      # <name>_depth.png, 16-bit mm
+    python tools/predict.py runs/depth_demo/model.onnx aerial.tif --out depth/        # <name>_depth.tif, metres
+
 Detection (a run directory, .pt or .safetensors): each image runs at its own resolution, whole up to
 ``--max-pixels`` and in overlapping tiles above (``--mode slide``: the largest tiles within ``--max-pixels``, or
 ``--window`` px tiles every ``--stride`` px; each tile keeps the boxes centred in the part it owns, then class-wise
@@ -62,6 +73,7 @@ from linvit.predict import (
     PredictionInterrupted,
     classify_images,
     collect_inputs,
+    depth_images,
     detect_images,
     load_predictor,
     segment_images,
@@ -76,24 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument('model', help='run directory, checkpoint .pt, .safetensors (beside config.yaml) or .onnx')
     parser.add_argument('inputs', nargs='+', help='image files and/or folders (searched recursively)')
-    parser.add_argument('--out', help='output folder (segmentation and detection: required; classification: '
+    parser.add_argument('--out', help='output folder (segmentation, depth and detection: required; classification: '
                                       'predictions.csv)')
     parser.add_argument('--top-k', type=int, default=5, help='classification: classes listed per image')
     parser.add_argument('--mode', choices=PREDICT_MODES, default='auto',
-                        help="segmentation and detection: 'auto' chooses per image; 'bounded' the whole image in "
-                             "bands (segmentation models with the state form), 'whole' one forward, 'slide' "
-                             "overlapping windows (detection: tiles whose boxes are merged)")
+                        help="segmentation, depth and detection: 'auto' chooses per image; 'bounded' the whole "
+                             "image in bands (segmentation and depth models with the state form), 'whole' one "
+                             "forward, 'slide' overlapping windows (detection: tiles whose boxes are merged)")
     parser.add_argument('--rows-per-chunk', type=int, default=DEFAULT_ROWS_PER_CHUNK,
                         help='bounded: patch rows per band (its memory budget: fewer rows, less memory)')
     parser.add_argument('--max-pixels', type=int, default=DEFAULT_MAX_PIXELS,
                         help='auto, for detection and for a segmentation model without the state form: whole '
                              'images up to this many pixels, windows above')
     parser.add_argument('--mask-format', choices=MASK_FORMATS, default='auto',
-                        help="segmentation: 'tiff' (tiled BigTIFF + preview), 'png', or 'auto' (tiff for TIFF and "
-                             "slide inputs)")
+                        help="segmentation and depth maps: 'tiff' (tiled BigTIFF + preview; depth: float32), "
+                             "'png' (class ids; depth: 16-bit, value / the run's data.depth_scale), or 'auto' (tiff "
+                             "for TIFF and slide inputs)")
     parser.add_argument('--downsample', type=float, default=1.0,
-                        help='segmentation: the pyramid level of a pyramidal TIFF/slide (the largest downsample '
-                             'not above this)')
+                        help='segmentation and depth: the pyramid level of a pyramidal TIFF/slide (the largest '
+                             'downsample not above this)')
     parser.add_argument('--window', type=int, help="slide: window side in pixels (default: segmentation: the run's, "
                                                    "else the training size; detection: the largest tile within "
                                                    "--max-pixels)")
@@ -132,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
         _, unreadable = detect_images(predictor, items, args.out, args.mode, args.window, args.stride,
                                       args.batch_size, args.max_pixels, args.min_score,
                                       max_detections=args.max_detections, annotations=args.annotations)
+    elif predictor.values is not None:  # a depth run's: a map of values per pixel
+        _, unreadable = depth_images(predictor, items, args.out, args.mode, args.window, args.stride,
+                                     args.batch_size, args.rows_per_chunk, args.max_pixels, args.mask_format,
+                                     args.downsample)
     elif predictor.task == 'segmentation':
         _, unreadable = segment_images(predictor, items, args.out, args.mode, args.window, args.stride,
                                        args.batch_size, args.alpha, args.rows_per_chunk, args.max_pixels,
@@ -154,7 +171,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except PredictionInterrupted as stop:  # Ctrl-C in a segmentation batch: what is complete stays
+    except PredictionInterrupted as stop:  # Ctrl-C in a segmentation or depth batch: what is complete stays
         print(f"\ninterrupted: {stop}", file=sys.stderr)
         return INTERRUPTED
     except KeyboardInterrupt:

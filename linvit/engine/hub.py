@@ -106,7 +106,8 @@ def _refuse_other_tasks(trained: TrainedModel, run_dir: str) -> None:
     """HubExportError unless the run's model is a timm classifier (a timm model, one label per image)."""
     task = TASKS.get(trained.task)
     if getattr(trained.model, 'pretrained_cfg', None) is None:
-        onnx = f", or export it to ONNX: python tools/export_onnx.py {run_dir}" if task.logits_rank else ''
+        exports = task.logits_rank or task.predicts_values  # a dense model: the ONNX file takes any image size
+        onnx = f", or export it to ONNX: python tools/export_onnx.py {run_dir}" if exports else ''
         raise HubExportError(
             f"{run_dir}: the model of this {trained.task} run ({type(trained.model).__name__}) is not a timm model, "
             f"so timm.create_model cannot rebuild it from a hub folder; share the run directory{onnx}")

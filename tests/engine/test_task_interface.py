@@ -16,7 +16,7 @@ from tiny_run import TINY_MODEL, TINY_RUN, TINY_SEG
 import linvit
 from linvit.engine import TASKS, build_task, load_config, register_task, train
 from linvit.engine.config import ARCHITECTURE_KEYS, config_schema
-from linvit.engine.tasks import Stage, StagedRun, architecture_keys, task_of_logits
+from linvit.engine.tasks import Stage, StagedRun, architecture_keys, predicted_tasks, task_of_logits
 from linvit.engine.tasks.classification import ClassificationTask
 
 PACKAGE = Path(linvit.__file__).resolve().parent
@@ -42,10 +42,12 @@ def test_the_classifier_key_and_logits_rank_are_those_of_the_model_the_task_buil
 
 def test_ranks_no_task_predicts_name_no_task_and_every_unpredicted_task_says_why():
     assert task_of_logits(3) is None and task_of_logits(0) is None
-    # detection predicts boxes, not logits: predict.py takes its runs (tests/tools/test_predict_detection.py)
-    unpredicted = [name for name in TASKS.names() if name not in [*PREDICTING, 'linearize', 'detection']]
+    # detection predicts boxes and depth values per pixel, not logits: predict.py takes their runs
+    # (tests/tools/test_predict_detection.py, tests/test_predict_depth.py); a linearization's, as the task it linearized
+    assert predicted_tasks() == ['classification', 'detection', 'segmentation', 'depth']
+    assert TASKS.get('detection').predicts_boxes and TASKS.get('depth').predicts_values
+    unpredicted = [name for name in TASKS.names() if name not in [*predicted_tasks(), 'linearize']]
     assert unpredicted and all(TASKS.get(name).not_predicted for name in unpredicted)
-    assert not TASKS.get('detection').not_predicted
 
 
 @pytest.mark.parametrize('name', TASKS.names())

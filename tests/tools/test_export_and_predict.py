@@ -208,7 +208,7 @@ def test_predict_refuses_an_autoregressive_run(predict_tool, tmp_path, capsys):
                              'train.max_steps=1', f'output_dir={out}']))
     _write_images(tmp_path / 'in', [(32, 32)])
     assert predict_tool.main([str(out), str(tmp_path / 'in')]) == 2
-    assert ("task='autoregressive' run; predict.py takes classification, detection and segmentation runs"
+    assert ("task='autoregressive' run; predict.py takes classification, detection, segmentation and depth runs"
             in capsys.readouterr().err)
 
 

@@ -24,13 +24,14 @@ from .base import (
     create_model_from_config,
     list_tasks,
     normalization_of,
+    predicted_tasks,
     register_task,
     task_of_logits,
 )
 
 __all__ = ['Task', 'Stage', 'StagedRun', 'TASKS', 'register_task', 'list_tasks', 'build_task', 'architecture_keys',
-           'task_of_logits', 'create_model_from_config', 'normalization_of', 'classification', 'segmentation',
-           'autoregressive', 'linearize', 'detection']
+           'task_of_logits', 'predicted_tasks', 'create_model_from_config', 'normalization_of', 'classification',
+           'segmentation', 'autoregressive', 'linearize', 'detection']
 
 
 def _import_every_task_module() -> None:

@@ -4,8 +4,8 @@ A task builds its datasets, model, training loss, batch mixing and metrics from 
 batch into a meter, and draws its pictures; the loop in ``linvit.engine.trainer`` is written once for all of them.
 It also says what the rest of linvit needs to know about it, so that nothing outside the task tests its name: the
 config keys its weights are built with (``architecture_keys``), the weight whose rows are its classes
-(``classifier_key``), what prediction and ONNX export read from its models (``logits_rank``,
-``prediction_defaults``), and whether it trains in stages (``staged_run``: linearize).
+(``classifier_key``), what prediction and ONNX export read from its models (``logits_rank``, ``predicts_boxes``,
+``predicts_values``, ``prediction_defaults``), and whether it trains in stages (``staged_run``: linearize).
 A task is one module of this package that subclasses ``Task`` and decorates it with ``@register_task``; the
 package's ``__init__`` imports every such module, so ``TASKS`` is complete as soon as ``linvit.engine`` is imported.
 """
@@ -35,7 +35,8 @@ from ..config import ARCHITECTURE_KEYS, ConfigError, config_choice
 from ..metrics import Meter
 
 __all__ = ['Task', 'Stage', 'StagedRun', 'TASKS', 'register_task', 'list_tasks', 'input_multiple',
-           'nearest_multiples', 'build_task', 'architecture_keys', 'task_of_logits', 'create_model_from_config',
+           'nearest_multiples', 'build_task', 'architecture_keys', 'task_of_logits', 'predicted_tasks',
+           'create_model_from_config',
            'normalization_of', 'model_keywords', 'ModelSource', 'model_source']
 
 _logger = logging.getLogger('linvit.train')
@@ -72,7 +73,10 @@ class Task:
     logits_rank: int = 0
     #: whether its models predict boxes (a detector: per image {'boxes', 'scores', 'labels'}) rather than logits
     predicts_boxes: bool = False
-    #: why tools/predict.py does not take its runs ('' when it does: classification, segmentation, detection)
+    #: whether its models predict a value per pixel rather than labels: one output channel [B, 1, H, W], the log of
+    #: the value; ``prediction_defaults()['values']`` says which value and how it is stored (depth)
+    predicts_values: bool = False
+    #: why tools/predict.py does not take its runs ('' when it does: ``predicted_tasks``)
     not_predicted: str = ''
     #: whether data.img_size may be [height, width] (non-square images); a task that takes one side refuses a pair
     #: when it is built (``check_square_size``)
@@ -169,7 +173,9 @@ class Task:
         return self
 
     def prediction_defaults(self) -> Dict[str, Any]:
-        """How prediction runs its model unless told otherwise (segmentation: seg.eval's mode, window, stride)."""
+        """How prediction runs its model unless told otherwise (segmentation: seg.eval's mode, window, stride), and
+        what it writes: a ``predicts_values`` task's 'values' are {'name': the value (file names, messages), 'unit',
+        'png_scale': the value of one unit of a 16-bit PNG} (JSON, as ONNX files record them)."""
         return {}
 
     def final_run_dir(self, run_dir: str) -> str:
@@ -241,6 +247,13 @@ def architecture_keys(task_name: str) -> Tuple[str, ...]:
     task's own ``architecture_keys`` (none for a name no task has: building it fails later, with its own message)."""
     task = TASKS.find(task_name)
     return tuple(ARCHITECTURE_KEYS) + (tuple(task.architecture_keys) if task is not None else ())
+
+
+def predicted_tasks() -> List[str]:
+    """The tasks whose runs tools/predict.py takes, in registration order: their models predict labels
+    (``logits_rank``), boxes or values per pixel, and they give no ``not_predicted`` reason."""
+    return [name for name, task in TASKS.items()
+            if (task.logits_rank or task.predicts_boxes or task.predicts_values) and not task.not_predicted]
 
 
 def task_of_logits(rank: int) -> Optional[str]:

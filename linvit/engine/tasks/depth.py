@@ -11,6 +11,9 @@ absolute error of exp(output). Pixels whose depth is 0, NaN, inf or beyond ``dat
 metric. Metrics (``linvit.engine.depth``): AbsRel, SqRel, RMSE, RMSE log, log10 and delta < 1.25^i per image over its
 valid pixels, averaged over images, on the target space; ``depth.align=true`` adds the same metrics after a
 least-squares scale and shift per image (MiDaS's affine-invariant evaluation), under ``aligned_*`` keys.
+``tools/predict.py`` writes a run's depth maps at each image's full size (``linvit.predict.depth_images``): the task
+declares ``predicts_values`` and says in ``prediction_defaults()['values']`` what they are and how a 16-bit PNG stores
+them (value / data.depth_scale).
 """
 import math
 from dataclasses import dataclass
@@ -74,10 +77,9 @@ class DepthTask(SegmentationTask):
     name = 'depth'
     main_metric = 'delta1'
     metric_columns = ('abs_rel', 'rmse', 'delta1')
-    # values, not labels: no per-pixel cross-entropy for context parallelism, no class ids for prediction
+    # values, not labels: no per-pixel cross-entropy for context parallelism; prediction writes maps of values
     logits_rank = 0
-    not_predicted = ("tools/predict.py does not write depth maps yet; evaluate a depth run with train.py --eval-only "
-                     "RUN/best.pt")
+    predicts_values = True
 
     def build_datasets(self, mean: Sequence[float], std: Sequence[float],
                        with_train: bool = True) -> Tuple[Optional[Dataset], Dataset, List[str]]:
@@ -101,6 +103,17 @@ class DepthTask(SegmentationTask):
 
     def describe_evaluation(self) -> str:
         return super().describe_evaluation() + f", {self.cfg.depth.target} metrics"
+
+    def prediction_defaults(self) -> Dict[str, Any]:
+        """seg.eval's mode, window and stride, and the values: depth in metres or disparity in 1/metres
+        (``depth.target``); a 16-bit PNG stores value / data.depth_scale (the integer files' 0.001 when null), so it
+        reads back as the run's training maps do."""
+        from ...data.depth import INTEGER_DEPTH_SCALE  # here: albumentations is a heavy import
+        target, scale = self.cfg.depth.target, self.cfg.data.depth_scale
+        values = {'name': target, 'unit': 'm' if target == 'depth' else '1/m',
+                  'png_scale': INTEGER_DEPTH_SCALE if scale is None else float(scale),
+                  'larger_is_nearer': target == 'disparity'}
+        return {**super().prediction_defaults(), 'values': values}
 
     def predict_target(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """The predicted depth (or disparity) [B, H, W] float32 of images [B, 3, H, W], as ``seg.eval`` says."""
