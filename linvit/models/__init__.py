@@ -1,6 +1,7 @@
 """The timm models ``linvit_*`` and conversion of timm softmax ViTs to linear attention.
 
-Importing this package registers the models with timm (``timm.list_models('linvit_*')``).
+Importing this package registers the models with timm (``timm.list_models('linvit_*')``), each also with the tag
+``.pyramid`` whose ``features_only`` model is the simple feature pyramid (``PyramidFeatureNet``).
 """
 from .bounded import (
     bounded_forward_features,
@@ -12,6 +13,7 @@ from .bounded import (
 )
 from .context import ContextParallel, RowShards
 from .convert import convert_to_linear, linear_attention_from_softmax
+from .feature_net import PYRAMID_TAG, PyramidFeatureNet
 from .linvit import (
     BLOCK_TYPES,
     LinearAttentionBlock,
@@ -28,4 +30,4 @@ __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionB
            'linear_attention_from_softmax', 'SegmentationModel', 'SimpleFeaturePyramid', 'MLPHead', 'SEG_HEADS',
            'bounded_forward_features', 'bounded_forward_intermediates', 'bounded_unsupported_reason',
            'iter_bounded_segment', 'bounded_segment', 'bounded_segment_unsupported_reason', 'ContextParallel',
-           'RowShards']
+           'RowShards', 'PyramidFeatureNet', 'PYRAMID_TAG']

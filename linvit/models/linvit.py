@@ -24,6 +24,10 @@ qk_norm, init_values, ...), the attention is chosen by:
 The model hands the patch grid (H, W) of the current image to every block, so local mixing works at any size,
 square or not, with ``dynamic_img_size=True``. Parameter names equal timm's ViT, so a softmax ViT checkpoint of the
 same width and depth loads strictly apart from the ``local_mix`` tensors (see ``checkpoint_filter_fn``).
+
+``features_only=True`` gives the stride-p block maps, as for timm's ViT; the tag ``.pyramid`` of every name
+(``'linvit_small_patch16_224.pyramid'``) gives the simple feature pyramid instead, 4 levels at p/4, p/2, p, 2p: a
+hierarchical encoder for timm clients such as segmentation_models_pytorch (``linvit.models.feature_net``).
 """
 import logging
 import os
@@ -46,6 +50,7 @@ from ..layers.family import resolve_family
 from ..layers.linear_attention import causal_call
 from ..ops import CausalState
 from ..registry import Registry
+from .feature_net import PYRAMID_DESCRIPTION, PYRAMID_TAG, features_only_cfg
 
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'BLOCK_TYPES', 'BlockType',
            'RecurrentState', 'resolve_softmax_blocks', 'block_types', 'patch_grid', 'check_image_size',
@@ -515,13 +520,13 @@ def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinearVi
         _check_pretrained_source(variant, kwargs)
     else:
         _warn_ignored_overlay_file(variant, kwargs)
-    out_indices = kwargs.pop('out_indices', 3)
+    feature_cfg = features_only_cfg(variant, kwargs)  # the plain names: timm's ViT; '.pyramid': the pyramid
     return build_model_with_cfg(
         LinearVisionTransformer,
         variant,
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+        feature_cfg=feature_cfg,
         **kwargs,
     )
 
@@ -544,13 +549,19 @@ def _cfg(**kwargs) -> Dict[str, Any]:
     }
 
 
-default_cfgs = generate_default_cfgs({
+_PLAIN_CFGS = {
     'linvit_tiny_patch16_224': _cfg(),
     'linvit_small_patch16_224': _cfg(),
     'linvit_base_patch16_224': _cfg(),
     # high-resolution defaults: dynamic_img_size=True, so any size (non-square too) is accepted
     'linvit_small_patch16_512': _cfg(input_size=(3, 512, 512), crop_pct=1.0, fixed_input_size=False),
     'linvit_base_patch16_1024': _cfg(input_size=(3, 1024, 1024), crop_pct=1.0, fixed_input_size=False),
+}
+# every name also as 'name.pyramid', the same model whose features_only form is the simple feature pyramid
+# (linvit.models.feature_net); listed after the plain cfgs, so that the plain cfg stays each name's default
+default_cfgs = generate_default_cfgs({
+    **_PLAIN_CFGS,
+    **{f'{name}.{PYRAMID_TAG}': dict(cfg, description=PYRAMID_DESCRIPTION) for name, cfg in _PLAIN_CFGS.items()},
 })
 
 

@@ -216,12 +216,16 @@ class ViTPyramid(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.backbone.set_grad_checkpointing(enable)
 
+    def block_maps(self, images: torch.Tensor) -> Dict[int, torch.Tensor]:
+        """The backbone maps the levels read, by block: each [B, C, H/p, W/p] (before the final norm)."""
+        taken = self.backbone.forward_intermediates(images, indices=self.take_blocks, norm=False, output_fmt='NCHW',
+                                                    intermediates_only=True)
+        return dict(zip(self.take_blocks, taken))
+
     def forward_features(self, images: torch.Tensor) -> List[torch.Tensor]:
         """The levels: 4 maps [B, neck_dim, H/s, W/s], strides p/4, p/2, p, 2p (one map at stride p without the
         neck)."""
-        taken = self.backbone.forward_intermediates(images, indices=self.take_blocks, norm=False, output_fmt='NCHW',
-                                                    intermediates_only=True)
-        by_block = dict(zip(self.take_blocks, taken))
+        by_block = self.block_maps(images)
         return [self.level(index, by_block) for index in range(len(self.level_inputs))]
 
 
