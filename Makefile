@@ -13,7 +13,7 @@ MUTATION_WORKERS ?= 2
 # mutant name patterns for make mutation (empty: every module of the target), e.g. 'linvit.layers.families.*'
 MUTANTS ?=
 
-.PHONY: setup demo demo-cls demo-context test lint bench gpu-check gpu-quality gpu-prep triton-compat gpu-stack-test mutation clean
+.PHONY: setup demo demo-cls demo-context demo-depth test lint bench gpu-check gpu-quality gpu-prep triton-compat gpu-stack-test mutation clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,12 @@ demo-cls: $(STAMP)
 # one model segmenting the validation images whole and in sliding windows of half the side; mIoU of each, pictures
 demo-context: $(STAMP)
 	$(PY) tools/context_demo.py --out runs/seg_context_demo
+
+# the same for depth: configs/depth_demo.yaml (ground-plane scenes: a box is as far as the ground it stands on)
+# trained into runs/depth_context_demo (384 steps, minutes on 2 cores); AbsRel, RMSE and delta1 of the validation
+# scenes whole, in windows of half the side and as the training set's mean depth everywhere; pictures with the error
+demo-depth: $(STAMP)
+	$(PY) tools/context_demo.py --config configs/depth_demo.yaml --out runs/depth_context_demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check linvit tests tools train.py

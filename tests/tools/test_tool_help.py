@@ -6,7 +6,7 @@ from conftest import load_tool
 
 
 @pytest.fixture(scope='module')
-def parsers(bench, prof, forward, export_tool, predict_tool, causal_bench):
+def parsers(bench, prof, forward, export_tool, predict_tool, causal_bench, context_demo_tool):
     return {'bench_attention': bench.build_parser(), 'profile_resolution': prof.build_parser(),
             'profile_forward': forward.build_parser(), 'export_onnx': export_tool.build_parser(),
             'predict': predict_tool.build_parser(), 'bench_causal': causal_bench.build_parser(),
@@ -15,7 +15,8 @@ def parsers(bench, prof, forward, export_tool, predict_tool, causal_bench):
             'quality_check': load_tool('quality_check').build_parser(),
             'bench_data': load_tool('bench_data').build_parser(),
             'vit_coverage': load_tool('vit_coverage').build_parser(),
-            'export_hub': load_tool('export_hub').build_parser()}
+            'export_hub': load_tool('export_hub').build_parser(),
+            'context_demo': context_demo_tool.build_parser()}
 
 
 def _options(parser):
