@@ -468,8 +468,13 @@ def test_ctrl_c_during_a_checkpoint_write_waits_for_the_whole_file(tmp_path, mon
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the write
         real_save(state, f)
 
+    # Ctrl-C as in a terminal, whether or not this suite was started with SIGINT ignored (in the background)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     monkeypatch.setattr(torch, 'save', save_interrupted)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(path, {'step': 7, 'weights': torch.arange(4.0)})
+        try:
+            save_checkpoint(path, {'step': 7, 'weights': torch.arange(4.0)})
+        finally:
+            signal.signal(signal.SIGINT, previous)
     loaded = load_checkpoint(path)
     assert loaded['step'] == 7 and torch.equal(loaded['weights'], torch.arange(4.0))
