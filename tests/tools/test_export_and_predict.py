@@ -3,6 +3,7 @@
 predictions from PyTorch and from ONNX against the model run directly, masks at the input's size, a corrupt file
 named and skipped, the precision flag."""
 import csv
+import hashlib
 
 import albumentations as A
 import numpy as np
@@ -111,6 +112,9 @@ def test_export_of_a_trained_classifier_and_onnx_predictions(export_tool, predic
     assert 'onnxruntime ms' in out and 'eager/ort' in out
     meta = read_metadata(onnx_path)
     assert meta['class_names'] == read_class_names(cls_run) and meta['task'] == 'classification'
+    weights = cls_run / 'model.safetensors'   # a run folder's export is tied to its weights file (test_stale_onnx_cli)
+    assert meta['weights'] == str(weights.resolve())
+    assert meta['weights_sha256'] == hashlib.sha256(weights.read_bytes()).hexdigest()
     images = _write_images(tmp_path / 'in', [(45, 61)], seed=3)
     status = predict_tool.main([str(onnx_path), str(images[0]), '--out', str(tmp_path / 'pred'), '--top-k', '3'])
     assert status == 0
