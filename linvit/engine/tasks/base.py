@@ -36,7 +36,7 @@ from ..metrics import Meter
 
 __all__ = ['Task', 'Stage', 'StagedRun', 'TASKS', 'register_task', 'list_tasks', 'input_multiple',
            'nearest_multiples', 'build_task', 'architecture_keys', 'task_of_logits', 'predicted_tasks',
-           'create_model_from_config',
+           'create_model_from_config', 'picture_indices',
            'normalization_of', 'model_keywords', 'ModelSource', 'model_source']
 
 _logger = logging.getLogger('linvit.train')
@@ -204,6 +204,13 @@ class Task:
 
     def write_report(self, out_dir: str, report: Dict[str, Any]) -> None:
         """Files and log lines of a staged task's report besides metrics.json (rank 0 only)."""
+
+
+def picture_indices(length: int, count: int) -> List[int]:
+    """The indices of the ``min(count, length)`` samples of a data set of ``length`` that a task's pictures show:
+    spread evenly from the first to the last, the same ones at every evaluation."""
+    count = min(count, length)
+    return [round(i * (length - 1) / max(count - 1, 1)) for i in range(count)]
 
 
 def input_multiple(model: nn.Module) -> int:

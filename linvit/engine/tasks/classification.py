@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from ..metrics import ClassificationMeter, Meter
 from ..plots import plot_confusion_matrix, plot_prediction_grid
-from .base import Task, create_model_from_config, register_task
+from .base import Task, create_model_from_config, picture_indices, register_task
 
 __all__ = ['ClassificationTask']
 
@@ -78,16 +78,15 @@ class ClassificationTask(Task):
     @torch.no_grad()
     def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
                       mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
-        count = min(PICTURE_COUNT, len(dataset))
         # evenly spread over the set: folder datasets are sorted by class, so the first images share one class
-        indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]
+        indices = picture_indices(len(dataset), PICTURE_COUNT)
         samples = [dataset[(index, 0)] for index in indices]
         images = torch.stack([image for image, _ in samples])
         labels = torch.tensor([label for _, label in samples])
         with autocast():
             probs = model(images.to(device)).float().softmax(dim=-1).cpu()
         plot_prediction_grid(images, mean, std, labels, probs.argmax(dim=-1), class_names, png_path, probs=probs,
-                             max_images=count)
+                             max_images=len(indices))
 
     def plot_evaluation(self, meter: Meter, class_names: List[str], png_path: str) -> bool:
         """The confusion matrix of the evaluation (rows: true class, columns: top-1 prediction); False when the

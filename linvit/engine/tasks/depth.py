@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from ..config import config_choice, config_section
 from ..depth import DEPTH_LOSSES, DepthMeter, valid_depth
 from ..metrics import Meter
-from .base import register_task
+from .base import picture_indices, register_task
 from .segmentation import SegmentationTask, create_segmentation_model
 
 __all__ = ['DepthTask', 'DepthConfig', 'DepthLoss', 'to_target_space']
@@ -136,8 +136,7 @@ class DepthTask(SegmentationTask):
     def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
                       mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
         from ..plots import plot_depth_grid
-        count = min(PICTURE_COUNT, len(dataset))
-        indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]
+        indices = picture_indices(len(dataset), PICTURE_COUNT)
         images, truths, predictions = [], [], []
         for index in indices:
             image, depth = dataset[(index, 0)]

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from ...data import image_size
 from ..config import ConfigError, config_choice, config_section
 from ..metrics import COCO_BOX_METRICS, MASK_PREFIX, DetectionMeter
-from .base import Task, create_model_from_config, register_task
+from .base import Task, create_model_from_config, picture_indices, register_task
 
 __all__ = ['DetectionTask', 'DetectionConfig', 'summed_losses']
 
@@ -198,8 +198,7 @@ class DetectionTask(Task):
     def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
                       mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
         from ..plots import plot_detection_grid
-        count = min(PICTURE_COUNT, len(dataset))
-        samples = [dataset[(round(i * (len(dataset) - 1) / max(count - 1, 1)), 0)] for i in range(count)]
+        samples = [dataset[(index, 0)] for index in picture_indices(len(dataset), PICTURE_COUNT)]
         images = torch.stack([image for image, _ in samples])
         with autocast():
             found = model(images.to(device))

@@ -23,7 +23,7 @@ from ...models.segmentation import SegmentationModel, class_ids
 from ..config import ConfigError, config_choice, config_section
 from ..metrics import Meter, SegmentationMeter
 from ..plots import plot_confusion_matrix, plot_segmentation_grid
-from .base import Task, create_model_from_config, input_multiple, nearest_multiples, register_task
+from .base import Task, create_model_from_config, input_multiple, nearest_multiples, picture_indices, register_task
 
 __all__ = ['SegmentationTask', 'SegmentationLoss', 'SegConfig', 'SegEvalConfig', 'dice_loss',
            'create_segmentation_model']
@@ -224,8 +224,7 @@ class SegmentationTask(Task):
     @torch.no_grad()
     def save_pictures(self, model: nn.Module, dataset: Dataset, class_names: List[str], png_path: str,
                       mean: Sequence[float], std: Sequence[float], device: torch.device, autocast: Any) -> None:
-        count = min(PICTURE_COUNT, len(dataset))
-        indices = [round(i * (len(dataset) - 1) / max(count - 1, 1)) for i in range(count)]
+        indices = picture_indices(len(dataset), PICTURE_COUNT)
         images, masks, predictions = [], [], []
         for index in indices:
             image, mask = dataset[(index, 0)]
@@ -236,7 +235,7 @@ class SegmentationTask(Task):
             predictions.append(class_ids(logits[0], dim=0).cpu())
         # a dataset may bring colours that match its class names (the built-in shapes: red-key in red)
         plot_segmentation_grid(images, mean, std, masks, predictions, class_names, png_path,
-                               ignore_index=self.cfg.data.ignore_index, max_images=count,
+                               ignore_index=self.cfg.data.ignore_index, max_images=len(indices),
                                palette=getattr(dataset, 'palette', None))
 
     def plot_evaluation(self, meter: Meter, class_names: List[str], png_path: str) -> bool:
