@@ -13,7 +13,7 @@ MUTATION_WORKERS ?= 2
 # mutant name patterns for make mutation (empty: every module of the target), e.g. 'linvit.layers.families.*'
 MUTANTS ?=
 
-.PHONY: setup demo demo-cls demo-context demo-depth test lint bench gpu-check gpu-quality gpu-prep triton-compat gpu-stack-test mutation clean
+.PHONY: setup demo demo-cls demo-context demo-depth test lint bench gpu-check gpu-quality quality-grid gpu-prep triton-compat gpu-stack-test mutation clean
 
 setup: $(STAMP)
 
@@ -96,11 +96,25 @@ gpu-check:
 # quality at high resolution (docs/benchmarks.md: GPU check): linvit against timm's softmax ViT trained by the engine
 # (Tiny and Small at 512 px, equal steps; at 1024 px, equal seconds; a ViT-S teacher linearized at 1024 px) on
 # Fashion-MNIST canvases rendered from the IDX files in FMNIST_DIR, in at most 5 minutes -> runs/quality_check/.
-# Installs nothing; the same python as gpu-check.
+# Then the quality grid at 512 px (docs/benchmarks.md: Quality grid) -> runs/quality_grid/, with one seed: its 23
+# runs (every configuration once) take ~6 minutes, ~11 in all. A GPU run is ~15 s, half of it the process's start
+# (imports, CUDA, caches) and ~6 s of training (156 steps), so the 3-seed grid's 69 runs need ~17 minutes whatever
+# the steps: fewer seeds, not fewer steps, is what fits one 10-minute command. For the 3 seeds run
+# tools/quality_check.py --grid gpu --device cuda:0 alone. The grid exits 1 while a configuration errors (a row says
+# why), so it goes last. Installs nothing; the same python as gpu-check.
 GPU_QUALITY_ARGS ?=
+GPU_GRID_ARGS ?= --seeds 1
 gpu-quality:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/quality_check.py --device cuda:0 \
 		--fmnist-dir $(FMNIST_DIR) $(GPU_QUALITY_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/quality_check.py --grid gpu --device cuda:0 \
+		--fmnist-dir $(FMNIST_DIR) $(GPU_GRID_ARGS)
+
+# the quality grid on this CPU (docs/benchmarks.md: Quality grid): softmax and every linear configuration, local mix
+# on and off, 3 seeds, classification and segmentation at 128 px with depth-4 models, 69 runs one after another in
+# about an hour on 2 cores -> runs/quality_grid/ (quality_grid.md, .csv, .png)
+quality-grid: $(STAMP)
+	$(PY) tools/quality_check.py --grid cpu --device cpu --fmnist-dir $(FMNIST_DIR)
 
 # what a GPU machine lacks, for the device's run to carry (git-ignored via .git/info/exclude): .whl/ holds the cp312
 # wheels of the training stack the GPU image does not ship (versions from the constraints), .gpudata/ the

@@ -30,13 +30,27 @@ steps, ahead of it at equal seconds, and the linearized model at 98% or more of 
     results  a run's metrics.csv and metrics.json read back into its row
     report   quality_check.md (also printed), quality_check.csv, quality_check.png
 
+The quality grid (``tools/quality_check.py --grid cpu|gpu``) trains every linear configuration (local mix on and
+off) and the softmax ViT on the same recipe, steps and seeds, for classification and segmentation, and reports each
+configuration's mean and spread over the seeds and its gap to softmax:
+
+    settings = GridSettings(grid='cpu', device='cpu').resolved()   # or grid='gpu', device='cuda:0'; quick=True
+    status = run_quality_grid(settings, start=time.time())       # writes settings.out/quality_grid.{md,csv,png}
+
+    grid         the configurations (CONFIGS), tasks, presets (cpu, gpu, quick), the runs and their jobs
+    grid_runner  the sets, every run in its own process one after another, ``run_quality_grid``
+    grid_report  quality_grid.md (also printed), quality_grid.csv, quality_grid.png
+
 Output in ``out``: those three files, logs/ (each process's output) and runs/ (the run folders).
 ``run_quality_check`` returns 1 when a run failed with an error (not when it was cut or skipped for time), else 0.
 
 Imports at module level are the standard library and linvit's light modules; the prepare step imports linvit's data
 and engine (the training stack), the probe and the runs' processes torch and timm, the report matplotlib.
 """
+from .grid import CONFIGS, GRID_PRESETS, QUICK_GRID, GridSettings
+from .grid_runner import run_quality_grid
 from .plan import DEFAULT_FMNIST_DIR, FULL, PIPELINES, QUICK, QualitySettings
 from .runner import run_quality_check
 
-__all__ = ['DEFAULT_FMNIST_DIR', 'FULL', 'PIPELINES', 'QUICK', 'QualitySettings', 'run_quality_check']
+__all__ = ['DEFAULT_FMNIST_DIR', 'FULL', 'PIPELINES', 'QUICK', 'QualitySettings', 'run_quality_check', 'CONFIGS',
+           'GRID_PRESETS', 'QUICK_GRID', 'GridSettings', 'run_quality_grid']

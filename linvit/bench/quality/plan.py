@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ['DEFAULT_FMNIST_DIR', 'PIPELINES', 'REPORT_RESERVE_S', 'WARMUP_FRACTION', 'STAGE1_FRACTION', 'SKIPPED',
-           'CUT', 'MODEL_LABELS', 'TEACHER_MODEL', 'STUDENT_FEATURE_MAP', 'QualitySettings', 'Canvas', 'Preset',
-           'RunSpec', 'RUNS', 'RUN_BY_KEY', 'GROUPS', 'NEEDS_TEACHER', 'FULL', 'QUICK', 'ProbeCase', 'probe_case',
-           'probe_cases', 'RunPlan', 'schedule', 'training_seconds', 'group_seconds', 'planned', 'plan_group',
-           'run_dir']
+           'CUT', 'MODEL_LABELS', 'TEACHER_MODEL', 'STUDENT_FEATURE_MAP', 'QualitySettings', 'Canvas', 'SegSet',
+           'Preset', 'RunSpec', 'RUNS', 'RUN_BY_KEY', 'GROUPS', 'NEEDS_TEACHER', 'FULL', 'QUICK', 'ProbeCase',
+           'probe_case', 'probe_cases', 'RunPlan', 'schedule', 'training_seconds', 'group_seconds', 'planned',
+           'plan_group', 'run_dir']
 
 DEFAULT_FMNIST_DIR = os.environ.get('FMNIST_DIR', '/usr/share/datasets/fashion-mnist')
 #: config overrides of each input pipeline: the decoded-image cache with batched augmentation on the device, or
@@ -69,6 +69,19 @@ class Canvas:
     @property
     def steps_per_epoch(self) -> int:
         return (10 * self.train_per_class) // self.batch  # training drops the last partial batch
+
+
+@dataclass(frozen=True)
+class SegSet:
+    """One rendered segmentation set (the quality grid's): canvas side (px), train and val images, and the batch."""
+    px: int
+    train_images: int
+    val_images: int
+    batch: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.train_images // self.batch  # training drops the last partial batch
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,10 @@ and lr 5e-4 on cluttered canvases, reached 12-16% top-1 after 2-3 epochs):
   runs);
 - bfloat16 autocast on CUDA, eager steps (compiling would cost more of a five-minute budget than it saves).
 
+``SEG_RECIPE`` is the quality grid's segmentation recipe (``grid``): RECIPE's optimizer, warmup, cosine, clipping and lr
+rule on the Fashion-MNIST segmentation canvases, with configs/seg_fmnist_hires.yaml's augmentation (random scale
+0.75-1.5 and crop; no flips, as for classification) and the mlp head evaluated on whole images.
+
 ``LINEARIZE_RECIPE`` (``configs/linearize_cls_fmnist.yaml`` as a file) linearizes the trained teacher: stage 1
 trains each layer's hedgehog feature map to imitate the teacher's attention, stage 2 fine-tunes every tensor with
 the task loss plus distillation; the check sets its steps, data and size.
@@ -47,8 +51,8 @@ from .plan import (
     run_dir,
 )
 
-__all__ = ['RECIPE', 'LINEARIZE_RECIPE', 'CLIP_GRAD', 'LABEL_SMOOTHING', 'learning_rate', 'common_overrides',
-           'schedule_overrides', 'train_job', 'linearize_job', 'eval_job', 'job_of']
+__all__ = ['RECIPE', 'SEG_RECIPE', 'LINEARIZE_RECIPE', 'CLIP_GRAD', 'LABEL_SMOOTHING', 'learning_rate',
+           'common_overrides', 'schedule_overrides', 'train_job', 'linearize_job', 'eval_job', 'job_of']
 
 _FOLDER_DATA = {'name': 'folder', 'root': '???', 'num_workers': 2}
 _NO_CROPS_NO_FLIPS = {'random_resized_crop': False, 'scale': [0.5, 1.0], 'hflip': 0.0}
@@ -61,6 +65,16 @@ RECIPE: Dict[str, Any] = {
     'data': {**_FOLDER_DATA, 'img_size': 512, 'batch_size': 128,
              'aug': {**_NO_CROPS_NO_FLIPS, 'label_smoothing': 0.1}},
     'train': {**_ADAMW_COSINE, 'epochs': 8, 'lr': 1.0e-3, 'warmup_epochs': 0.8, 'clip_grad': 1.0, 'pictures': False},
+}
+#: the quality grid's segmentation runs: linvit or timm's softmax ViT as the backbone of the mlp head (RunConfig's keys)
+SEG_RECIPE: Dict[str, Any] = {
+    'task': 'segmentation', 'seed': 0, 'device': 'auto',
+    'model': {'name': 'linvit_tiny_patch16_224', 'drop_path_rate': 0.0},
+    'data': {**_FOLDER_DATA, 'img_size': 512, 'batch_size': 32, 'ignore_index': 255,
+             'aug': {'scale_range': [0.75, 1.5], 'hflip': 0.0, 'color_jitter': 0.0}},
+    'seg': {'head': 'mlp', 'neck_dim': 128, 'head_dim': 128, 'eval': {'mode': 'whole'}},
+    # RECIPE's lr rule at batch 32 (5e-4, also configs/seg_fmnist_hires.yaml's lr)
+    'train': {**_ADAMW_COSINE, 'epochs': 8, 'lr': 5.0e-4, 'warmup_epochs': 0.8, 'clip_grad': 1.0, 'pictures': False},
 }
 #: the teacher (a softmax ViT trained by RECIPE) turned into linear attention, both stages (RunConfig's keys)
 LINEARIZE_RECIPE: Dict[str, Any] = {
@@ -75,22 +89,24 @@ CLIP_GRAD = RECIPE['train']['clip_grad']  # the probe clips as the runs do
 LABEL_SMOOTHING = RECIPE['data']['aug']['label_smoothing']
 
 
-def learning_rate(batch: int) -> float:
-    """RECIPE's lr scaled from its batch to ``batch`` with the square root (Adam-type optimizers)."""
-    return RECIPE['train']['lr'] * math.sqrt(batch / RECIPE['data']['batch_size'])
+def learning_rate(batch: int, recipe: Dict[str, Any] = RECIPE) -> float:
+    """The recipe's lr scaled from its batch to ``batch`` with the square root (Adam-type optimizers)."""
+    return recipe['train']['lr'] * math.sqrt(batch / recipe['data']['batch_size'])
 
 
-def common_overrides(settings: QualitySettings, preset: Preset) -> List[str]:
-    """What every run of the check sets: the device and its precision, the input pipeline, workers, threads, no
-    pictures (they cost seconds of the budget), the seed."""
+def common_overrides(settings: QualitySettings, preset: Preset, seed: int = 0) -> List[str]:
+    """What every run of the check (and of the grid, whose presets also have ``workers`` and ``threads``) sets: the
+    device and its precision, the input pipeline, workers, threads, no pictures (they cost seconds of the budget),
+    the seed."""
     precision = 'bfloat16' if settings.device.startswith('cuda') else 'float32'
     overrides = [f"device={settings.device}", f"train.precision={precision}", f"data.num_workers={preset.workers}",
-                 *PIPELINES[settings.pipeline], 'train.pictures=false', 'seed=0']
+                 *PIPELINES[settings.pipeline], 'train.pictures=false', f"seed={seed}"]
     return overrides + ([f"threads={preset.threads}"] if preset.threads else [])
 
 
 def schedule_overrides(plan: RunPlan, canvas: Canvas) -> List[str]:
-    """The run's epochs, step cap and warmup (WARMUP_FRACTION of its steps, in epochs)."""
+    """The run's epochs, step cap and warmup (WARMUP_FRACTION of its steps, in epochs); ``canvas``: any set with
+    ``steps_per_epoch`` (the grid's segmentation sets too)."""
     warmup = WARMUP_FRACTION * plan.steps / canvas.steps_per_epoch
     return [f"train.epochs={plan.epochs}", f"train.max_steps={plan.max_steps if plan.max_steps else 'null'}",
             f"train.warmup_epochs={warmup:.4g}"]

@@ -15,7 +15,8 @@ __all__ = ['Curve', 'read_curve', 'run_curve', 'describe', 'last_line', 'run_rec
 
 @dataclass
 class Curve:
-    """What a run's metrics.csv holds: (step, training seconds, top-1) at each evaluation, the training totals."""
+    """What a run's metrics.csv holds: (step, training seconds, top-1 or the run's metric) at each evaluation, the
+    training totals."""
     points: List[Tuple[int, float, float]] = dataclasses.field(default_factory=list)
     steps: int = 0
     train_s: float = 0.0
@@ -31,10 +32,11 @@ class Curve:
                      self.images + other.images, max(peaks) if peaks else None, self.data_wait_s + other.data_wait_s)
 
 
-def read_curve(path: Path, batch: int) -> Curve:
+def read_curve(path: Path, batch: int, metric: str = 'top1') -> Curve:
     """A run's Curve from its metrics.csv. A train row covers the steps since the row before it (the engine logs at
     every epoch's end, so no row spans an epoch boundary and its evaluation): its seconds are those steps' images
-    over its img_per_s. Evaluations are not training seconds."""
+    over its img_per_s. Evaluations are not training seconds; their ``metric`` column (top1, or a segmentation's
+    miou) gives the points."""
     curve = Curve()
     if not path.is_file():
         return curve
@@ -49,8 +51,8 @@ def read_curve(path: Path, batch: int) -> Curve:
             curve.data_wait_s += seconds * float(row.get('data_wait_frac') or 0.0)
             if row.get('peak_mem_mib'):
                 curve.peak_mem_mib = max(curve.peak_mem_mib or 0.0, float(row['peak_mem_mib']))
-        elif row['split'] == 'val' and row.get('top1'):
-            curve.points.append((step, curve.train_s, float(row['top1'])))
+        elif row['split'] == 'val' and row.get(metric):
+            curve.points.append((step, curve.train_s, float(row[metric])))
     return curve
 
 

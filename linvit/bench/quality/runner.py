@@ -36,7 +36,7 @@ from .recipe import job_of
 from .report import report
 from .results import describe, run_record
 
-__all__ = ['run_deadline', 'blocked', 'start_run', 'run_all', 'prepare', 'run_quality_check']
+__all__ = ['run_deadline', 'blocked', 'start_run', 'start_job', 'run_all', 'prepare', 'run_quality_check']
 
 
 def run_deadline(spec: RunSpec, plan: RunPlan, started: float, end: float, preset: Preset) -> float:
@@ -59,11 +59,16 @@ def blocked(spec: RunSpec, plans: Dict[str, Any], records: Dict[str, Dict[str, A
 
 
 def start_run(settings: QualitySettings, spec: RunSpec, job: Job) -> subprocess.Popen:
-    """The run's process (``python -m linvit.bench.quality.job``) in its own process group (killed whole at its
-    deadline), output in its log after the job it runs."""
-    shutil.rmtree(run_dir(settings, spec), ignore_errors=True)
-    run_dir(settings, spec).parent.mkdir(parents=True, exist_ok=True)
-    with open(Path(settings.out) / 'logs' / f"{spec.folder}.log", 'w') as log:
+    """The run's process (``start_job``), its log in out/logs/."""
+    return start_job(job, run_dir(settings, spec), Path(settings.out) / 'logs' / f"{spec.folder}.log")
+
+
+def start_job(job: Job, folder: Path, log_path: Path) -> subprocess.Popen:
+    """A job's process (``python -m linvit.bench.quality.job``) in its own process group (killed whole at its
+    deadline), a fresh run ``folder``, its output in ``log_path`` after the job it runs."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, 'w') as log:
         log.write(f"{job.kind}: {' '.join(job.overrides)}\n")
         log.flush()
         return subprocess.Popen(job.argv(), stdout=log, stderr=subprocess.STDOUT, env=child_env(),
