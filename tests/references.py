@@ -252,3 +252,97 @@ def bidirectional_ref(q, k, v, feature_map: str = 'elu1', decay=None, gate=None,
     pq, pk = phi(q.double()), phi(k.double())
     sim = torch.einsum('bhtc,bhjc,bhtjc->bhtj', pq, pk, w.expand(-1, -1, -1, -1, pq.shape[-1]))
     return (sim @ v.double()) / (sim.sum(-1, keepdim=True) + eps * n * len(orders))
+
+
+# ---- the 2025 recipe: normalisers, the norm-times-direction map, polarity-aware attention ----
+
+
+def normalized_weights_ref(sim: torch.Tensor, key_weights: torch.Tensor, normalizer: str,
+                           eps: float = 1e-6) -> torch.Tensor:
+    """The weight of key j for query i, [B, H, Nq, N], from the papers' formulas (float64). sim [B, H, Nq, N] holds
+    phi(q_i)^T phi(k_j), key_weights [B, H, N] the keys' weights w_j (0: dropped), C = sum_j w_j and
+    s_i = sum_j w_j sim_ij / C:
+
+    - divide: w_j sim_ij / (sum_j w_j sim_ij + eps C);
+    - inline (InLine): w_j (sim_ij - s_i + 1) / C: the mean similarity subtracted and 1 / N added;
+    - mala (MALA): w_j (beta_i sim_ij - gamma_i) / C with beta_i = 1 + 1 / (s_i + eps), gamma_i = s_i.
+    """
+    w = key_weights.double().unsqueeze(-2)                   # [B, H, 1, N]
+    count = w.sum(-1, keepdim=True).clamp_min(1e-300)        # [B, H, 1, 1]
+    s = (sim * w).sum(-1, keepdim=True) / count              # [B, H, Nq, 1]
+    if normalizer == 'divide':
+        return w * sim / (s * count + eps * count)
+    if normalizer == 'inline':
+        return w * (sim - s + 1.0) / count
+    if normalizer == 'mala':
+        return w * ((1.0 + 1.0 / (s + eps)) * sim - s) / count
+    raise ValueError(f"no reference for normalizer {normalizer!r}")
+
+
+def normalized_attention_ref(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, normalizer: str,
+                             key_weights: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
+    """sum_j weight_ij v_j with ``normalized_weights_ref``'s weights: phi_q [B, H, Nq, F], phi_k [B, H, N, F],
+    v [B, H, N, Dv], key_weights [B, H, N] (None: all 1) -> [B, H, Nq, Dv] float64. Dropped keys' values are zeroed
+    first (they may be non-finite)."""
+    b, h, n = phi_k.shape[:3]
+    w = torch.ones(b, h, n, dtype=torch.float64) if key_weights is None else key_weights.double()
+    v = torch.where(w.unsqueeze(-1) > 0, v.double(), 0.0)
+    phi_k = torch.where(w.unsqueeze(-1) > 0, phi_k.double(), 0.0)
+    return normalized_weights_ref(phi_q.double() @ phi_k.transpose(-2, -1), w, normalizer, eps) @ v
+
+
+def norm_direction_ref(x: torch.Tensor, sharpness: torch.Tensor) -> torch.Tensor:
+    """NaLaFormer-style map, float64: ||x|| * [cos(t), sin(t)] ** (1 + a_h ||x|| / sqrt(D)), t = pi / 4 (1 + x / ||x||)
+    (cos and sin of angles in [0, pi / 2], clamped at 0 against rounding); x [B, H, N, D], sharpness a [H] ->
+    [B, H, N, 2 D]; a zero row maps to zeros."""
+    x = x.double()
+    norm = x.pow(2).sum(-1, keepdim=True).sqrt()
+    unit = torch.where(norm > 0, x / torch.where(norm > 0, norm, 1.0), 0.0)
+    angle = 0.25 * torch.pi * (1.0 + unit)
+    exponent = 1.0 + sharpness.double().reshape(-1, 1, 1) * norm / x.shape[-1] ** 0.5
+    parts = [torch.exp(exponent * torch.log(f(angle).clamp_min(1e-300))) for f in (torch.cos, torch.sin)]
+    return norm * torch.cat(parts, dim=-1)
+
+
+def polarity_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor, scale: torch.Tensor,
+                 normalizer: str = 'divide', eps: float = 1e-6) -> torch.Tensor:
+    """PolaFormer's attention, float64, from the sign products of q and k: with y = x / scale and p the power
+    ([H, D] each), sim_same_ij = sum_d (y+_qd y+_kd)^p + (y-_qd y-_kd)^p and sim_opposite_ij = sum_d (y+_qd y-_kd)^p
+    + (y-_qd y+_kd)^p (y+ = max(y, 0), y- = max(-y, 0)); the first half of v's channels takes the same-sign weights,
+    the second half the opposite-sign ones, each normalised on its own. q, k, v [B, H, N, D] -> [B, H, N, D]."""
+    yq, yk = q.double() / scale.double()[:, None], k.double() / scale.double()[:, None]
+    p = power.double()[:, None]
+    qp, qn, kp, kn = (torch.clamp(t, min=0.0) ** p for t in (yq, -yq, yk, -yk))
+    same = torch.einsum('bhid,bhjd->bhij', qp, kp) + torch.einsum('bhid,bhjd->bhij', qn, kn)
+    opposite = torch.einsum('bhid,bhjd->bhij', qp, kn) + torch.einsum('bhid,bhjd->bhij', qn, kp)
+    half = v.shape[-1] // 2
+    w = torch.ones(v.shape[:3], dtype=torch.float64)
+    return torch.cat([normalized_weights_ref(same, w, normalizer, eps) @ v[..., :half].double(),
+                      normalized_weights_ref(opposite, w, normalizer, eps) @ v[..., half:].double()], dim=-1)
+
+
+# ---- a layer's projections, written out (the layer tests compare its mixing with the references above) ----
+
+
+def random_layer(cls, dim: int, num_heads: int, seed: int = 0, **options):
+    """A float64 ``cls(dim, num_heads=..., qkv_bias=True, **options)`` with every parameter drawn from N(0, 0.3^2),
+    so that no tensor sits at an initial value that could hide a term (a zero gate, an identity map)."""
+    torch.manual_seed(seed)
+    layer = cls(dim, num_heads=num_heads, qkv_bias=True, **options).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return layer
+
+
+def layer_qkv_ref(layer, x: torch.Tensor) -> torch.Tensor:
+    """q, k, v stacked [3, B, H, N, D] in float64 from the layer's qkv weight and bias: x [B, N, dim]."""
+    qkv = x.double() @ layer.qkv.weight.double().T + layer.qkv.bias.double()
+    b, n = x.shape[:2]
+    return qkv.reshape(b, n, 3, layer.num_heads, layer.head_dim).permute(2, 0, 3, 1, 4)
+
+
+def layer_projection_ref(layer, out: torch.Tensor) -> torch.Tensor:
+    """The layer's output projection of the mixed heads out [B, H, N, D] -> [B, N, dim_out], float64."""
+    b, h, n, d = out.shape
+    return out.transpose(1, 2).reshape(b, n, h * d) @ layer.proj.weight.double().T + layer.proj.bias.double()

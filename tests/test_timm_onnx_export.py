@@ -105,9 +105,11 @@ def test_timm_onnx_export_matches_the_model_in_onnxruntime(name, exporter, grad,
     _check_against_eager(model, path)
 
 
-#: every kind of attention: plain linear attention with each feature map, and every other attention family
+#: every kind of attention: plain linear attention with each feature map and each normaliser, and every other
+#: attention family
 ATTENTION_VARIANTS = {
     **{name: dict(feature_map=name) for name in linvit.list_feature_maps()},
+    **{name: dict(normalizer=name) for name in linvit.ops.list_normalizers() if name != 'divide'},
     **{name: dict(attn_family=name) for name in linvit.list_attention_families() if name != 'linear'},
 }
 
@@ -132,8 +134,8 @@ def test_every_attention_kind_exports_through_the_torchscript_exporter(tmp_path)
     """Every attention kind through onnx_export.py's default exporter, in one dynamic-size model with a block of each
     kind: one export and one check instead of one per kind (each export's fixed part dominated them)."""
     model = _every_kind_model()
-    assert [(block.attn.family.name, block.attn.feature_map_name) for block in model.blocks] == [
-        (options.get('attn_family', 'linear'), options.get('feature_map', 'elu1'))
+    assert [(block.attn.family.name, block.attn.feature_map_name, block.attn.normalizer) for block in model.blocks] == [
+        (options.get('attn_family', 'linear'), options.get('feature_map', 'elu1'), options.get('normalizer', 'divide'))
         for options in ATTENTION_VARIANTS.values()]
     path = tmp_path / 'every_kind.onnx'
     _export(model, path, dynamo=False)

@@ -48,6 +48,8 @@ class FamilySpec:
         (``linvit.models.bounded``) needs.
     rotary: whether its mixing takes rotary position embeddings (``forward(x, rope=...)``, as timm's RoPE models
         pass them: DINOv3, EVA02, PE), which converting those models needs (``linvit.ops.rotary``).
+    normalizer: whether its mixing takes the ``normalizer`` option (``linvit.ops.NORMALIZERS``) beyond the default
+        'divide'.
     token_grid: whether its mixing reads the patch grid; the layer then keeps ``num_prefix_tokens`` and
         ``grid_size`` (its fallback without ``feat_size``), which linvit models and ``convert_to_linear`` fill in.
     """
@@ -59,6 +61,7 @@ class FamilySpec:
     token_grid: bool = False
     state: bool = False
     rotary: bool = False
+    normalizer: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():

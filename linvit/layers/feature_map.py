@@ -13,10 +13,11 @@ from typing import Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from ..ops import FeatureMapSpec, autocast_off, hedgehog, register_feature_map
+from ..ops import FeatureMapSpec, autocast_off, hedgehog, norm_direction, register_feature_map
 
-__all__ = ['LearnableFeatureMap', 'HedgehogFeatureMap']
+__all__ = ['LearnableFeatureMap', 'HedgehogFeatureMap', 'NormDirectionFeatureMap']
 
 
 class LearnableFeatureMap(nn.Module):
@@ -74,4 +75,42 @@ class HedgehogFeatureMap(LearnableFeatureMap):
             return hedgehog(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
 
 
+class NormDirectionFeatureMap(LearnableFeatureMap):
+    """The norm-times-direction map after NaLaFormer (``linvit.ops.norm_direction``): phi(x) = ||x|| times cosine
+    direction features raised to 1 + a_h ||x|| / sqrt(D), with one learnable sharpness a_h = softplus(w_h) >= 0 per
+    head (w_h starts at 0: a_h = log 2). Output width F = 2 D.
+    """
+    linear_only_tensors = ('sharpness',)
+
+    def __init__(self, num_heads: int, head_dim: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_features = 2 * head_dim
+        self.sharpness = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """w_h = 0 (timm's ``init_weights`` calls this for modules that define it)."""
+        self.sharpness.zero_()
+
+    def reset_parameters(self) -> None:
+        self.init_weights()
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, num_features={self.num_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H, N, D] -> [..., H, N, 2 D] in x's dtype."""
+        if torch.jit.is_scripting() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            return norm_direction(x, F.softplus(self.sharpness.to(x.dtype)))
+        return self._map_without_autocast(x)
+
+    @torch.jit.unused
+    def _map_without_autocast(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast_off(x.device.type):  # part of the float32 core, as the hedgehog map
+            return norm_direction(x, F.softplus(self.sharpness.to(x.dtype)))
+
+
 register_feature_map(FeatureMapSpec('hedgehog', module=HedgehogFeatureMap))
+register_feature_map(FeatureMapSpec('nala', module=NormDirectionFeatureMap))

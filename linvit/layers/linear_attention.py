@@ -20,6 +20,8 @@ from ..ops import (
     linear_attention_apply,
     linear_attention_from_features,
     linear_attention_state,
+    normalized_attention_from_features,
+    normalizer_spec,
     projected_linear_attention_from_features,
     projected_linear_attention_from_inputs,
 )
@@ -119,6 +121,7 @@ torch.fx.wrap('to_compute_dtype')
 torch.fx.wrap('attn_mask_to_key_mask')
 torch.fx.wrap('linear_attention_from_features')
 torch.fx.wrap('fused_linear_attention_from_features')
+torch.fx.wrap('normalized_attention_from_features')
 torch.fx.wrap('causal_linear_attention')
 
 
@@ -135,6 +138,10 @@ class LinearAttention(nn.Module):
             ``linvit.layers.feature_map``), which the layer
             holds as its submodule ``feature_map`` (plain linear attention, non-causal).
         eps: added to the mean normaliser.
+        normalizer: how similarities become weights, a name in ``linvit.ops.NORMALIZERS``: 'divide' (plain linear
+            attention), 'inline' (InLine's injective normaliser) or 'mala' (MALA's magnitude-aware one); the
+            families that declare ``FamilySpec.normalizer``. Only 'divide' has the fast paths (the registered op,
+            its kernels, the projection folds), the state form and the rotary form (``NormalizerSpec.fast_paths``).
         local_mix: add a zero-initialised depthwise-conv branch on V over the 2D token grid
             (``local_mix_kernel`` x ``local_mix_kernel``). Its parameters ``local_mix.conv.*`` are the only ones a
             softmax checkpoint lacks. The grid is found as ``linvit.layers.local_mix`` documents, using
@@ -162,7 +169,7 @@ class LinearAttention(nn.Module):
     """
 
     #: plain linear attention: a feature map, a causal form, no tensors beyond timm's Attention
-    family = FamilySpec('linear', feature_map=True, causal=True, state=True, rotary=True)
+    family = FamilySpec('linear', feature_map=True, causal=True, state=True, rotary=True, normalizer=True)
     grid_size: Optional[Tuple[int, int]]
 
     def __init__(
@@ -181,6 +188,7 @@ class LinearAttention(nn.Module):
             norm_layer: Optional[Type[nn.Module]] = None,
             feature_map: str = 'elu1',
             eps: float = 1e-6,
+            normalizer: str = 'divide',
             local_mix: bool = False,
             local_mix_kernel: int = 3,
             num_prefix_tokens: int = 1,
@@ -204,6 +212,7 @@ class LinearAttention(nn.Module):
         if eps <= 0:
             raise ValueError(f"eps must be > 0, got {eps}")
         check_attn_backend(attn_backend)
+        fast_normalizer = self._checked_normalizer(normalizer, causal, attn_backend)
         map_spec = feature_map_spec(feature_map)
         learnable = map_spec.learnable
         if learnable and type(self).mix is not LinearAttention.mix:
@@ -242,8 +251,12 @@ class LinearAttention(nn.Module):
         # with autograd, maps that have a registered derivative train through the fused Function
         # (linvit.ops.linear_attn.function), which computes plain linear attention only: a family with its own mix
         # never takes it
-        self.fused_backward = has_fused_backward(feature_map) and type(self).mix is LinearAttention.mix
+        self.fused_backward = has_fused_backward(feature_map) and type(self).mix is LinearAttention.mix \
+            and fast_normalizer
         self.eps = eps
+        self.normalizer = normalizer
+        # whether the fast paths (op, kernels, projection folds), the state form and the rotary form compute it
+        self.fast_normalizer = fast_normalizer
         self.causal = causal
         self.causal_chunk_size = causal_chunk_size
         self.attn_backend = attn_backend
@@ -263,6 +276,23 @@ class LinearAttention(nn.Module):
         self.proj = nn.Linear(self.attn_dim, dim_out, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
+    def _checked_normalizer(self, normalizer: str, causal: bool, attn_backend: str) -> bool:
+        """``NormalizerSpec.fast_paths`` of ``normalizer``; ValueError for an unknown name, a family that does not
+        declare the option, or a combination only the fast paths have (causal, the Triton backend)."""
+        spec = normalizer_spec(normalizer)
+        if spec.fast_paths:
+            return True
+        if not type(self).family.normalizer:
+            raise ValueError(f"normalizer={normalizer!r}: attn_family={type(self).family.name!r} mixes tokens its own "
+                             f"way and takes no normalizer")
+        if causal:
+            raise ValueError(f"normalizer={normalizer!r} has no causal form; causal attention divides "
+                             f"(normalizer='divide')")
+        if attn_backend == 'triton':
+            raise ValueError(f"attn_backend='triton': the Triton kernels divide (normalizer='divide'); "
+                             f"normalizer={normalizer!r} runs on the PyTorch path (attn_backend='auto' or 'torch')")
+        return False
+
     def extra_repr(self) -> str:
         # print(model) should say what each block computes: the family and its declared options, the map, eps and
         # whether the local branch is on
@@ -271,6 +301,8 @@ class LinearAttention(nn.Module):
         parts += [f"{name}={getattr(self, name)!r}" for name in spec.options]
         if spec.feature_map:
             parts.append(f"feature_map={self.feature_map_name!r}")
+        if not self.fast_normalizer:
+            parts.append(f"normalizer={self.normalizer!r}")
         local = 'off' if self.local_mix is None else f"{self.local_mix.kernel_size}x{self.local_mix.kernel_size}"
         parts += [f"eps={self.eps}", f"local_mix={local}"]
         if self.causal:
@@ -354,7 +386,7 @@ class LinearAttention(nn.Module):
         """Whether this call's attention output may go straight into a folded ``proj``: inference (no autograd) of
         plain linear attention (no local branch, output norm or gate), ``proj`` a plain nn.Linear without hooks,
         outside fx tracing and export (which keep the unfolded graph)."""
-        if torch.is_grad_enabled() or type(self).mix is not LinearAttention.mix:
+        if torch.is_grad_enabled() or type(self).mix is not LinearAttention.mix or not self.fast_normalizer:
             return False
         if self.local_mix is not None or self.gate is not None or not isinstance(self.norm, nn.Identity):
             return False
@@ -425,12 +457,17 @@ class LinearAttention(nn.Module):
         [B, H, N, D]. A learnable map trains the core through the fused Function (closed-form backward; the map's
         own parameters through autograd up to its features); everything else through linear_attention_from_features."""
         if torch.jit.is_scripting():  # TorchScript cannot compile an autograd.Function
+            if not self.fast_normalizer:
+                raise RuntimeError("a scripted LinearAttention divides (normalizer='divide'); run the others eager, "
+                                   "compiled or exported")
             return linear_attention_from_features(phi_q, phi_k, v, self.eps, key_mask)
         return self._attend_features_eager(phi_q, phi_k, v, key_mask)
 
     @torch.jit.unused
     def _attend_features_eager(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                                key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.fast_normalizer:  # the normaliser's closed form, by plain autograd (an fx leaf)
+            return normalized_attention_from_features(phi_q, phi_k, v, self.normalizer, self.eps, key_mask)
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing():  # fx keeps the core as its leaf (plain autograd)
             return linear_attention_from_features(phi_q, phi_k, v, self.eps, key_mask)
         if self.learnable_map and torch.is_grad_enabled() and not exporting() \
@@ -473,6 +510,9 @@ class LinearAttention(nn.Module):
             raise ValueError(_CAUSAL_LOCAL_MIX)
         if self.attn_backend == 'triton':
             raise ValueError(_CAUSAL_TRITON)
+        if not self.fast_normalizer:
+            raise ValueError(f"normalizer={self.normalizer!r} has no causal form; causal attention divides "
+                             f"(normalizer='divide')")
         check_causal_mask(attn_mask)
 
     def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -524,6 +564,8 @@ class LinearAttention(nn.Module):
         if not type(self).family.rotary:
             raise ValueError(f"attn_family={type(self).family.name!r} takes no rotary position embeddings (rope): "
                              f"plain linear attention (attn_family='linear') does")
+        if not self.fast_normalizer:
+            raise ValueError(f"normalizer={self.normalizer!r} has no rotary form (rope); normalizer='divide' has")
         B, N = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         rotation = rotation_from_timm(rope, self.num_prefix_tokens, self.rotate_half)
@@ -540,6 +582,9 @@ class LinearAttention(nn.Module):
                              f"can")
         if self.causal:
             raise ValueError("the state form is non-causal attention; this layer is causal")
+        if not self.fast_normalizer:
+            raise ValueError(f"normalizer={self.normalizer!r} has no state form: the state holds no mean of the "
+                             f"values it needs; normalizer='divide' has")
 
     def _projection(self, x: torch.Tensor, part: int) -> torch.Tensor:
         """x [B, n, dim] -> q (part 0), k (1) or v (2) [B, H, n, D]: only that third of the qkv projection."""
@@ -621,8 +666,8 @@ def _no_inplace_form(x: torch.Tensor) -> torch.Tensor:
 _CAUSAL_TRITON = ("attn_backend='triton': the Triton kernels compute non-causal attention; causal attention runs the "
                   "chunked scan of linvit.ops.causal (use attn_backend='auto')")
 #: LinearAttention's own options, which every family takes besides its declared ones (``attn_options``)
-LINEAR_OPTIONS = ('feature_map', 'eps', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size', 'causal',
-                  'causal_chunk_size', 'attn_backend', 'rotate_half')
+LINEAR_OPTIONS = ('feature_map', 'eps', 'normalizer', 'local_mix', 'local_mix_kernel', 'num_prefix_tokens', 'grid_size',
+                  'causal', 'causal_chunk_size', 'attn_backend', 'rotate_half')
 
 register_family(LinearAttention)
 

@@ -8,6 +8,8 @@ qk_norm, init_values, ...), the attention is chosen by:
                       ('linear', 'performer', 'linformer', 'gated', 'aft', 'bidirectional'; default 'linear').
     feature_map:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1'), for the families that
                       use one (``ATTENTION_FAMILIES[name].family.feature_map``).
+    normalizer:       how the similarities become weights, a name in ``linvit.ops.NORMALIZERS`` ('divide', the
+                      default; 'inline', 'mala'), for the families that take one (``FamilySpec.normalizer``).
     attn_options:     the family's own options (``ATTENTION_FAMILIES[name].family.options``), e.g.
                       {'num_features': 128} (performer), {'low_rank_size': 8} (linformer).
     local_mix:        add the zero-initialised depthwise-conv branch on V over the patch grid (default True, False for
@@ -248,6 +250,7 @@ class LinearVisionTransformer(VisionTransformer):
         attn_family: the attention family of the linear blocks (``linvit.list_attention_families()``; None:
             'linear').
         feature_map: feature map (a name in ``linvit.ops.FEATURE_MAPS``) of the families that use one.
+        normalizer: a name in ``linvit.ops.NORMALIZERS`` (None: 'divide'), for the families that take one.
         attn_options: the family's own options (``ATTENTION_FAMILIES[attn_family].family.options``).
         local_mix: add the zero-initialised depthwise-conv branch on V over the patch grid (default: not causal).
         local_mix_kernel: odd kernel size of that branch.
@@ -268,6 +271,7 @@ class LinearVisionTransformer(VisionTransformer):
             attn_options: Optional[Dict[str, Any]] = None,
             causal: bool = False,
             attn_backend: str = 'auto',
+            normalizer: Optional[str] = None,
             **kwargs,
     ) -> None:
         family, feature_map = resolve_family(attn_family, feature_map)
@@ -292,6 +296,8 @@ class LinearVisionTransformer(VisionTransformer):
                               **dict(attn_options or {}))
         if causal:
             linear_options['causal'] = True
+        if normalizer is not None:
+            linear_options['normalizer'] = normalizer
         attention_layer(**linear_options)  # unknown options fail here, naming them
         super().__init__(block_fn=BlockPlan(types, linear_options), **kwargs)
         self.attn_family = family

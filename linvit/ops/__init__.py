@@ -24,6 +24,7 @@ from .feature_maps import (
     get_feature_map,
     hedgehog,
     list_feature_maps,
+    norm_direction,
     register_feature_map,
     relu,
     relu2,
@@ -31,7 +32,10 @@ from .feature_maps import (
 )
 from .linear_attn import (
     ATTN_BACKENDS,
+    DEFAULT_NORMALIZER,
+    NORMALIZERS,
     AttentionState,
+    NormalizerSpec,
     add_states,
     check_attn_backend,
     fused_linear_attention,
@@ -45,6 +49,9 @@ from .linear_attn import (
     linear_attention_op,
     linear_attention_qkv_op,
     linear_attention_state,
+    list_normalizers,
+    normalized_attention_from_features,
+    normalizer_spec,
     projected_linear_attention_from_features,
     projected_linear_attention_from_inputs,
     quadratic_linear_attention,
@@ -60,7 +67,8 @@ from .rotary import (
 )
 
 __all__ = [
-    'FEATURE_MAPS', 'FeatureMapSpec', 'elu1', 'relu', 'relu2', 'focused', 'hedgehog', 'feature_map_spec',
+    'FEATURE_MAPS', 'FeatureMapSpec', 'elu1', 'relu', 'relu2', 'focused', 'hedgehog', 'norm_direction',
+    'feature_map_spec',
     'get_feature_map', 'list_feature_maps', 'register_feature_map', 'unregister_feature_map',
     'compute_dtype', 'autocast_off', 'export_tracing',
     'linear_attention', 'linear_attention_state', 'linear_attention_apply', 'AttentionState', 'add_states',
@@ -72,4 +80,6 @@ __all__ = [
     'bidirectional_linear_attention', 'retention_decays', 'grid_scan_orders',
     'rotary_linear_attention', 'rotary_state', 'rotary_apply', 'Rotation', 'rotation_from_timm',
     'quadratic_rotary_linear_attention',
+    'NORMALIZERS', 'NormalizerSpec', 'DEFAULT_NORMALIZER', 'normalizer_spec', 'list_normalizers',
+    'normalized_attention_from_features',
 ]

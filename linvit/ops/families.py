@@ -26,7 +26,7 @@ from .linear_attn import linear_attention_from_features
 
 __all__ = ['gaussian_projection', 'favor_features', 'performer_attention', 'adaptive_pooling_matrix',
            'pool_patch_tokens', 'low_rank_attention', 'gated_linear_attention', 'gated_linear_attention_from_features',
-           'aft_simple']
+           'aft_simple', 'polarity_features']
 
 
 def gaussian_projection(num_features: int, dim: int, orthogonal: bool = True,
@@ -211,3 +211,21 @@ def _aft(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[t
     context = (weights * values).sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp_min(1e-30)
     out = torch.sigmoid(q.to(dtype)) * context
     return out.to(v.dtype)
+
+
+def polarity_features(x: torch.Tensor, power: torch.Tensor, scale: torch.Tensor
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """PolaFormer's features (Meng et al. 2025, "Polarity-aware Linear Attention"): x [B, H, N, D] split by sign,
+    each part raised to a per-channel power p > 1 (which lowers the entropy of the weights):
+
+        x+ = relu(x / scale) ** p,   x- = relu(-x / scale) ** p,   same = [x+, x-],   opposite = [x-, x+]
+
+    same(q)^T same(k) = x+(q) x+(k) + x-(q) x-(k) sums the same-sign products of q.k, opposite(q)^T same(k) the
+    opposite-sign ones that a non-negative map clips: both interactions are kept, in two streams.
+
+    power: [H, D] (> 1), scale: [H, D] (> 0) -> (same [B, H, N, 2 D], opposite [B, H, N, 2 D]), in x's dtype.
+    """
+    y = x / scale[:, None, :]
+    p = power[:, None, :]
+    positive, negative = F.relu(y) ** p, F.relu(-y) ** p
+    return torch.cat([positive, negative], dim=-1), torch.cat([negative, positive], dim=-1)

@@ -10,6 +10,7 @@ holds its parameters. Every consumer reads the spec; a map without a form simply
 Fixed maps are plain functions ``phi(x: Tensor) -> Tensor`` so that TorchScript can compile them when a layer holds
 one as an attribute. They are called by the attention core on float32 (or float64) tensors.
 """
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -147,6 +148,28 @@ def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
     """
     z = torch.matmul(x, weight) + bias.unsqueeze(-2)
     return torch.cat([z.softmax(dim=-1), (-z).softmax(dim=-1)], dim=-1)
+
+
+def norm_direction(x: torch.Tensor, sharpness: torch.Tensor) -> torch.Tensor:
+    """The norm-times-direction map after NaLaFormer (Meng et al. 2025, "Norm-Aware Linear Attention"):
+
+        phi(x) = ||x|| * psi(x / ||x||) ** (1 + sharpness_h * ||x|| / sqrt(D)),
+        psi(u) = [cos(pi / 4 (1 + u)), sin(pi / 4 (1 + u))]   (entries of u in [-1, 1], so angles in [0, pi / 2])
+
+    psi is non-negative by construction and psi(u)^T psi(w) = sum_i cos(pi / 4 (u_i - w_i)): each direction entry
+    adds most when the two agree and nothing when they are opposite, so negative q.k interactions are kept as low
+    similarity instead of being clipped. The power grows with the norm: a longer vector gets sharper direction
+    features, which restores the link between a query's magnitude and the spikiness of its weights that dividing by
+    the normaliser removes (its factor ||q|| cancels). Entries of psi lie in [0, 1], so the power cannot overflow.
+
+    x: [..., H, N, D], sharpness: [H] (>= 0) -> [..., H, N, 2 D], values in [0, ||x||]; a zero row maps to zeros.
+    """
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    angle = (math.pi / 4) * (1.0 + x / norm.clamp_min(1e-30))
+    # cos(pi / 2) rounds to a tiny negative number: clamped, so that the power of a non-integer exponent stays real
+    psi = torch.cat([torch.cos(angle), torch.sin(angle)], dim=-1).clamp_min(0.0)
+    exponent = 1.0 + sharpness[:, None, None] * norm / math.sqrt(x.shape[-1])
+    return norm * psi ** exponent
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:

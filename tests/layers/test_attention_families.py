@@ -8,7 +8,15 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from references import aft_simple_ref, gated_ref, low_rank_ref, performer_ref
+from references import (
+    aft_simple_ref,
+    gated_ref,
+    layer_projection_ref,
+    layer_qkv_ref,
+    low_rank_ref,
+    performer_ref,
+    random_layer,
+)
 
 import linvit
 from linvit import fast
@@ -32,47 +40,30 @@ def _tokens(n=1 + 12, seed=0):
     return torch.randn(2, n, DIM, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _split(layer, x):
-    """q, k, v [B, H, N, D] in float64 from the layer's own qkv weights, written out."""
-    qkv = x @ layer.qkv.weight.double().T + layer.qkv.bias.double()
-    b, n = x.shape[:2]
-    return qkv.reshape(b, n, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
-
-
-def _project(layer, out):
-    b, h, n, d = out.shape
-    return out.transpose(1, 2).reshape(b, n, h * d) @ layer.proj.weight.double().T + layer.proj.bias.double()
-
-
 def _random_layer(cls, **options):
-    torch.manual_seed(0)
-    layer = cls(DIM, num_heads=HEADS, qkv_bias=True, **options).double()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    return layer
+    return random_layer(cls, DIM, HEADS, **options)
 
 
 def test_performer_layer_equals_its_reference():
     layer = _random_layer(PerformerAttention, num_features=16, eps=1e-30)
     x = _tokens()
-    q, k, v = _split(layer, x)
-    expected = _project(layer, performer_ref(q, k, v, layer.projection, eps=0.0))
+    q, k, v = layer_qkv_ref(layer, x)
+    expected = layer_projection_ref(layer, performer_ref(q, k, v, layer.projection, eps=0.0))
     assert torch.allclose(layer(x), expected, rtol=1e-9, atol=1e-12)
 
 
 def test_low_rank_layer_equals_its_reference_on_the_given_grid():
     layer = _random_layer(LinformerAttention, low_rank_size=2)
     x = _tokens(n=1 + 3 * 4)
-    q, k, v = _split(layer, x)
-    expected = _project(layer, low_rank_ref(q, k, v, (3, 4), 1, 2))
+    q, k, v = layer_qkv_ref(layer, x)
+    expected = layer_projection_ref(layer, low_rank_ref(q, k, v, (3, 4), 1, 2))
     assert torch.allclose(layer(x, feat_size=[3, 4]), expected, rtol=1e-10, atol=1e-12)
 
 
 def test_gated_layer_equals_its_reference_with_both_gates():
     layer = _random_layer(GatedLinearAttention, feature_map='relu')
     x = _tokens()
-    q, k, v = _split(layer, x)
+    q, k, v = layer_qkv_ref(layer, x)
     key_gate = torch.sigmoid(x @ layer.key_gate.weight.T + layer.key_gate.bias)
     key_gate = key_gate.reshape(2, -1, HEADS, DIM // HEADS).transpose(1, 2)
     mixed = gated_ref(q, k, v, key_gate, 'relu').transpose(1, 2).reshape(2, -1, DIM)
@@ -84,7 +75,7 @@ def test_gated_layer_equals_its_reference_with_both_gates():
 def test_aft_layer_equals_its_reference():
     layer = _random_layer(AFTAttention)
     x = _tokens()
-    q, k, v = (t.transpose(1, 2).reshape(2, -1, DIM) for t in _split(layer, x))
+    q, k, v = (t.transpose(1, 2).reshape(2, -1, DIM) for t in layer_qkv_ref(layer, x))
     expected = aft_simple_ref(q, k, v) @ layer.proj.weight.T + layer.proj.bias
     assert torch.allclose(layer(x), expected, rtol=1e-10, atol=1e-12)
 
@@ -183,7 +174,8 @@ def test_convert_to_linear_keeps_the_weights_for_every_family(family):
     assert torch.isfinite(vit(torch.randn(1, 3, 32, 32))).all()
     fresh = _model(family, softmax_blocks=(), local_mix=False, num_classes=1000, dynamic_img_size=False)
     kept = load_softmax_state_dict(fresh, softmax_state)
-    own = {'performer': ['projection'], 'gated': ['gate.bias', 'gate.weight', 'key_gate.bias', 'key_gate.weight']}
+    own = {'performer': ['projection'], 'gated': ['gate.bias', 'gate.weight', 'key_gate.bias', 'key_gate.weight'],
+           'polar': ['power', 'scale']}
     assert kept == sorted(f'blocks.{i}.attn.{name}' for i in range(2) for name in own.get(family, []))
 
 
@@ -219,7 +211,7 @@ def _per_element(layer, x, mixed_over_kept):
     """The layer's output [B, N, dim] from float64 references: for each batch element b, mixed_over_kept(q, k, v,
     x, kept) mixes all of its queries over its kept keys only; then the layer's output projection."""
     mask = _key_mask()
-    q, k, v = _split(layer, x)
+    q, k, v = layer_qkv_ref(layer, x)
     rows = []
     for b in range(x.shape[0]):
         kept = mask[b].nonzero().flatten()
@@ -287,7 +279,7 @@ def test_a_layer_without_feat_size_mixes_over_its_own_non_square_grid(cls):
 def test_linformer_on_its_own_grid_equals_its_reference():
     layer = _random_layer(LinformerAttention, grid_size=GRID, low_rank_size=2)
     x = _tokens()
-    q, k, v = _split(layer, x)
+    q, k, v = layer_qkv_ref(layer, x)
     expected = _merge_heads(low_rank_ref(q, k, v, GRID, 1, 2)) @ layer.proj.weight.T + layer.proj.bias
     assert torch.allclose(layer(x), expected, rtol=1e-10, atol=1e-12)
 

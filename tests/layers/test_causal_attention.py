@@ -2,7 +2,7 @@
 references of tests/references.py, computed from the layers' own weights written out."""
 import pytest
 import torch
-from references import bidirectional_ref, causal_ref
+from references import bidirectional_ref, causal_ref, layer_qkv_ref, random_layer
 
 from linvit.layers import BidirectionalAttention, LinearAttention, PerformerAttention, attention_layer
 from linvit.ops import list_feature_maps
@@ -15,18 +15,7 @@ def _tokens(n=1 + 12, seed=0):
 
 
 def _random_layer(cls, **options):
-    torch.manual_seed(0)
-    layer = cls(DIM, num_heads=HEADS, qkv_bias=True, **options).double()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    return layer
-
-
-def _split(layer, x):
-    qkv = x @ layer.qkv.weight.T + layer.qkv.bias
-    b, n = x.shape[:2]
-    return qkv.reshape(b, n, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+    return random_layer(cls, DIM, HEADS, **options)
 
 
 def _project(layer, out):
@@ -38,7 +27,7 @@ def _project(layer, out):
 def test_causal_layer_equals_its_reference(feature_map):
     layer = _random_layer(LinearAttention, feature_map=feature_map, causal=True, causal_chunk_size=4)
     x = _tokens(n=19)
-    q, k, v = _split(layer, x)
+    q, k, v = layer_qkv_ref(layer, x)
     expected = _project(layer, causal_ref(q, k, v, feature_map))
     assert torch.allclose(layer(x), expected, rtol=1e-10, atol=1e-12)
     # a non-causal layer with the same weights: causal for one call with is_causal=True, else all-to-all
@@ -98,7 +87,7 @@ def test_bidirectional_layer_equals_its_reference(orders):
     layer = _random_layer(BidirectionalAttention, data_gate=True, decay=[0.9, 0.8, 0.95, 1.0], scan_orders=orders,
                           scan_chunk_size=5)
     x = _tokens(n=1 + 3 * 4)
-    q, k, v = _split(layer, x)
+    q, k, v = layer_qkv_ref(layer, x)
     z = x @ layer.scan_gate.weight.T + layer.scan_gate.bias
     gate = torch.sigmoid(z) ** (1 / 16)
     gate = gate.reshape(2, -1, HEADS, DIM // HEADS).transpose(1, 2)

@@ -255,7 +255,8 @@ def test_a_declaration_must_match_its_constructor():
 
 def test_the_shipped_families():
     """The one place that pins the shipped set, on purpose: the other tests take the names from the registry."""
-    assert linvit.list_attention_families() == ['linear', 'aft', 'bidirectional', 'gated', 'linformer', 'performer']
+    assert linvit.list_attention_families() == ['linear', 'aft', 'bidirectional', 'gated', 'linformer', 'performer',
+                                                'polar']
 
 
 def test_a_declaration_is_read_only_and_names_real_tensors():

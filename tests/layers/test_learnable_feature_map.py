@@ -66,7 +66,7 @@ def test_hedgehog_op_equals_the_written_out_formula():
 
 
 def test_hedgehog_is_registered_as_a_learnable_map():
-    assert list_feature_maps(learnable=True) == ['hedgehog'] and feature_map_spec('hedgehog').learnable
+    assert list_feature_maps(learnable=True) == ['hedgehog', 'nala'] and feature_map_spec('hedgehog').learnable
     assert feature_map_spec('hedgehog').module is HedgehogFeatureMap
     assert not feature_map_spec('elu1').learnable
     with pytest.raises(ValueError, match="'hedgehog' is learnable"):

@@ -92,7 +92,7 @@ def test_registered_maps_match_the_shared_references(name, dtype):
 
 def test_the_shipped_feature_maps():
     """The one place that pins the shipped set, on purpose: the other tests take the names from the registry."""
-    assert list_feature_maps() == ['elu1', 'relu', 'focused', 'relu2', 'hedgehog']
+    assert list_feature_maps() == ['elu1', 'relu', 'focused', 'relu2', 'hedgehog', 'nala']
     assert [name for name in list_feature_maps() if feature_map_spec(name).kernel_id is not None] == ['elu1', 'relu']
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ..common import autocast_off, compute_dtype
 from ..feature_maps import get_feature_map
+from .normalizers import normalizer_spec, value_mean
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -136,6 +137,25 @@ def _core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,
     """The whole core: the query half applied to the key half's state. The means of the module docstring are
     (sum / count) / (sum / count + eps) = sum / (sum + eps * count): scaling eps instead of the sums saves an op."""
     return apply_to_features(phi_q, state_from_features(phi_k, v, key_mask), eps)
+
+
+def normalized_attention_from_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                                       normalizer: str = 'divide', eps: float = 1e-6,
+                                       key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The core on mapped features with any normaliser of ``NORMALIZERS`` (``linvit.ops.linear_attn.normalizers``:
+    a, s and v_bar as means over the kept keys, combined by the normaliser), autocast disabled.
+
+    phi_q: [B, H, Nq, F], phi_k: [B, H, N, F], v: [B, H, N, Dv] in one dtype (float32 or float64), key_mask: [B, N]
+    or [B, H, N] -> [B, H, Nq, Dv] in that dtype. 'divide' gives what ``linear_attention_from_features`` gives.
+    """
+    combine = normalizer_spec(normalizer).combine
+    with autocast_off(v.device.type):
+        state = state_from_features(phi_k, v, key_mask)
+        count = state.count.clamp_min(1e-30)[..., None, None]
+        means = (phi_q @ state.sums.transpose(-2, -1)) / count  # [a | s]
+        weights = None if key_mask is None else _key_weights(key_mask, v.dtype)
+        dv = v.shape[-1]
+        return combine(means[..., :dv], means[..., dv:], value_mean(v, weights, count), eps)
 
 
 def _phi(feature_map: Union[str, Callable[[torch.Tensor], torch.Tensor], None]) -> Callable:
