@@ -56,17 +56,20 @@ def test_a_run_is_its_recipe_with_its_kwargs_seed_and_step_cap(tmp_path):
     run = grid.GridRun('classification', mala, False, 2)
     job = grid.grid_job(settings, preset, run, tmp_path / 'data')
     assert {'model.name=linvit_tiny_patch16_224', 'model.kwargs.feature_map=elu1', 'model.kwargs.normalizer=mala',
-            'model.kwargs.local_mix=false', 'model.kwargs.depth=4', 'seed=2', 'train.max_steps=180',
-            'train.epochs=2', 'data.img_size=128', 'data.batch_size=32', 'device=cpu'} <= set(job.overrides)
+            'model.kwargs.local_mix=false', 'model.kwargs.depth=4', 'seed=2', 'train.max_steps=540',
+            'train.epochs=6', 'data.img_size=128', 'data.batch_size=32', 'device=cpu',
+            'train.lr=0.001'} <= set(job.overrides)
     cfg = load_config(None, job.overrides, base=job.recipe)
-    assert (cfg.seed, cfg.train.max_steps, cfg.train.epochs, cfg.task) == (2, 180, 2, 'classification')
-    assert dict(cfg.model.kwargs) == {'depth': 4, 'feature_map': 'elu1', 'normalizer': 'mala', 'local_mix': False}
-    assert cfg.train.warmup_epochs == pytest.approx(0.1 * 2)  # 10% of the steps
+    assert (cfg.seed, cfg.train.max_steps, cfg.train.epochs, cfg.task) == (2, 540, 6, 'classification')
+    assert dict(cfg.model.kwargs) == {'depth': 4, 'embed_dim': 96, 'num_heads': 3, 'feature_map': 'elu1',
+                                      'normalizer': 'mala', 'local_mix': False}
+    assert cfg.train.warmup_epochs == pytest.approx(0.1 * 6)  # 10% of the steps
     assert cfg.output_dir == str(tmp_path / 'out' / 'runs' / 'classification_mala_lm-off_seed2')
     softmax = grid.grid_job(settings, preset, grid.GridRun('segmentation', grid.SOFTMAX, None, 0), tmp_path)
     cfg = load_config(None, softmax.overrides, base=softmax.recipe)
-    assert (cfg.task, cfg.model.name, dict(cfg.model.kwargs)) == ('segmentation', 'vit_tiny_patch16_224', {'depth': 4})
-    assert (cfg.train.max_steps, cfg.seg.head, cfg.train.clip_grad, cfg.train.opt) == (72, 'mlp', 1.0, 'adamw')
+    assert (cfg.task, cfg.model.name, dict(cfg.model.kwargs)) == ('segmentation', 'vit_tiny_patch16_224',
+                                                                  {'depth': 4, 'embed_dim': 96, 'num_heads': 3})
+    assert (cfg.train.max_steps, cfg.seg.head, cfg.train.clip_grad, cfg.train.opt) == (144, 'mlp', 1.0, 'adamw')
     polar = next(c for c in grid.CONFIGS if c.label == 'polar')
     assert dict(polar.kwargs) == {'attn_family': 'polar'}  # no feature_map key
 

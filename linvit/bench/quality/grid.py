@@ -82,7 +82,8 @@ class GridPreset:
     workers: int                      # data.num_workers of every run
     run_timeout_s: float              # a run still going after this is stopped: a 'cut' row
     threads: Optional[int] = None     # torch threads per run (None: torch's default)
-    model_kwargs: Tuple[Tuple[str, Any], ...] = ()   # every model, softmax too (CPU: shallower)
+    model_kwargs: Tuple[Tuple[str, Any], ...] = ()   # every model, softmax too (CPU: shallower and narrower)
+    lr: Optional[float] = None        # every run's lr (None: the recipe's, scaled to the batch)
     configs: Tuple[GridConfig, ...] = CONFIGS
 
     def __post_init__(self) -> None:
@@ -96,16 +97,16 @@ class GridPreset:
         return getattr(self, task)
 
 
-# CPU: 128 px, depth 4, batch 32, on 2 cores (measured on this machine, float32, cached pipeline, no workers): one
-# training step of linvit-Ti (elu1, local mix) took 0.19 s in classification (170 img/s), ViT-Ti 0.15 s, and 0.58 s
-# in segmentation (55 img/s: the mlp head at a quarter of the resolution), and each run's process spends ~8 s on
-# imports, data and model before its first step. 45 classification runs x (180 x 0.19 + ~12 s) ~ 34 min and 24
-# segmentation runs x (72 x 0.58 + ~12 s) ~ 21 min: about 55 minutes and a minute of rendering, one run at a time.
-# The sets are 2 epochs of those steps (2,880 and 1,152 images), so each run sees every image twice.
+# CPU: 128 px, depth 4, width 96 (3 heads of 32), batch 32, on 2 cores, float32, cached pipeline, no workers. At
+# width 192 (ViT-Ti's) one step took 0.19 s and 180 steps (2 epochs) left every model near 20% top-1: too early to
+# tell configurations apart. At width 96 a step costs a third, and 540 steps (6 epochs of the 2,880 images) took 47 s
+# (ViT) and 61 s (linvit elu1, local mix) with the process start, reaching 51% and 45% top-1 at lr 1e-3 (46% for ViT
+# at the recipe's 5e-4): 45 classification runs ~ 42 min, 24 segmentation runs of 144 steps (4 epochs of 1,152
+# images) ~ 20 min, about an hour one run at a time, and a minute of rendering.
 CPU_GRID = GridPreset(
     'cpu', classification=Canvas(128, 288, 50, 32), segmentation=SegSet(128, 1152, 100, 32),
-    steps={'classification': 180, 'segmentation': 72}, seeds=(0, 1, 2), workers=0, run_timeout_s=600.0, threads=2,
-    model_kwargs=(('depth', 4),))
+    steps={'classification': 540, 'segmentation': 144}, seeds=(0, 1, 2), workers=0, run_timeout_s=600.0, threads=2,
+    model_kwargs=(('depth', 4), ('embed_dim', 96), ('num_heads', 3)), lr=1e-3)
 # GPU: 512 px, full depth, batch 64, bfloat16, one run at a time. A run's process starts in ~7 s (imports, CUDA, the
 # decoded-image cache), and ViT-Ti at 512 px (1,024 tokens) trains at roughly 30-50 ms a step eager, so a run is
 # ~15 s: ~6 s of training (156 steps: one epoch of the quality check's own 512 px set, reused with its caches; 120
@@ -203,7 +204,8 @@ def grid_job(settings: GridSettings, preset: GridPreset, run: GridRun, data: Pat
     plan = RunPlan(epochs=steps // dataset.steps_per_epoch, max_steps=steps, steps=steps, planned_s=0.0, step_s=None)
     overrides = [f"model.name={run.config.model}", f"data.root={data}", f"output_dir={grid_run_dir(settings, run)}",
                  f"data.img_size={dataset.px}", f"data.batch_size={dataset.batch}",
-                 f"train.lr={learning_rate(dataset.batch, task.recipe):.4g}", *schedule_overrides(plan, dataset),
+                 f"train.lr={preset.lr or learning_rate(dataset.batch, task.recipe):.4g}",
+                 *schedule_overrides(plan, dataset),
                  *common_overrides(settings, preset, run.seed)]
     overrides += [f"model.kwargs.{key}={override_value(value)}" for key, value in run.model_kwargs(preset)]
     return Job('train', tuple(overrides), recipe=task.recipe)
