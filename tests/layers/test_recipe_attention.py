@@ -70,6 +70,11 @@ def _layer_ref(layer, kind, x):
 # ---- the normalisers
 
 
+def test_the_shipped_normalizers():
+    """The one place that pins the shipped set, on purpose: the other tests take the names from the registry."""
+    assert list_normalizers() == ['divide', 'inline', 'mala']
+
+
 @pytest.mark.parametrize('normalizer', list_normalizers())
 @pytest.mark.parametrize('masked', [False, True])
 def test_each_normalizer_equals_its_weight_formula(normalizer, masked):
