@@ -112,7 +112,8 @@ gpu-quality:
 
 # the quality grid on this CPU (docs/benchmarks.md: Quality grid): softmax and every linear configuration, local mix
 # on and off, 3 seeds, classification and segmentation at 128 px with depth-4 models, 69 runs one after another in
-# about an hour on 2 cores -> runs/quality_grid/ (quality_grid.md, .csv, .png)
+# 82 minutes on 2 cores (measured; nala and polar runs are the slow ones) -> runs/quality_grid/ (quality_grid.md,
+# .csv, .png)
 quality-grid: $(STAMP)
 	$(PY) tools/quality_check.py --grid cpu --device cpu --fmnist-dir $(FMNIST_DIR)
 

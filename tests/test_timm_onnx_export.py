@@ -24,6 +24,7 @@ import torch.nn as nn
 from timm.utils.onnx import onnx_export
 
 import linvit
+from linvit.models.linvit import DEFAULT_FEATURE_MAP
 
 pytestmark = pytest.mark.compiler
 
@@ -134,9 +135,14 @@ def test_every_attention_kind_exports_through_the_torchscript_exporter(tmp_path)
     """Every attention kind through onnx_export.py's default exporter, in one dynamic-size model with a block of each
     kind: one export and one check instead of one per kind (each export's fixed part dominated them)."""
     model = _every_kind_model()
-    assert [(block.attn.family.name, block.attn.feature_map_name, block.attn.normalizer) for block in model.blocks] == [
-        (options.get('attn_family', 'linear'), options.get('feature_map', 'elu1'), options.get('normalizer', 'divide'))
+    # the map where the options name one, the models' default for plain linear attention with another normaliser
+    assert [(block.attn.family.name, block.attn.normalizer) for block in model.blocks] == [
+        (options.get('attn_family', 'linear'), options.get('normalizer', 'divide'))
         for options in ATTENTION_VARIANTS.values()]
+    plain = [(block, options) for block, options in zip(model.blocks, ATTENTION_VARIANTS.values())
+             if 'attn_family' not in options]
+    assert [block.attn.feature_map_name for block, options in plain] == [
+        options.get('feature_map', DEFAULT_FEATURE_MAP) for block, options in plain]
     path = tmp_path / 'every_kind.onnx'
     _export(model, path, dynamo=False)
     _check_against_eager(model, path)

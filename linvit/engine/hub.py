@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from timm.layers import LayerScale
 from timm.models import save_for_hf
 
-from ..layers import LinearAttention
+from ..layers import LinearAttention, resolve_family
 from ..models import LinearVisionTransformer
 from .loading import TrainedModel, load_trained
 from .run_dir import RunDir
@@ -170,7 +170,10 @@ def _conversion_options(cfg: DictConfig) -> Dict[str, Any]:
     linvit_*'s)."""
     section = cfg.get('linearize') if cfg.get('task') == 'linearize' else cfg.get('model')
     convert = section.get('convert') if section is not None else None
-    return {'local_mix': False, **dict(_plain(convert) or {})}
+    options = {'local_mix': False, **dict(_plain(convert) or {})}
+    # the map by name: a linvit_* twin left without one would take the models' default, not the conversion's
+    feature_map = resolve_family(options.get('attn_family'), options.get('feature_map'))[1]
+    return options if feature_map is None else {**options, 'feature_map': feature_map}
 
 
 def _rebuilt(name: str, args: Dict[str, Any], model: nn.Module) -> Optional[nn.Module]:
@@ -211,8 +214,11 @@ def _converted_to_linear(trained: TrainedModel, run_dir: str) -> Tuple[nn.Module
 
 def _config_model_args(trained: TrainedModel) -> Dict[str, Any]:
     """model.kwargs of the run's config and the class count (timm adds img_size, in_chans and global_pool from the
-    model itself)."""
-    return {**_plain(trained.cfg.model.kwargs), 'num_classes': len(trained.class_names)}
+    model itself); a linvit_* model's feature map by name, so that the folder keeps meaning the same model when the
+    models' default map changes."""
+    args = {**_plain(trained.cfg.model.kwargs), 'num_classes': len(trained.class_names)}
+    feature_map = trained.model.feature_map if isinstance(trained.model, LinearVisionTransformer) else None
+    return args if feature_map is None else {'feature_map': feature_map, **args}
 
 
 def _timm_model(trained: TrainedModel, run_dir: str) -> Tuple[nn.Module, Dict[str, Any], Optional[str]]:

@@ -131,22 +131,23 @@ def family_class(attn_family: str) -> Type[nn.Module]:
     return ATTENTION_FAMILIES.get(attn_family)
 
 
-def _checked_feature_map(feature_map: Optional[str]) -> str:
-    name = feature_map or 'elu1'
+def _checked_feature_map(feature_map: Optional[str], default: str) -> str:
+    name = feature_map or default
     feature_map_spec(name)  # unknown names: a ValueError naming the closest and the known maps
     return name
 
 
-def resolve_family(attn_family: Optional[str], feature_map: Optional[str]) -> Tuple[str, Optional[str]]:
+def resolve_family(attn_family: Optional[str], feature_map: Optional[str],
+                   default_feature_map: str = 'elu1') -> Tuple[str, Optional[str]]:
     """(family, feature map or None) from the ``attn_family`` and ``feature_map`` arguments.
 
     attn_family: a name in ``ATTENTION_FAMILIES`` (None: 'linear'). feature_map: for the families that declare
-    one (default 'elu1'); passing one to a family without raises ValueError, as do unknown names.
+    one (None: ``default_feature_map``); passing one to a family without raises ValueError, as do unknown names.
     """
     family = 'linear' if attn_family is None else attn_family
     spec = family_class(family).family
     if spec.feature_map:
-        return family, _checked_feature_map(feature_map)
+        return family, _checked_feature_map(feature_map, default_feature_map)
     if feature_map is not None:
         raise ValueError(f"attn_family={family!r} uses no feature map; drop feature_map={feature_map!r}")
     return family, None

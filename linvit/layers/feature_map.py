@@ -102,7 +102,9 @@ class NormDirectionFeatureMap(LearnableFeatureMap):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H, N, D] -> [..., H, N, 2 D] in x's dtype."""
-        if torch.jit.is_scripting() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+        if torch.jit.is_scripting():  # alone in its condition: TorchScript drops the branches below only then
+            return norm_direction(x, F.softplus(self.sharpness.to(x.dtype)))
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
             return norm_direction(x, F.softplus(self.sharpness.to(x.dtype)))
         return self._map_without_autocast(x)
 

@@ -5,8 +5,8 @@ Beyond VisionTransformer's arguments (img_size, dynamic_img_size, dynamic_img_pa
 qk_norm, init_values, ...), the attention is chosen by:
 
     attn_family:      the attention family of the linear blocks, a name in ``linvit.list_attention_families()``
-                      ('linear', 'performer', 'linformer', 'gated', 'aft', 'bidirectional'; default 'linear').
-    feature_map:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'elu1'), for the families that
+                      ('linear', 'performer', 'linformer', 'gated', 'aft', 'bidirectional', 'polar'; default 'linear').
+    feature_map:      feature map name from ``linvit.ops.FEATURE_MAPS`` (default 'relu'), for the families that
                       use one (``ATTENTION_FAMILIES[name].family.feature_map``).
     normalizer:       how the similarities become weights, a name in ``linvit.ops.NORMALIZERS`` ('divide', the
                       default; 'inline', 'mala'), for the families that take one (``FamilySpec.normalizer``).
@@ -56,9 +56,14 @@ from .feature_net import PYRAMID_DESCRIPTION, PYRAMID_TAG, features_only_cfg
 
 __all__ = ['LinearVisionTransformer', 'LinearAttentionBlock', 'SoftmaxAttentionBlock', 'BLOCK_TYPES', 'BlockType',
            'RecurrentState', 'resolve_softmax_blocks', 'block_types', 'patch_grid', 'check_image_size',
-           'checkpoint_filter_fn']
+           'checkpoint_filter_fn', 'DEFAULT_FEATURE_MAP']
 
 _logger = logging.getLogger(__name__)
+#: the feature map of ``linvit_*`` models built without one, chosen by the quality grid (docs/attention-families.md:
+#: relu led elu1 by 9 top-1 points on 3 seeds, and keeps every fast path: the Triton kernels, the projection folds,
+#: the state form of bounded and context-parallel inference; inline and mala led it by 2-3 points but have no state
+#: form). Layers, ops and convert_to_linear keep elu1, which the table does not measure for converted weights.
+DEFAULT_FEATURE_MAP = 'relu'
 
 
 def _size_fixes(height: int, width: int, ph: int, pw: int) -> str:
@@ -274,7 +279,7 @@ class LinearVisionTransformer(VisionTransformer):
             normalizer: Optional[str] = None,
             **kwargs,
     ) -> None:
-        family, feature_map = resolve_family(attn_family, feature_map)
+        family, feature_map = resolve_family(attn_family, feature_map, DEFAULT_FEATURE_MAP)
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be True or False, got {causal!r}")
         if causal and local_mix:

@@ -229,7 +229,8 @@ def test_a_run_with_model_convert_exports_with_its_own_conversion(tmp_path):
     run = tmp_path / 'run'
     train(load_config(None, [*TEACHER_MODEL, *TINY_RUN, 'model.convert={}', 'train.epochs=1', f'output_dir={run}']))
     export = export_hub_folder(str(run))
-    assert export.architecture == 'linvit_tiny_patch16_224' and 'feature_map' not in export.model_args  # elu1
+    # the conversion's map by name: linvit_tiny_patch16_224 alone would build the models' default (relu)
+    assert export.architecture == 'linvit_tiny_patch16_224' and export.model_args['feature_map'] == 'elu1'
     expected = linvit.convert_to_linear(timm.create_model('vit_tiny_patch16_224', num_classes=len(_class_names(run)),
                                                           **TINY_KWARGS))
     expected.load_state_dict(load_file(run / RunDir.WEIGHTS))

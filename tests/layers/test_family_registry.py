@@ -11,6 +11,7 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+from references import FEATURE_MAP_REFS
 from timm.layers import Attention
 from tiny_run import TINY_RUN
 
@@ -59,7 +60,7 @@ def toy():
 
 
 def _toy_reference(layer: ToyAttention, x: torch.Tensor) -> torch.Tensor:
-    """The toy layer written out in float64: qkv, normalised linear attention with the elu1 map (``references``),
+    """The toy layer written out in float64: qkv, normalised linear attention with the layer's map (``references``),
     times toy_scale, then the output projection. x [B, N, dim] -> [B, N, dim]."""
     x = x.double()
     b, n, _ = x.shape
@@ -67,7 +68,8 @@ def _toy_reference(layer: ToyAttention, x: torch.Tensor) -> torch.Tensor:
     if layer.qkv.bias is not None:
         qkv = qkv + layer.qkv.bias.double()
     q, k, v = (t.reshape(b, n, HEADS, DIM // HEADS).transpose(1, 2) for t in qkv.split(DIM, dim=-1))
-    mixed = quadratic_linear_attention(q, k, v, 'elu1', layer.eps).transpose(1, 2).reshape(b, n, DIM)
+    mixed = quadratic_linear_attention(q, k, v, FEATURE_MAP_REFS[layer.feature_map_name], layer.eps)
+    mixed = mixed.transpose(1, 2).reshape(b, n, DIM)
     mixed = mixed * layer.toy_scale.double()
     return mixed @ layer.proj.weight.double().T + layer.proj.bias.double()
 
@@ -88,10 +90,10 @@ def test_a_toy_family_builds_through_timm_create_model_and_prints_its_options(to
     assert 'toy' in linvit.list_attention_families() and linvit.ATTENTION_FAMILIES['toy'] is toy
     model = timm.create_model('linvit_tiny_patch16_224', attn_family='toy', attn_options={'scale_init': 0.5}, **TINY)
     layer = model.blocks[0].attn
-    assert isinstance(layer, toy) and model.attn_family == 'toy' and layer.feature_map_name == 'elu1'
+    assert isinstance(layer, toy) and model.attn_family == 'toy' and layer.feature_map_name == 'relu'
     assert torch.equal(layer.toy_scale, torch.full((DIM,), 0.5))
     text = repr(model)
-    assert "family='toy'" in text and 'scale_init=0.5' in text and "feature_map='elu1'" in text
+    assert "family='toy'" in text and 'scale_init=0.5' in text and "feature_map='relu'" in text
     _randomise(layer)
     x = _tokens()
     with torch.no_grad():

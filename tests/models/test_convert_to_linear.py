@@ -78,7 +78,7 @@ def test_converted_vit_equals_linvit_model_with_the_same_weights():
     """Two independent paths: timm's VisionTransformer.forward with converted layers, and the linvit model."""
     vit = _create('vit_tiny_patch16_224', depth=4)
     convert_to_linear(vit, softmax_blocks=(2,))
-    model = _create('linvit_tiny_patch16_224', depth=4, local_mix=False, softmax_blocks=(2,))
+    model = _create('linvit_tiny_patch16_224', depth=4, local_mix=False, softmax_blocks=(2,), feature_map='elu1')
     model.load_state_dict(vit.state_dict(), strict=True)
     x = _images(2, 224, 224)
     with torch.no_grad():

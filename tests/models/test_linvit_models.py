@@ -177,7 +177,7 @@ def test_printed_model_shows_what_each_block_computes():
     assert "dim=192, num_heads=3, head_dim=64, feature_map='focused', eps=1e-06, local_mix=5x5\n" in text
     assert text.count("feature_map='focused'") == 1  # block 1 keeps softmax attention
     no_local = repr(_tiny(local_mix=False, depth=1))
-    assert "feature_map='elu1', eps=1e-06, local_mix=off" in no_local
+    assert "feature_map='relu', eps=1e-06, local_mix=off" in no_local  # the models' default map (DEFAULT_FEATURE_MAP)
 
 
 def test_local_mix_option():

@@ -102,7 +102,7 @@ class GridPreset:
 # tell configurations apart. At width 96 a step costs a third, and 540 steps (6 epochs of the 2,880 images) took 47 s
 # (ViT) and 61 s (linvit elu1, local mix) with the process start, reaching 51% and 45% top-1 at lr 1e-3 (46% for ViT
 # at the recipe's 5e-4): 45 classification runs ~ 42 min, 24 segmentation runs of 144 steps (4 epochs of 1,152
-# images) ~ 20 min, about an hour one run at a time, and a minute of rendering.
+# images) ~ 20 min, about an hour one run at a time; measured: 82 min (nala, polar and segmentation ran slower).
 CPU_GRID = GridPreset(
     'cpu', classification=Canvas(128, 288, 50, 32), segmentation=SegSet(128, 1152, 100, 32),
     steps={'classification': 540, 'segmentation': 144}, seeds=(0, 1, 2), workers=0, run_timeout_s=600.0, threads=2,
